@@ -1,0 +1,50 @@
+# The two README commands: `make demo` and `make test`. Each sets up .venv on a fresh clone.
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+NPROC   ?= auto
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+.PHONY: demo test test-fast install images images-check exercises bench browser-deps clean
+
+$(VPY):
+	$(PY) -m venv $(VENV)
+
+# torch first, pinned to the local CPU wheel, and only when it is not importable: a plain
+# range would let pip resolve the newest build with several GB of CUDA packages.
+$(STAMP): pyproject.toml | $(VPY)
+	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Debian Chromium for the browser test (never `playwright install`: no downloads here).
+browser-deps:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	  else echo "chromium missing: sudo apt-get install chromium chromium-driver (browser tests will be skipped)"; fi; }
+
+demo: $(STAMP)
+	$(VENV)/bin/course data prepare shakespeare_char
+	$(VPY) -m course_lib.demo --nproc=$(NPROC) --out_dir=runs/demo
+
+test: $(STAMP) browser-deps
+	$(VPY) -m pytest -q --durations=15
+
+test-fast: $(STAMP)
+	$(VPY) -m pytest -q -m "not slow and not browser"
+
+# Mermaid sources -> SVG + PNG with mermaid-cli and Debian Chromium (offline).
+images: $(STAMP) browser-deps
+	$(VENV)/bin/course images build
+
+exercises: $(STAMP)
+	$(VENV)/bin/course exercises build
+
+bench: $(STAMP)
+	$(VPY) benchmarks/train_throughput.py
+
+clean:
+	rm -rf runs/ .pytest_cache build *.egg-info

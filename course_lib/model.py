@@ -1,0 +1,180 @@
+"""A GPT-2 style language model, written for reading (Radford et al. 2019).
+
+Shapes in comments: B batch, T time (sequence), C channels (n_embd), nh heads, hs head size.
+The architecture is GPT-2's: learned position embeddings, pre-LayerNorm residual blocks of
+causal self-attention and a 4x GELU MLP, a final LayerNorm, and an LM head tied to the token
+embedding. Initialisation follows GPT-2: N(0, 0.02) everywhere, with the residual output
+projections scaled by 1/sqrt(2 * n_layer) so the residual stream's variance does not grow with
+depth.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    block_size: int = 1024
+    vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 64 for faster matmuls
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linear and LayerNorm layers, like GPT-2
+
+    def __post_init__(self):
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)  # q, k, v in one matmul
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_proj.residual_scale = True
+        self.dropout = cfg.dropout
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
+        # (B, T, C) -> (B, nh, T, hs): each head attends independently
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2 used the tanh approximation
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_proj.residual_scale = True
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))  # (B, T, C)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))  # pre-LN: normalise the branch input, keep the residual clean
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.config = cfg
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+            wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
+            drop=nn.Dropout(cfg.dropout),
+            h=nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)),
+            ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
+        ))
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # weight tying (one tensor, two uses)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            std = 0.02
+            if getattr(module, "residual_scale", False):
+                std /= math.sqrt(2 * self.config.n_layer)  # two residual adds per block
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameter count; tied weights are counted once. ``non_embedding`` drops wpe (as nanoGPT)."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """idx, targets: (B, T) token ids. Returns (logits, loss); logits (B, T, V), or (B, 1, V)
+        for the last position only when no targets are given (generation)."""
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        if targets is None:
+            return self.lm_head(x[:, [-1], :]), None
+        logits = self.lm_head(x)  # (B, T, V)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """Decay matrices (Linear and embedding weights, dim >= 2); never biases or LayerNorm gains."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        return [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+
+    def configure_optimizers(self, weight_decay: float, learning_rate: float,
+                             betas: tuple[float, float] = (0.9, 0.95), device_type: str = "cpu"):
+        """AdamW over the two groups; the fused kernel on CUDA (one launch for all parameters)."""
+        extra = {"fused": True} if device_type == "cuda" else {"foreach": True}
+        return torch.optim.AdamW(self.param_groups(weight_decay), lr=learning_rate, betas=betas, **extra)
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6N for the matmuls with the weights (forward 2N, backward 4N)
+        plus 12 * n_layer * n_embd * T for attention scores and values (PaLM, Chowdhery et al.
+        2022, Appendix B)."""
+        c = self.config
+        return 6 * self.num_params(non_embedding=True) + 12 * c.n_layer * c.n_embd * c.block_size
+
+    def estimate_mfu(self, tokens_per_s: float, peak_flops: float | None) -> float:
+        """Model FLOPs utilisation: achieved FLOP/s over the hardware's peak for the dtype in use.
+        ``peak_flops`` comes from :mod:`course_lib.hardware` (NaN if unknown)."""
+        if not peak_flops:
+            return float("nan")
+        return self.flops_per_token() * tokens_per_s / peak_flops
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Append ``max_new_tokens`` sampled tokens to idx (B, T); returns (B, T + max_new_tokens)."""
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        for _ in range(max_new_tokens):
+            idx_cond = idx[:, -self.config.block_size:]  # crop the context to what the model has seen
+            logits, _ = self(idx_cond)
+            logits = logits[:, -1, :] / temperature  # (B, V)
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            probs = F.softmax(logits, dim=-1)
+            idx = torch.cat((idx, torch.multinomial(probs, 1, generator=generator)), dim=1)
+        return idx

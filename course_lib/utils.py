@@ -1,0 +1,82 @@
+"""Small helpers shared across course_lib: free ports, paths to shipped data, atomic writes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Return a TCP port that is free on ``host`` right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def repo_root() -> Path | None:
+    """The clone's top folder when running from a source checkout, else None."""
+    root = PACKAGE_DIR.parent
+    return root if (root / "pyproject.toml").is_file() and (root / "data").is_dir() else None
+
+
+def shipped_file(name: str) -> Path:
+    """Path of a file shipped with the package (``data/NAME`` in a clone, package data in a wheel).
+
+    A clone's ``data/`` is preferred; an installed wheel carries the same files in
+    ``course_lib/_data/``.
+    """
+    candidates = []
+    root = repo_root()
+    if root is not None:
+        candidates.append(root / "data" / name)
+    candidates.append(PACKAGE_DIR / "_data" / name)
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"shipped data file {name!r} not found (looked in {', '.join(map(str, candidates))}); "
+        "reinstall the package or restore data/ from the repository"
+    )
+
+
+def default_data_dir() -> Path:
+    """Where prepared datasets go: ``data/`` in a clone, else ``$COURSE_DATA_DIR`` or ~/.cache."""
+    env = os.environ.get("COURSE_DATA_DIR")
+    if env:
+        return Path(env)
+    root = repo_root()
+    if root is not None:
+        return root / "data"
+    return Path.home() / ".cache" / "course_lib" / "data"
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` so a crash leaves either the old file or the new one.
+
+    Write to a temporary file in the same folder, fsync it, rename it over the target, then
+    fsync the folder so the rename itself is durable.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
