@@ -1,0 +1,125 @@
+"""One interface for every way of training: the trainer calls a Strategy, never a wrapper directly.
+
+A training step with gradient accumulation reads, for any strategy::
+
+    for micro in range(grad_accum):
+        with strategy.no_sync() if micro < grad_accum - 1 else nullcontext():
+            loss = strategy.model(x, y)[1] / grad_accum
+            loss.backward()
+    strategy.finish_grads()          # blocking: waits for / does the gradient communication
+    strategy.clip_grad_norm_(1.0)    # global norm, also when gradients are sharded
+    strategy.step()                  # optimizer step (+ parameter all-gather for ZeRO)
+    strategy.zero_grad()
+
+``comm_s`` accumulates the wall time spent waiting in collectives (exposed communication); the
+trainer reads and resets it each step to report ``comm_ms``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
+
+# name -> (module, class): ours first, then PyTorch's; filled in by the modules that implement them.
+STRATEGIES: dict[str, str] = {
+    "single": "course_lib.parallel.strategy:SingleProcess",
+    "torch_ddp": "course_lib.parallel.strategy:TorchDDP",
+}
+
+
+class Strategy:
+    """Base class: one process, no communication. Subclasses override what they change."""
+
+    name = "single"
+
+    def __init__(self, model: nn.Module, make_optimizer: OptimizerFactory, group=None):
+        self.group = group
+        self.dp_rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.dp_world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.module = model  # the plain model: checkpoints and sampling use this
+        self.model = model  # what forward is called on (a wrapper for some strategies)
+        self.optimizer = make_optimizer(model)
+        self.comm_s = 0.0
+
+    def no_sync(self):
+        return contextlib.nullcontext()
+
+    def finish_grads(self) -> None:
+        pass
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict:
+        """Full (unsharded) model and optimizer state; identical on every rank."""
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    @contextlib.contextmanager
+    def _timed_comm(self):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.comm_s += time.perf_counter() - t0
+
+
+class SingleProcess(Strategy):
+    name = "single"
+
+
+class TorchDDP(Strategy):
+    """PyTorch's DistributedDataParallel (bucketed all-reduce overlapped with backward).
+
+    DDP's communication runs inside backward, so the time measured here is only what is left to
+    wait for afterwards; finish_grads synchronises the device so that wait is counted.
+    """
+
+    name = "torch_ddp"
+
+    def __init__(self, model, make_optimizer, group=None, bucket_cap_mb: float = 25):
+        super().__init__(model, make_optimizer, group)
+        device_ids = [model_device(model).index] if model_device(model).type == "cuda" else None
+        self.model = nn.parallel.DistributedDataParallel(
+            model, device_ids=device_ids, process_group=group, bucket_cap_mb=bucket_cap_mb)
+
+    def no_sync(self):
+        return self.model.no_sync()
+
+    def finish_grads(self) -> None:
+        if model_device(self.module).type == "cuda":
+            with self._timed_comm():
+                torch.cuda.synchronize()
+
+
+def model_device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def build_strategy(name: str, model: nn.Module, make_optimizer: OptimizerFactory, **kwargs) -> Strategy:
+    """Wrap ``model`` (already on its device, identical on every rank) for strategy ``name``."""
+    import importlib
+
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
+    if name != "single" and not dist.is_initialized():
+        raise RuntimeError(f"strategy {name!r} needs torch.distributed to be initialised (launch with --nproc)")
+    module_name, cls_name = STRATEGIES[name].split(":")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    return cls(model, make_optimizer, **kwargs)
