@@ -1,0 +1,69 @@
+"""A PRAM simulator for reasoning about the parallelism of a training step.
+
+    from course_lib import pram
+
+    def tree_sum(pid, step, mem):            # a program: one function of (pid, step, mem)
+        stride, i = 2 ** step, 2 * pid
+        if pid % stride == 0 and i + stride < len(mem["A"]):
+            mem["A"][i] = mem["A"][i] + mem["A"][i + stride]
+            mem.op("add")
+
+    r = pram.run(tree_sum, "EREW", processors=4, memory={"A": [3, 1, 4, 1, 5, 9, 2, 6]})
+    r.steps, r.work, r["A"][0]              # (3, 7, 31)
+    pram.step_slider(r)                      # a notebook slider over the steps
+
+Modules: :mod:`.models` (EREW, CREW, CRCW rules, errors), :mod:`.machine` (``run``),
+:mod:`.algorithms` (tree sum, scans, max, OR, matmul, broadcast), :mod:`.kernels` and
+:mod:`.kernels_backward` (the kernels of a GPT training step as PRAM programs),
+:mod:`.classify` (weakest model, whole-step table, scaling), :mod:`.lost_updates` (what the
+combining rule protects against, on real threads and processes), :mod:`.trace` (tables and
+the step slider), :mod:`.cli` (``course pram``).
+
+Importing this package imports neither torch nor ipywidgets; the functions that need them
+import them when called.
+"""
+
+from .algorithms import (
+    ALGORITHMS,
+    Algorithm,
+    broadcast_crew,
+    broadcast_erew,
+    get_algorithm,
+    matmul,
+    max_crcw,
+    or_crcw,
+    or_tree,
+    prefix_blelloch,
+    prefix_hillis_steele,
+    tree_max,
+    tree_sum,
+)
+from .machine import MAX_PROCESSORS, ArrayView, View, run
+from .memory import Array, Memory, filled
+from .models import (
+    MODEL_ORDER,
+    MODELS,
+    AccessViolation,
+    Model,
+    PRAMError,
+    ProcessorLimitError,
+    combining,
+    get_model,
+)
+from .program import Program, Result, StepStats, StepTrace, coords, phases
+from .trace import format_table, render_step, step_slider
+
+__all__ = [
+    # simulator
+    "run", "Program", "Result", "StepStats", "StepTrace", "View", "ArrayView", "Memory",
+    "Array", "filled", "coords", "phases", "MAX_PROCESSORS",
+    # models and errors
+    "Model", "MODELS", "MODEL_ORDER", "get_model", "combining", "PRAMError", "AccessViolation",
+    "ProcessorLimitError",
+    # classic algorithms
+    "ALGORITHMS", "Algorithm", "get_algorithm", "tree_sum", "tree_max", "or_tree",
+    "prefix_hillis_steele", "prefix_blelloch", "max_crcw", "or_crcw", "matmul",
+    "broadcast_crew", "broadcast_erew",
+    # display
+    "format_table", "render_step", "step_slider",
+]

@@ -1,0 +1,90 @@
+"""Showing a run: text tables, one step of the trace as HTML, and a notebook step slider.
+
+``step_slider(result)`` builds an ipywidgets slider over the steps of a traced run; ipywidgets
+is imported only when it is called, so the rest of the package works without it.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["format_table", "render_step", "step_slider"]
+
+_READ, _WRITE, _BOTH = "#cfe2ff", "#ffd8a8", "#e5c7ff"
+
+
+def format_table(rows: Sequence[dict], columns: Sequence[str] | None = None) -> str:
+    """Rows of dicts as an aligned text table (numbers right-aligned, with thousands commas)."""
+    if not rows:
+        return ""
+    columns = list(columns or rows[0].keys())
+
+    def cell(v: Any) -> str:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return str(v)
+        return f"{v:,}" if isinstance(v, int) else f"{v:,.4g}"
+
+    body = [[cell(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(b[i]) for b in body)) for i, c in enumerate(columns)]
+    numeric = [all(isinstance(r.get(c), (int, float)) or r.get(c) in ("", None) for r in rows)
+               for c in columns]
+
+    def line(vals: Sequence[str]) -> str:
+        return "  ".join(v.rjust(w) if num else v.ljust(w)
+                         for v, w, num in zip(vals, widths, numeric)).rstrip()
+
+    return "\n".join([line(columns), line(["-" * w for w in widths]), *map(line, body)])
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def render_step(result, step: int, arrays: Sequence[str] | None = None) -> str:
+    """HTML for one step of a traced run: each array's cells after the step, cells read in
+    blue, written in orange (both: purple), with the processors that touched them on hover.
+    ``step=-1`` shows the initial memory."""
+    if result.trace is None:
+        raise ValueError("this result has no trace; run it with trace=True")
+    if not -1 <= step < len(result.trace):
+        raise IndexError(f"step {step} is outside 0..{len(result.trace) - 1} (or -1 for the start)")
+    mem = result.memory
+    if step == -1:
+        cells, reads, writes = result.initial.cells, {}, {}
+        title = "initial memory"
+    else:
+        t = result.trace[step]
+        cells, reads, writes = t.memory, t.reads, t.writes
+        title = f"step {step} of {len(result.trace)} ({result.model})"
+    parts = [f"<div><b>{html.escape(result.program)}</b>: {title}</div>",
+             "<table style='border-collapse:collapse;font-family:monospace'>"]
+    for name in arrays or list(mem):
+        base, size = mem.bases[name], mem.size(name)
+        row = [f"<td style='padding:2px 6px'><b>{html.escape(name)}</b></td>"]
+        for a in range(base, base + size):
+            r, w = reads.get(a, ()), writes.get(a, ())
+            color = _BOTH if r and w else _READ if r else _WRITE if w else "white"
+            tip = "; ".join(x for x in (f"read by {list(r)}" if r else "",
+                                        f"written by {list(w)}" if w else "") if x)
+            row.append(f"<td title='{html.escape(mem.location(a))} {tip}' style='border:1px "
+                       f"solid #999;padding:2px 6px;background:{color}'>{_fmt(cells[a])}</td>")
+        parts.append("<tr>" + "".join(row) + "</tr>")
+    parts.append("</table>")
+    return "\n".join(parts)
+
+
+def step_slider(result, arrays: Sequence[str] | None = None):
+    """An ipywidgets ``VBox``: a slider over steps (-1 = initial memory) above the rendering."""
+    import ipywidgets as widgets  # only here: the package must import without ipywidgets
+
+    slider = widgets.IntSlider(value=-1, min=-1, max=max(len(result.trace or []) - 1, -1),
+                               description="step", continuous_update=True)
+    view = widgets.HTML(render_step(result, -1, arrays))
+
+    def show(change):
+        view.value = render_step(result, change["new"], arrays)
+
+    slider.observe(show, names="value")
+    return widgets.VBox([slider, view])
