@@ -300,3 +300,16 @@ def test_course_memory_entry_point():
     stages = json.loads(out.stdout)["stages"]
     assert [round(s["total_gb"], 2) for s in stages] == [120.0, 31.41, 16.64, 1.88]
     assert math.isclose(stages[3]["params"], 2 * 7.5e9 / 64)
+
+
+def test_plot_zero_memory_bars():
+    from course_lib.plots import plot_zero_memory
+
+    fig = plot_zero_memory(7.5e9, dp=64, gpu="v100")
+    ax = fig.axes[0]
+    # One stacked bar per stage and part (params, grads, optimizer; no activations here).
+    heights = [p.get_height() for p in ax.patches]
+    assert len(heights) == 12
+    totals = [sum(heights[i::4]) for i in range(4)]
+    assert totals == pytest.approx([120, 31.40625, 16.640625, 1.875])
+    assert ax.get_lines()[0].get_ydata()[0] == pytest.approx(32.0)  # the V100's 32 GB
