@@ -185,6 +185,32 @@ def zero_comm_volume(num_params: float, stage: int, dp: int, bytes_per_elem: flo
             "all_gather params (backward)": frac * size, "reduce_scatter grads": frac * size}
 
 
+def fit_alpha_beta(op: str, p: int, sizes, seconds, algorithm: str | None = None) -> tuple[float, float]:
+    """(alpha, bandwidth) that make the model's ``op`` times match measured ones.
+
+    The model time is linear in alpha and beta = 1/bandwidth (gamma taken as 0): a two-column
+    least-squares fit, each row weighted by 1/time so that small (latency-bound) and large
+    (bandwidth-bound) messages count alike; alpha is kept >= 0.
+    """
+    import numpy as np
+
+    if len(sizes) != len(seconds) or len(sizes) < 2:
+        raise ValueError("fit_alpha_beta needs at least two (size, seconds) pairs")
+    t = np.asarray(seconds, dtype=float)
+    if not (t > 0).all():
+        raise ValueError("measured times must be > 0")
+    c_alpha = collective_time(op, 0, p, bandwidth=1.0, alpha=1.0, algorithm=algorithm)
+    c_beta = np.array([collective_time(op, n, p, bandwidth=1.0, algorithm=algorithm)
+                       for n in sizes])
+    design = np.column_stack([np.full(len(t), c_alpha), c_beta]) / t[:, None]
+    (alpha, beta), *_ = np.linalg.lstsq(design, np.ones(len(t)), rcond=None)
+    if alpha < 0:  # refit with no latency
+        alpha, beta = 0.0, float(np.sum(c_beta / t) / np.sum((c_beta / t) ** 2))
+    if not beta > 0:
+        raise ValueError("the measured times do not grow with size; include larger messages")
+    return float(alpha), float(1.0 / beta)
+
+
 # nccl-tests, doc/PERFORMANCE.md: busbw = algbw x factor, so busbw compares with the link speed.
 def busbw_factor(op: str, n: int) -> float:
     """The nccl-tests correction factor: all_reduce 2(n-1)/n; reduce_scatter, all_gather

@@ -145,3 +145,16 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="bandwidth must be > 0"):
         collective_time("all_reduce", 1, 2, bandwidth=0)
     assert set(ALGORITHMS) == {"broadcast", "reduce", "all_reduce", "reduce_scatter", "all_gather"}
+
+
+def test_fit_alpha_beta_recovers_the_link():
+    from course_lib.comm import fit_alpha_beta
+
+    sizes = [2**k for k in range(6, 27, 2)]
+    for op, algo, p in (("all_reduce", "ring", 4), ("all_gather", "ring", 3),
+                        ("broadcast", "binomial", 8)):
+        secs = [collective_time(op, n, p, bandwidth=BW, alpha=A, algorithm=algo) for n in sizes]
+        alpha, bw = fit_alpha_beta(op, p, sizes, secs, algo)
+        assert alpha == pytest.approx(A, rel=1e-6) and bw == pytest.approx(BW, rel=1e-6)
+    with pytest.raises(ValueError, match="at least two"):
+        fit_alpha_beta("all_reduce", 2, [1], [1.0])
