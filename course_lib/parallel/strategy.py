@@ -30,6 +30,8 @@ OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 # name -> (module, class): ours first, then PyTorch's; filled in by the modules that implement them.
 STRATEGIES: dict[str, str] = {
     "single": "course_lib.parallel.strategy:SingleProcess",
+    "ddp": "course_lib.parallel.data_parallel:DDP",
+    "ddp_naive": "course_lib.parallel.data_parallel:DDPNaive",
     "torch_ddp": "course_lib.parallel.strategy:TorchDDP",
 }
 

@@ -1,0 +1,184 @@
+"""Data parallelism from scratch: every rank holds the whole model and averages gradients.
+
+Two versions behind one interface (``forward``, ``no_sync()``, ``finish_gradient_synchronization()``):
+
+* :class:`DataParallelNaive` waits for the whole backward pass, then all-reduces every gradient,
+  one collective per parameter. Easy to read; the network idles during backward and the
+  computation idles during communication.
+* :class:`DataParallelBucket` groups parameters into buckets of ``bucket_cap_mb`` and launches an
+  asynchronous all-reduce for a bucket as soon as the last gradient in it is ready (a
+  ``register_post_accumulate_grad_hook`` per parameter), so communication overlaps with the rest
+  of backward and there are few, large messages (Li et al. 2020, "PyTorch Distributed", Sec. 3.2).
+
+Both broadcast rank 0's parameters and buffers at construction, so every rank starts from the
+same state whatever its seed. Gradients are averaged (divided by ``dp_world_size``), so each rank
+ends with the gradient of the mean loss over the global batch. Tied weights (GPT's wte/lm_head)
+are one parameter, counted and communicated once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+
+from course_lib.parallel.comms import Comms, broadcast_module
+from course_lib.parallel.strategy import Strategy
+
+
+class DataParallelNaive(nn.Module):
+    """All-reduce every gradient after backward (no overlap, one message per parameter)."""
+
+    def __init__(self, module: nn.Module, group=None, comms: Comms | None = None):
+        super().__init__()
+        self.module = module
+        self.comms = comms or Comms(group)
+        self.dp_world_size = self.comms.world_size
+        broadcast_module(module, self.comms)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def no_sync(self):
+        return contextlib.nullcontext()  # nothing happens until finish_gradient_synchronization
+
+    @torch.no_grad()
+    def finish_gradient_synchronization(self) -> None:
+        for p in self.module.parameters():
+            if p.requires_grad:
+                if p.grad is None:  # unused on this rank: contribute zeros, keep ranks in step
+                    p.grad = torch.zeros_like(p)
+                self.comms.all_reduce(p.grad)
+                p.grad.div_(self.dp_world_size)
+
+
+class Bucket:
+    """A flat buffer for the gradients of a few parameters, all-reduced in one message."""
+
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        numel = sum(p.numel() for p in params)
+        self.grad_data = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
+        self.views, offset = {}, 0
+        for p in params:  # each parameter's slice of the buffer, shaped like the parameter
+            self.views[p] = self.grad_data[offset: offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.ready: set[nn.Parameter] = set()
+        self.work = None  # the asynchronous all-reduce, once launched
+
+    def reset(self) -> None:
+        self.ready.clear()
+        self.work = None
+
+
+class DataParallelBucket(nn.Module):
+    """Bucketed gradient all-reduce, launched from gradient hooks to overlap with backward."""
+
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, group=None,
+                 comms: Comms | None = None):
+        super().__init__()
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        self.module = module
+        self.comms = comms or Comms(group)
+        self.dp_world_size = self.comms.world_size
+        broadcast_module(module, self.comms)
+        self.require_backward_grad_sync = True
+
+        # Backward visits layers roughly in reverse order of definition, so fill buckets from the
+        # last parameter: the first bucket is complete early and its all-reduce starts early.
+        params = [p for p in module.parameters() if p.requires_grad]
+        cap = bucket_cap_mb * 2**20
+        self.buckets: list[Bucket] = []
+        current, size = [], 0
+        for p in reversed(params):
+            current.append(p)
+            size += p.numel() * p.element_size()
+            if size >= cap:
+                self.buckets.append(Bucket(current))
+                current, size = [], 0
+        if current:
+            self.buckets.append(Bucket(current))
+        self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (micro-batches before the last one)."""
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = True
+
+    @torch.no_grad()
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if not self.require_backward_grad_sync:
+            return
+        bucket = self.bucket_of[p]
+        bucket.views[p].copy_(p.grad).div_(self.dp_world_size)  # pre-divide: sum -> mean
+        bucket.ready.add(p)
+        if len(bucket.ready) == len(bucket.params):
+            bucket.work = self.comms.all_reduce(bucket.grad_data, async_op=True)
+
+    @torch.no_grad()
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for every bucket's all-reduce and write the averaged gradients back."""
+        for bucket in self.buckets:  # buckets with unused parameters: send zeros for them
+            if bucket.work is None:
+                for p in bucket.params:
+                    if p not in bucket.ready:
+                        bucket.views[p].zero_()
+                bucket.work = self.comms.all_reduce(bucket.grad_data, async_op=True)
+        for bucket in self.buckets:
+            self.comms.wait(bucket.work)
+            for p in bucket.params:
+                if p.grad is None:
+                    p.grad = bucket.views[p].clone()
+                else:
+                    p.grad.copy_(bucket.views[p])
+            bucket.reset()
+
+
+class _DataParallelStrategy(Strategy):
+    """Strategy adapter: the trainer's interface on top of one of the wrappers above."""
+
+    def __init__(self, model, make_optimizer, group=None):
+        self.comms = Comms(group)
+        super().__init__(model, make_optimizer, group)
+
+    @property
+    def comm_s(self) -> float:
+        return self.comms.seconds
+
+    @comm_s.setter
+    def comm_s(self, value: float) -> None:
+        self.comms.seconds = value
+
+    def no_sync(self):
+        return self.model.no_sync()
+
+    def finish_grads(self) -> None:
+        self.model.finish_gradient_synchronization()
+
+
+class DDPNaive(_DataParallelStrategy):
+    name = "ddp_naive"
+
+    def __init__(self, model, make_optimizer, group=None):
+        super().__init__(model, make_optimizer, group)
+        self.model = DataParallelNaive(model, comms=self.comms)
+
+
+class DDP(_DataParallelStrategy):
+    """Our bucketed, overlapped data parallelism (the trainer's default)."""
+
+    name = "ddp"
+
+    def __init__(self, model, make_optimizer, group=None, bucket_cap_mb: float = 25):
+        super().__init__(model, make_optimizer, group)
+        self.model = DataParallelBucket(model, bucket_cap_mb=bucket_cap_mb, comms=self.comms)

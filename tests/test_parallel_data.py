@@ -1,0 +1,167 @@
+"""Data parallel and ZeRO strategies equal a single-process reference on real gloo processes.
+
+Each spawned rank trains the same model two ways: a single-process reference on the global
+batch, and the strategy under test on its 1/N slice with two micro-batches of gradient
+accumulation, global-norm clipping and AdamW. After 10 steps the mean loss, the clipped global
+gradient norm, the full (gathered) parameters and optimizer states must match to ~1e-6, and a
+fresh strategy loaded from ``state_dict()`` must continue exactly like the reference (resume).
+Ranks other than 0 start from a different initialisation: the strategy must broadcast rank 0's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from course_lib.model import GPT, GPTConfig
+from course_lib.parallel.spawn import run_ranks
+from course_lib.parallel.strategy import STRATEGIES, build_strategy
+
+STEPS, ACCUM, MICRO_B, MAX_NORM = 10, 2, 2, 0.5
+TOL = 1e-6
+# bias=False: the key bias of attention has an exactly zero gradient (softmax ignores a constant
+# added to every score of a query), so its "gradient" is rounding noise that AdamW normalises into
+# lr-sized steps; any change of summation order (all-reduce vs one process) then shows up at 1e-6.
+GPT_CFG = GPTConfig(block_size=8, vocab_size=29, n_layer=2, n_head=2, n_embd=16, bias=False)
+
+
+class ToyNet(nn.Module):
+    """A small MLP classifier; odd widths so shards need padding."""
+
+    def __init__(self, d_in=12, width=37, n_classes=5, n_layers=3):
+        super().__init__()
+        dims = [d_in] + [width] * n_layers
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
+        self.head = nn.Linear(width, n_classes)
+
+    def forward(self, x, targets):
+        for layer in self.layers:
+            x = F.gelu(layer(x))
+        logits = self.head(x)
+        return logits, F.cross_entropy(logits, targets)
+
+
+def make_model(kind: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return ToyNet() if kind == "toy" else GPT(GPT_CFG)
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW with a decayed and a non-decayed group, like GPT.configure_optimizers."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95), foreach=True)
+
+
+def make_batch(kind: str, step: int, n: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    if kind == "toy":
+        return torch.randn(n, 12, generator=g), torch.randint(0, 5, (n,), generator=g)
+    idx = torch.randint(0, GPT_CFG.vocab_size, (n, GPT_CFG.block_size + 1), generator=g)
+    return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+
+
+def reference_step(model, opt, x, y):
+    opt.zero_grad(set_to_none=True)
+    loss = model(x, y)[1]
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    opt.step()
+    return loss.item(), norm.item()
+
+
+def strategy_step(strategy, x, y, rank, world_size):
+    """This rank's slice of the global batch, in ACCUM micro-batches; returns global mean loss."""
+    xs = x[rank * ACCUM * MICRO_B:(rank + 1) * ACCUM * MICRO_B]
+    ys = y[rank * ACCUM * MICRO_B:(rank + 1) * ACCUM * MICRO_B]
+    local = 0.0
+    for micro in range(ACCUM):
+        sync = micro == ACCUM - 1
+        with contextlib.nullcontext() if sync else strategy.no_sync():
+            sl = slice(micro * MICRO_B, (micro + 1) * MICRO_B)
+            loss = strategy.model(xs[sl], ys[sl])[1] / ACCUM
+            loss.backward()
+            local += loss.item()
+    strategy.finish_grads()
+    norm = strategy.clip_grad_norm_(MAX_NORM)
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    strategy.step()
+    strategy.zero_grad()
+    total = torch.tensor([local])
+    dist.all_reduce(total)
+    return total.item() / world_size, float(norm)
+
+
+def max_diff(a: dict, b: dict) -> float:
+    """Largest absolute difference between two nested state dicts of tensors and numbers."""
+    worst = 0.0
+    if isinstance(a, dict):
+        assert set(a) == set(b), (sorted(map(str, a)), sorted(map(str, b)))
+        for k in a:
+            worst = max(worst, max_diff(a[k], b[k]))
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for u, v in zip(a, b):
+            worst = max(worst, max_diff(u, v))
+    elif isinstance(a, torch.Tensor):
+        assert a.shape == b.shape, (a.shape, b.shape)
+        worst = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+    elif isinstance(a, (int, float)):
+        worst = abs(a - b)
+    else:
+        assert a == b, (a, b)
+    return worst
+
+
+def train_and_compare(name: str, kind: str, rank: int, world_size: int) -> dict:
+    # rank 0's initialisation must win: the others start elsewhere
+    strategy = build_strategy(name, make_model(kind, seed=rank), make_optimizer)
+    ref = make_model(kind)
+    ref_opt = make_optimizer(ref)
+    loss_diff = norm_diff = 0.0
+    for step in range(STEPS):
+        x, y = make_batch(kind, step, world_size * ACCUM * MICRO_B)
+        ref_loss, ref_norm = reference_step(ref, ref_opt, x, y)
+        loss, norm = strategy_step(strategy, x, y, rank, world_size)
+        loss_diff = max(loss_diff, abs(loss - ref_loss))
+        norm_diff = max(norm_diff, abs(norm - ref_norm))
+    state = strategy.state_dict()
+    out = {"loss": loss_diff, "grad_norm": norm_diff,
+           "params": max_diff(state["model"], ref.state_dict()),
+           "optimizer": max_diff(state["optimizer"], ref_opt.state_dict())}
+    # resume: a fresh strategy from the checkpoint continues exactly like the reference
+    resumed = build_strategy(name, make_model(kind, seed=7), make_optimizer)
+    resumed.load_state_dict(state)
+    x, y = make_batch(kind, STEPS, world_size * ACCUM * MICRO_B)
+    reference_step(ref, ref_opt, x, y)
+    strategy_step(resumed, x, y, rank, world_size)
+    out["resume"] = max_diff(resumed.state_dict()["model"], ref.state_dict())
+    return out
+
+
+def equivalence_worker(rank: int, world_size: int, names: list[str]) -> dict:
+    return {(name, kind): train_and_compare(name, kind, rank, world_size)
+            for name in names for kind in ("toy", "gpt")}
+
+
+EQUIVALENT = ["ddp_naive", "ddp", "torch_ddp"]
+
+
+def check_equivalence(results: list[dict]) -> None:
+    bad = [f"rank {r} {name}/{kind}: {what} differs by {d:.2e}"
+           for r, res in enumerate(results) for (name, kind), diffs in res.items()
+           for what, d in diffs.items() if not d <= TOL]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_strategies_equal_single_process(world_size):
+    assert set(EQUIVALENT) <= set(STRATEGIES)
+    check_equivalence(run_ranks(equivalence_worker, world_size, args=(EQUIVALENT,)))
