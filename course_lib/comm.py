@@ -245,7 +245,7 @@ def congestion_example(n_senders: int = 4, message: float = 1e9, link: float = 1
     p = 5 nodes takes 2 (p-1)/p x 0.1 s = 0.16 s and leaves every node with the sum.
     """
     p = n_senders + 1
-    kw = dict(bandwidth=link, alpha=alpha)
+    kw = {"bandwidth": link, "alpha": alpha}
     return {
         "p": p,
         "naive_reduce": collective_time("reduce", message, p, algorithm="linear", **kw),

@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import time
+from functools import partial
 
 OPS = ("all_reduce", "broadcast", "reduce", "reduce_scatter", "all_gather")
 ITEMSIZE = 4  # float32
@@ -97,11 +98,11 @@ def torch_worker(rank: int, cfg: dict, port: int, out_path: str) -> None:
             x = torch.empty(n_in, dtype=torch.float32, device=device)
             y = x if op in ("all_reduce", "broadcast", "reduce") else torch.empty(
                 n_out, dtype=torch.float32, device=device)
-            call = {"all_reduce": lambda: dist.all_reduce(x),
-                    "broadcast": lambda: dist.broadcast(x, 0),
-                    "reduce": lambda: dist.reduce(x, 0),
-                    "reduce_scatter": lambda: scatter(y, x),
-                    "all_gather": lambda: gather(y, x)}[op]
+            call = {"all_reduce": partial(dist.all_reduce, x),
+                    "broadcast": partial(dist.broadcast, x, 0),
+                    "reduce": partial(dist.reduce, x, 0),
+                    "reduce_scatter": partial(scatter, y, x),
+                    "all_gather": partial(gather, y, x)}[op]
             x.fill_(rank + 1)
             call()
             sync()
@@ -131,7 +132,7 @@ def torch_worker(rank: int, cfg: dict, port: int, out_path: str) -> None:
                                stats[1].item() == -1.0)
                 with open(out_path, "a") as f:
                     f.write(json.dumps(row) + "\n")
-            del x, y
+            del call, x, y  # free the buffers before the next size
     finally:
         dist.destroy_process_group()
 
@@ -153,11 +154,11 @@ def mpi_main(cfg: dict, out_path: str) -> None:
         n_out = count // p if op == "reduce_scatter" else count
         x = np.empty(n_in, dtype=np.float32)
         y = x if op == "broadcast" else np.empty(n_out, dtype=np.float32)  # out of place
-        call = {"all_reduce": lambda: comm.Allreduce(x, y, op=MPI.SUM),
-                "broadcast": lambda: comm.Bcast(x, root=0),
-                "reduce": lambda: comm.Reduce(x, y, op=MPI.SUM, root=0),
-                "reduce_scatter": lambda: comm.Reduce_scatter_block(x, y, op=MPI.SUM),
-                "all_gather": lambda: comm.Allgather(x, y)}[op]
+        call = {"all_reduce": partial(comm.Allreduce, x, y, op=MPI.SUM),
+                "broadcast": partial(comm.Bcast, x, root=0),
+                "reduce": partial(comm.Reduce, x, y, op=MPI.SUM, root=0),
+                "reduce_scatter": partial(comm.Reduce_scatter_block, x, y, op=MPI.SUM),
+                "all_gather": partial(comm.Allgather, x, y)}[op]
         x.fill(rank + 1)
         call()
         want = expected(op, rank, p)

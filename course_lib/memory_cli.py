@@ -12,8 +12,17 @@ from __future__ import annotations
 import argparse
 import json
 
-from course_lib.memory import (DTYPES, GB, PRESETS, STAGE_NAMES, STAGES, breakdown, dtype_bytes,
-                               get_preset, resolve_gpu)
+from course_lib.memory import (
+    DTYPES,
+    GB,
+    PRESETS,
+    STAGE_NAMES,
+    STAGES,
+    breakdown,
+    dtype_bytes,
+    get_preset,
+    resolve_gpu,
+)
 from course_lib.memory_activations import RECOMPUTE
 
 

@@ -14,8 +14,17 @@ import math
 
 import pytest
 
-from course_lib.comm import (ALGORITHMS, algbw, busbw, busbw_factor, bytes_per_rank,
-                             collective_time, congestion_example, traffic, zero_comm_volume)
+from course_lib.comm import (
+    ALGORITHMS,
+    algbw,
+    busbw,
+    busbw_factor,
+    bytes_per_rank,
+    collective_time,
+    congestion_example,
+    traffic,
+    zero_comm_volume,
+)
 
 A, BW, G = 5e-6, 12.5e9, 1e-11  # a 100 Gb/s link with 5 us latency, and some reduction cost
 

@@ -20,10 +20,23 @@ import pytest
 import torch
 
 from course_lib import memory
-from course_lib.memory import (GB, GiB, PRESETS, ModelShape, breakdown, fits, max_params,
-                               model_state_bytes, shard_numel, zero_stages)
-from course_lib.memory_activations import (activation_bytes, activation_bytes_outside_layers,
-                                           activation_bytes_per_layer)
+from course_lib.memory import (
+    GB,
+    PRESETS,
+    GiB,
+    ModelShape,
+    breakdown,
+    fits,
+    max_params,
+    model_state_bytes,
+    shard_numel,
+    zero_stages,
+)
+from course_lib.memory_activations import (
+    activation_bytes,
+    activation_bytes_outside_layers,
+    activation_bytes_per_layer,
+)
 
 # ZeRO paper, Table 1 ("Per-device memory consumption of different optimizations in ZeRO-DP as a
 # function of DP degree"), as printed: GB per device for P_os, P_os+g, P_os+g+p.
@@ -253,7 +266,7 @@ def test_model_states_match_a_real_adamw_step():
     idx = torch.randint(0, shape.vocab_size, (2, shape.block_size))
     model(idx, idx)[1].backward()
     opt.step()
-    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)
     params = list(model.parameters())
     states = [v for p in params for k, v in opt.state[p].items() if k in ("exp_avg", "exp_avg_sq")]
     m = model_state_bytes(shape.num_params(), dtype="fp32")
