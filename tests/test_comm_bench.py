@@ -134,3 +134,18 @@ def test_plot_comm_bench_lines():
     ax = plot_comm_bench(rows).axes[0]
     assert len(ax.get_lines()) == 2
     assert list(ax.get_lines()[0].get_xdata()) == [1024, 2048, 4096]
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(_gpus() == 0, reason="NCCL needs a CUDA GPU; this machine has none")
+def test_nccl_ranks_on_gpus():
+    p = min(2, _gpus())
+    rows = run_benchmark("nccl", p, sizes=[4096, 2**20], iters=3, warmup=1, timeout_s=120)
+    check_rows(rows, "nccl", p, [4096, 2**20])
