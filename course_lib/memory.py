@@ -18,6 +18,10 @@ The paper counts 1 GB as 1e9 bytes (Figure 1: 7.5e9 x 16 bytes = 120 GB), so :da
 Plain fp32 training keeps 4-byte weights and gradients and K = 8 (Adam's two moments; the
 weights themselves are the master copy).
 
+Not modelled (the paper's "residual states" besides activations): temporary buffers, memory
+fragmentation, ZeRO-3's gathered copy of the layer being computed and the CUDA context (a few
+hundred MB), so a "fits" with little to spare may still run out of memory on a real GPU.
+
 Everything is in bytes (floats: a shard of Psi / N need not be whole). :func:`breakdown` is the
 one call a notebook calculator needs: model states plus activations (Korthikanti et al. 2022, see
 :mod:`course_lib.memory_activations`) for a parameter count or a model preset. ``course memory``
