@@ -15,7 +15,8 @@
 Modules: :mod:`.models` (EREW, CREW, CRCW rules, errors), :mod:`.machine` (``run``),
 :mod:`.algorithms` (tree sum, scans, max, OR, matmul, broadcast), :mod:`.kernels` and
 :mod:`.kernels_backward` (the kernels of a GPT training step as PRAM programs),
-:mod:`.classify` (weakest model, whole-step table, scaling), :mod:`.lost_updates` (what the
+:mod:`.classify` (weakest model), :mod:`.gpt_step` (whole-step table, scaling with B, T, C),
+:mod:`.lost_updates` (what the
 combining rule protects against, on real threads and processes), :mod:`.trace` (tables and
 the step slider), :mod:`.cli` (``course pram``).
 
@@ -37,6 +38,26 @@ from .algorithms import (
     prefix_hillis_steele,
     tree_max,
     tree_sum,
+)
+from .classify import Attempt, Verdict, classify
+from .gpt_step import STEP_KERNELS, GPTShape, StepKernel, cost, growth, scaling, step_table
+from .kernels import (
+    attention_forward,
+    encoder_forward,
+    gelu_forward,
+    layernorm_forward,
+    matmul_forward,
+    residual_forward,
+    softmax_crossentropy_forward,
+)
+from .kernels_backward import (
+    adamw_update,
+    crossentropy_backward,
+    encoder_backward,
+    gelu_backward,
+    grad_accumulate,
+    matmul_backward,
+    matmul_backward_tree,
 )
 from .machine import MAX_PROCESSORS, ArrayView, View, run
 from .memory import Array, Memory, filled
@@ -64,6 +85,12 @@ __all__ = [
     "ALGORITHMS", "Algorithm", "get_algorithm", "tree_sum", "tree_max", "or_tree",
     "prefix_hillis_steele", "prefix_blelloch", "max_crcw", "or_crcw", "matmul",
     "broadcast_crew", "broadcast_erew",
+    # GPT-step kernels, classifier, whole-step table
+    "encoder_forward", "layernorm_forward", "matmul_forward", "attention_forward",
+    "residual_forward", "gelu_forward", "softmax_crossentropy_forward", "crossentropy_backward",
+    "matmul_backward", "matmul_backward_tree", "grad_accumulate", "gelu_backward",
+    "encoder_backward", "adamw_update", "classify", "Verdict", "Attempt", "GPTShape",
+    "StepKernel", "STEP_KERNELS", "step_table", "cost", "scaling", "growth",
     # display
     "format_table", "render_step", "step_slider",
 ]

@@ -105,10 +105,14 @@ class ArrayView:
 
     def _address(self, index: Any) -> int:
         if isinstance(index, tuple):
-            if len(index) != len(self.shape) or any(
-                    not 0 <= i < n for i, n in zip(index, self.shape)):
+            if len(index) != len(self.shape):
                 self._bad(index)
-            return self._base + sum(i * s for i, s in zip(index, self._strides))
+            address = self._base
+            for i, n, s in zip(index, self.shape, self._strides):
+                if not 0 <= i < n:
+                    self._bad(index)
+                address += i * s
+            return address
         if not 0 <= index < self.size:
             self._bad(index)
         return self._base + index
@@ -177,6 +181,7 @@ def run(program: Program | StepFn, model: str | Model | None = None, *,
     mem = initial.copy()
     state, rng = _State(mem), random.Random(seed)
     view, fn = View(state), program.step
+    limit = getattr(fn, "processors_at", None)   # phases() knows which processors idle
     n_steps = program.steps if steps is None else steps
     per_step, snapshots, work, ops = [], [] if trace else None, 0, Counter()
     max_r = max_w = Concurrency()
@@ -185,7 +190,7 @@ def run(program: Program | StepFn, model: str | Model | None = None, *,
         if step >= max_steps:
             raise PRAMError(f"{program.name} did not halt within {max_steps} steps")
         state.begin(step)
-        for pid in range(p):
+        for pid in range(p if limit is None else min(p, limit(step) or p)):
             state.pid = pid
             fn(pid, step, view)
         if n_steps is None and not state.active:

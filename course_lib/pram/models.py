@@ -76,7 +76,8 @@ class AccessViolation(PRAMError):
             msg = (f"{model}: processors {who} wrote address {address} at step {step} "
                    f"({location}); {model} allows one writer per address per step")
         else:
-            shown = ", ".join(repr(v) for v in self.values[:4])
+            shown = ", ".join(f"{v:.6g}" if isinstance(v, float) else repr(v)
+                              for v in self.values[:4]) + (", ..." if len(self.values) > 4 else "")
             msg = (f"{model}: processors {who} wrote different values to address {address} "
                    f"at step {step} ({location}: {shown}); the common rule needs all "
                    "writers to agree")
