@@ -113,6 +113,91 @@ def select(names: list[str], root: Path | None = None) -> list[Exercise]:
 
 
 # --------------------------------------------------------------------------------------------
+# The setup cell every exercise starts with (Colab: install the package, fetch the public tests)
+# --------------------------------------------------------------------------------------------
+
+def install_spec() -> str:
+    """What pip installs on Colab: the course package with otter-grader, from the repository."""
+    from course_lib import GITHUB_BRANCH, GITHUB_REPO
+
+    return f"course-lib[grading] @ git+https://github.com/{GITHUB_REPO}@{GITHUB_BRANCH}"
+
+
+def colab_setup_cell(name: str) -> str:
+    """Source of an exercise's first code cell. otter needs its public tests as files next to
+    the notebook; Colab opens the notebook alone, so the cell fetches them there."""
+    return (
+        "# Setup. On Google Colab: install the course package and fetch this exercise's public tests.\n"
+        "# Anywhere else (JupyterHub, your laptop) the package and tests/ are already there.\n"
+        "import os, sys\n"
+        'if "google.colab" in sys.modules or "COLAB_RELEASE_TAG" in os.environ:\n'
+        f'    %pip install --quiet "{install_spec()}"\n'
+        "    from course_lib.exercises import fetch_student_tests\n"
+        f'    fetch_student_tests("{name}")\n'
+        "import otter\n"
+        f'grader = otter.Notebook("{name}.ipynb")'
+    )
+
+
+def fetch_student_tests(name: str, dest: str | os.PathLike = "tests", base_url: str | None = None) -> list[Path]:
+    """Download the public tests of exercise ``name`` (its ``dist/student/tests/*.py``) into
+    ``dest``, for ``grader.check`` on Colab. ``base_url`` defaults to the repository's raw files
+    on GitHub; any URL urllib opens works (``file:///path/to/clone`` for a local copy)."""
+    import urllib.request
+
+    if base_url is None:
+        from course_lib import GITHUB_BRANCH, GITHUB_REPO
+
+        base_url = f"https://raw.githubusercontent.com/{GITHUB_REPO}/{GITHUB_BRANCH}"
+    base = f"{base_url.rstrip('/')}/exercises/{name}/dist"
+    try:
+        with urllib.request.urlopen(f"{base}/{MANIFEST}", timeout=30) as r:
+            manifest = json.loads(r.read().decode("utf-8"))
+    except OSError as e:
+        raise RuntimeError(f"could not fetch the tests of {name} from {base}: {e}") from e
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    written = []
+    for rel in sorted(manifest["files"]):
+        if rel.startswith("student/tests/") and rel.endswith(".py"):
+            with urllib.request.urlopen(f"{base}/{rel}", timeout=30) as r:
+                data = r.read()
+            if hashlib.sha256(data).hexdigest() != manifest["files"][rel]:
+                raise RuntimeError(f"{rel} of {name} does not match its manifest; try again later")
+            target = dest / Path(rel).name
+            target.write_bytes(data)
+            written.append(target)
+    return written
+
+
+def setup_cell_problems(ex: Exercise) -> list[str]:
+    """The first code cell of every source must be :func:`colab_setup_cell` (with this repo)."""
+    import nbformat
+
+    nb = nbformat.read(ex.source, as_version=4)
+    first = next((c for c in nb.cells if c.cell_type == "code"), None)
+    if first is None or first.source != colab_setup_cell(ex.name):
+        return [f"{ex.source}: the first code cell is not the setup cell for {ex.name}; run "
+                "`course exercises sync` (it rewrites it from course_lib.GITHUB_REPO)"]
+    return []
+
+
+def sync_setup_cell(ex: Exercise) -> bool:
+    """Rewrite the first code cell of ``ex``'s source to :func:`colab_setup_cell`; True if changed."""
+    import nbformat
+
+    nb = nbformat.read(ex.source, as_version=4)
+    first = next((c for c in nb.cells if c.cell_type == "code"), None)
+    if first is None:
+        raise ValueError(f"{ex.source} has no code cell to hold the setup")
+    if first.source == colab_setup_cell(ex.name):
+        return False
+    first.source = colab_setup_cell(ex.name)
+    ex.source.write_text(nbformat.writes(nb) + "\n", encoding="utf-8")
+    return True
+
+
+# --------------------------------------------------------------------------------------------
 # Building
 # --------------------------------------------------------------------------------------------
 
@@ -221,7 +306,7 @@ def build(ex: Exercise, run_tests: bool = False, quiet: bool = True) -> Path:
     """
     from otter.assign import main as otter_assign
 
-    problems = source_problems(ex)
+    problems = source_problems(ex) + setup_cell_problems(ex)
     if problems:
         raise ValueError("\n".join(problems))
     with tempfile.TemporaryDirectory(prefix=f"course_assign_{ex.name}_") as tmp:
@@ -524,6 +609,9 @@ def cli(argv: list[str] | None = None) -> int:
     c.add_argument("--root", type=Path)
     ls = sub.add_parser("list", help="list the exercises")
     ls.add_argument("--root", type=Path)
+    sy = sub.add_parser("sync", help="rewrite each source's setup cell from course_lib.GITHUB_REPO")
+    sy.add_argument("names", nargs="*")
+    sy.add_argument("--root", type=Path)
     args = p.parse_args(argv)
 
     try:
@@ -536,11 +624,17 @@ def cli(argv: list[str] | None = None) -> int:
             state = "up to date" if not check(ex) else "needs build"
             print(f"{ex.name:<24} {state}")
         return 0
+    if args.cmd == "sync":
+        for ex in exercises:
+            if sync_setup_cell(ex):
+                print(f"rewrote the setup cell of {ex.source}; now run `course exercises build {ex.name}`")
+        return 0
     if args.cmd == "check":
-        problems = [msg for ex in exercises for msg in check(ex)]
+        stale = {ex.name: check(ex) + setup_cell_problems(ex) for ex in exercises}
+        problems = [msg for msgs in stale.values() for msg in msgs]
         for msg in problems:
             print(msg, file=sys.stderr)
-        print(f"{len(exercises) - len({m.split(':')[0] for m in problems})}/{len(exercises)} exercises up to date")
+        print(f"{sum(not m for m in stale.values())}/{len(exercises)} exercises up to date")
         return 1 if problems else 0
 
     from tqdm import tqdm
