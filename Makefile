@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 NPROC   ?= auto
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-.PHONY: demo test test-fast install images images-check exercises bench browser-deps clean
+.PHONY: demo test test-fast install images images-check notebooks-clear exercises bench browser-deps clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -36,9 +36,25 @@ test: $(STAMP) browser-deps
 test-fast: $(STAMP)
 	$(VPY) -m pytest -q -m "not slow and not browser"
 
-# Mermaid sources -> SVG + PNG with mermaid-cli and Debian Chromium (offline).
-images: $(STAMP) browser-deps
+# Mermaid sources -> SVG + PNG with mermaid-cli and Debian Chromium (offline). mermaid-cli goes
+# into .tools/mermaid (gitignored) without puppeteer's own Chrome: course_lib.diagrams_build
+# points it at the system Chromium.
+MMDC_VERSION := 11.17.0
+MMDC_STAMP   := .tools/mermaid/.installed-$(MMDC_VERSION)
+$(MMDC_STAMP):
+	PUPPETEER_SKIP_DOWNLOAD=1 npm install --prefix .tools/mermaid --no-audit --no-fund --save-exact \
+	  @mermaid-js/mermaid-cli@$(MMDC_VERSION)
+	touch $@
+
+images: $(STAMP) browser-deps $(MMDC_STAMP)
 	$(VENV)/bin/course images build
+
+images-check: $(STAMP)
+	$(VENV)/bin/course images check
+
+# Clear outputs, execution counts and widget state from every notebook (before committing).
+notebooks-clear: $(STAMP)
+	$(VPY) tools/notebooks.py clear
 
 exercises: $(STAMP)
 	$(VENV)/bin/course exercises build
