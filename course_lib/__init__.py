@@ -6,6 +6,13 @@ Importing this package has no side effects. ``%load_ext course_lib`` registers t
 
 __version__ = "0.1.0"
 
+# Where the course lives on GitHub: the Colab badges, the Colab install cell and the links to
+# committed images are built from these two names (course_lib.smoke). PLACEHOLDER: the real
+# organisation/repository is not known yet; change it here, then run
+# `python tools/notebooks.py sync` to rewrite the badges and setup cells of the notebooks.
+GITHUB_REPO = "course-org/parallel-dl-course"
+GITHUB_BRANCH = "main"
+
 
 def load_ipython_extension(ipython):  # pragma: no cover - exercised through a real kernel
     from course_lib.launch.magics import register
