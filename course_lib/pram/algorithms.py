@@ -231,9 +231,10 @@ def matmul(n: int, seed: int = 0) -> Program:
                    note="n^3 multiplications in one step, then a log-depth sum per output")
 
 
-def broadcast_crew(n: int, value: int = 42) -> Program:
+def broadcast_crew(n: int, seed: int = 0, value: int | None = None) -> Program:
     """B[0] copied to all of B in 1 step on CREW: processors 1..n-1 all read B[0]."""
     check_n("broadcast-crew", n, power_of_two=False)
+    value = _numbers(1, seed)[0] if value is None else value
 
     def step(pid, step, mem):
         if step == 0 and pid > 0:
@@ -244,9 +245,10 @@ def broadcast_crew(n: int, value: int = 42) -> Program:
                    expected=lambda: {"B": [value] * n}, note="O(1) with concurrent reads")
 
 
-def broadcast_erew(n: int, value: int = 42) -> Program:
+def broadcast_erew(n: int, seed: int = 0, value: int | None = None) -> Program:
     """B[0] copied to all of B by doubling on EREW: at step s, B[i] -> B[i + 2^s], log2 n steps."""
     check_n("broadcast-erew", n)
+    value = _numbers(1, seed)[0] if value is None else value
 
     def step(pid, step, mem):
         d = 2 ** step
