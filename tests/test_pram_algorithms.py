@@ -169,3 +169,11 @@ def test_unknown_algorithm():
     with pytest.raises(ValueError, match="unknown PRAM algorithm 'bogo-sort'; choose one of: "
                                          "tree-sum, "):
         pram.get_algorithm("bogo-sort")
+
+
+def test_work_time_table_compares_the_two_scans():
+    rows = pram.work_time_table([run(pram.prefix_hillis_steele(16)),
+                                 run(pram.prefix_blelloch(16))]).splitlines()
+    assert rows[0].split()[:5] == ["program", "model", "steps", "work", "processors"]
+    assert rows[2].split() == ["prefix-hillis-steele", "CREW", "4", "49", "16", "64"]
+    assert rows[3].split() == ["prefix-blelloch", "EREW", "9", "46", "8", "72"]

@@ -224,3 +224,11 @@ def test_long_processor_lists_are_shortened_in_messages():
     assert (pram.models.format_processors(list(range(64)))
             == "0, 1, 2, 3, 4, ... and 63 (64 processors)")
     assert pram.models.format_processors([9, 4]) == "4 and 9"
+
+
+def test_the_package_docstring_example_runs():
+    example = pram.__doc__.split("Modules:")[0].split("\n", 2)[2]   # the indented block
+    code = "\n".join(line[4:] for line in example.splitlines() if "step_slider" not in line)
+    scope = {}
+    exec(code.replace("r.steps, r.work", "out = r.steps, r.work"), scope)
+    assert scope["out"] == (3, 7, 31)

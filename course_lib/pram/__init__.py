@@ -72,7 +72,7 @@ from .models import (
     get_model,
 )
 from .program import Program, Result, StepStats, StepTrace, coords, phases
-from .trace import format_table, render_step, step_slider
+from .trace import format_table, render_step, step_slider, work_time_table
 
 __all__ = [
     # simulator
@@ -92,5 +92,5 @@ __all__ = [
     "encoder_backward", "adamw_update", "classify", "Verdict", "Attempt", "GPTShape",
     "StepKernel", "STEP_KERNELS", "step_table", "cost", "scaling", "growth",
     # display
-    "format_table", "render_step", "step_slider",
+    "format_table", "render_step", "step_slider", "work_time_table",
 ]

@@ -202,13 +202,15 @@ def run(program: Program | StepFn, model: str | Model | None = None, *,
                                       mem.location(address), readers)
             if len(readers) > max_r.count:
                 max_r = Concurrency(len(readers), step, address, mem.location(address))
-        n_writes = 0
-        for address in sorted(state.writes):
+        n_writes, stored = 0, {}
+        for address in sorted(state.writes):     # resolve every write, then store them all
             by_pid = state.writes[address]
             n_writes += len(by_pid)
             if len(by_pid) > 1 and len(by_pid) > max_w.count:
                 max_w = Concurrency(len(by_pid), step, address, mem.location(address))
-            state.cells[address] = _resolve(model, step, address, by_pid, mem, rng)
+            stored[address] = _resolve(model, step, address, by_pid, mem, rng)
+        for address, value in stored.items():
+            state.cells[address] = value
         unnamed = len(state.active - state.named)
         if unnamed:
             state.ops["op"] += unnamed

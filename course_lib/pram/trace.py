@@ -10,7 +10,7 @@ import html
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["format_table", "render_step", "step_slider"]
+__all__ = ["format_table", "render_step", "step_slider", "work_time_table"]
 
 _READ, _WRITE, _BOTH = "#cfe2ff", "#ffd8a8", "#e5c7ff"
 
@@ -36,6 +36,14 @@ def format_table(rows: Sequence[dict], columns: Sequence[str] | None = None) -> 
                          for v, w, num in zip(vals, widths, numeric)).rstrip()
 
     return "\n".join([line(columns), line(["-" * w for w in widths]), *map(line, body)])
+
+
+def work_time_table(results: Sequence) -> str:
+    """Several runs side by side: program, model, steps (time), work, processors and the
+    cost ``steps * processors`` (work-efficient when cost stays within a constant of work)."""
+    return format_table([{"program": r.program, "model": r.model, "steps": r.steps,
+                          "work": r.work, "processors": r.processors,
+                          "cost (steps x processors)": r.steps * r.processors} for r in results])
 
 
 def _fmt(v: Any) -> str:
