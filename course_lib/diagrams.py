@@ -73,7 +73,7 @@ class LiveRenderError(RuntimeError):
     """mermaid-py could not render a diagram (offline, server error, bad syntax)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Figure:
     """What ``show`` displays: an SVG/PNG, an image on GitHub, or the Mermaid source, plus a note."""
 
@@ -84,6 +84,9 @@ class Figure:
     url: str | None = None
     source: str | None = None
     note: str = ""
+
+    def __repr__(self) -> str:
+        return f"[diagram {self.name}: {self.how}] {self.note}".strip()
 
     def _repr_html_(self) -> str:
         alt = f'alt="diagram: {escape(self.name)}"'
@@ -103,7 +106,7 @@ class Figure:
         return f'<figure class="course-diagram" data-how="{self.how}" style="margin:0">{note}{body}</figure>'
 
     def _repr_mimebundle_(self, include=None, exclude=None) -> dict:
-        bundle = {"text/html": self._repr_html_(), "text/plain": f"[diagram {self.name}: {self.how}] {self.note}".strip()}
+        bundle = {"text/html": self._repr_html_(), "text/plain": repr(self)}
         if self.png is not None:
             bundle["image/png"] = base64.b64encode(self.png).decode()
         return bundle
