@@ -11,16 +11,17 @@ Ranks other than 0 start from a different initialisation: the strategy must broa
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from course_lib.model import GPT, GPTConfig
 from course_lib.parallel.spawn import run_ranks
 from course_lib.parallel.strategy import STRATEGIES, build_strategy
+from course_lib.parallel.toy import ToyMLP, adamw, toy_batch
 
 STEPS, ACCUM, MICRO_B, MAX_NORM = 10, 2, 2, 0.5
 TOL = 1e-6
@@ -30,39 +31,19 @@ TOL = 1e-6
 GPT_CFG = GPTConfig(block_size=8, vocab_size=29, n_layer=2, n_head=2, n_embd=16, bias=False)
 
 
-class ToyNet(nn.Module):
-    """A small MLP classifier; odd widths so shards need padding."""
-
-    def __init__(self, d_in=12, width=37, n_classes=5, n_layers=3):
-        super().__init__()
-        dims = [d_in] + [width] * n_layers
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
-        self.head = nn.Linear(width, n_classes)
-
-    def forward(self, x, targets):
-        for layer in self.layers:
-            x = F.gelu(layer(x))
-        logits = self.head(x)
-        return logits, F.cross_entropy(logits, targets)
-
-
 def make_model(kind: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return ToyNet() if kind == "toy" else GPT(GPT_CFG)
+    return ToyMLP() if kind == "toy" else GPT(GPT_CFG)
 
 
 def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    """AdamW with a decayed and a non-decayed group, like GPT.configure_optimizers."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95), foreach=True)
+    return adamw(model, lr=3e-3)
 
 
 def make_batch(kind: str, step: int, n: int):
-    g = torch.Generator().manual_seed(1000 + step)
     if kind == "toy":
-        return torch.randn(n, 12, generator=g), torch.randint(0, 5, (n,), generator=g)
+        return toy_batch(n, seed=1000 + step)
+    g = torch.Generator().manual_seed(1000 + step)
     idx = torch.randint(0, GPT_CFG.vocab_size, (n, GPT_CFG.block_size + 1), generator=g)
     return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
 
@@ -119,7 +100,8 @@ def max_diff(a: dict, b: dict) -> float:
     return worst
 
 
-def train_and_compare(name: str, kind: str, rank: int, world_size: int) -> dict:
+def train_and_compare(name: str, kind: str, rank: int, world_size: int) -> tuple[dict, dict]:
+    """Differences from the reference, and the strategy's final full state."""
     # rank 0's initialisation must win: the others start elsewhere
     strategy = build_strategy(name, make_model(kind, seed=rank), make_optimizer)
     ref = make_model(kind)
@@ -137,20 +119,33 @@ def train_and_compare(name: str, kind: str, rank: int, world_size: int) -> dict:
            "optimizer": max_diff(state["optimizer"], ref_opt.state_dict())}
     # resume: a fresh strategy from the checkpoint continues exactly like the reference
     resumed = build_strategy(name, make_model(kind, seed=7), make_optimizer)
-    resumed.load_state_dict(state)
+    resumed.load_state_dict(copy.deepcopy(state))  # loading may alias the given tensors
     x, y = make_batch(kind, STEPS, world_size * ACCUM * MICRO_B)
     reference_step(ref, ref_opt, x, y)
     strategy_step(resumed, x, y, rank, world_size)
     out["resume"] = max_diff(resumed.state_dict()["model"], ref.state_dict())
-    return out
+    return out, state
 
 
-def equivalence_worker(rank: int, world_size: int, names: list[str]) -> dict:
-    return {(name, kind): train_and_compare(name, kind, rank, world_size)
-            for name in names for kind in ("toy", "gpt")}
+def equivalence_worker(rank: int, world_size: int, names: list[str], pairs: list) -> dict:
+    results, states = {}, {}
+    for name in names:
+        for kind in ("toy", "gpt"):
+            results[name, kind], states[name, kind] = train_and_compare(name, kind, rank, world_size)
+    for ours, theirs in pairs:  # ours against PyTorch's, directly, on the same model and data
+        for kind in ("toy", "gpt"):
+            results[f"{ours} vs {theirs}", kind] = {
+                "params": max_diff(states[ours, kind]["model"], states[theirs, kind]["model"]),
+                "optimizer": max_diff(states[ours, kind]["optimizer"],
+                                      states[theirs, kind]["optimizer"])}
+    return results
 
 
-EQUIVALENT = ["ddp_naive", "ddp", "torch_ddp"]
+OURS = ["ddp_naive", "ddp", "zero1", "zero2", "zero3"]
+TORCH = ["torch_ddp", "torch_zero1", "fsdp_grad_op", "fsdp_full"]
+# ZeroRedundancyOptimizer is ZeRO-1; FSDP2 without/with resharding after forward is ZeRO-2/-3.
+PAIRS = [("ddp", "torch_ddp"), ("zero1", "torch_zero1"), ("zero2", "fsdp_grad_op"),
+         ("zero3", "fsdp_full")]
 
 
 def check_equivalence(results: list[dict]) -> None:
@@ -161,7 +156,13 @@ def check_equivalence(results: list[dict]) -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_strategies_equal_single_process(world_size):
-    assert set(EQUIVALENT) <= set(STRATEGIES)
-    check_equivalence(run_ranks(equivalence_worker, world_size, args=(EQUIVALENT,)))
+def test_ours_and_pytorchs_equal_single_process_2_ranks():
+    assert set(OURS + TORCH) <= set(STRATEGIES)
+    results = run_ranks(equivalence_worker, 2, args=(OURS + TORCH, PAIRS))
+    assert len(results[0]) == 2 * len(OURS + TORCH) + 2 * len(PAIRS)
+    check_equivalence(results)
+
+
+@pytest.mark.timeout(240)
+def test_ours_equal_single_process_4_ranks():
+    check_equivalence(run_ranks(equivalence_worker, 4, args=(OURS, [])))

@@ -7,8 +7,8 @@ The parallel layers (data_parallel, zero, tensor_parallel, ...) call these helpe
   accounting (Rajbhandari et al. 2020, Sec. 7.1): an all-reduce of a buffer of S bytes moves 2S
   (it is a reduce-scatter followed by an all-gather), a reduce-scatter S (the full input), an
   all-gather S (the full output), a broadcast S. The paper drops the ring algorithm's factor
-  (N-1)/N; ``sent_bytes`` keeps it: what each rank really sends with ring algorithms
-  (bandwidth-optimal, Patarasuk and Yuan 2009).
+  (N-1)/N; ``sent_bytes`` keeps it: what each rank sends with bandwidth-optimal algorithms
+  (:func:`course_lib.comm.bytes_per_rank`, the nccl-tests bus-bandwidth factors).
 * ``seconds``: wall time spent inside blocking calls and ``wait()`` (exposed communication).
   An asynchronous collective overlapped with computation costs only its launch and whatever is
   left to wait for.
@@ -22,6 +22,8 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+
+from course_lib.comm import bytes_per_rank
 
 # torch 2.13 renamed the "_tensor" collectives to "_single"; keep older releases working.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -44,6 +46,7 @@ class Comms:
     def reset(self) -> None:
         self.calls: dict[str, int] = defaultdict(int)
         self.volume: dict[str, int] = defaultdict(int)  # bytes, paper accounting, per op
+        self.sent: dict[str, float] = defaultdict(float)  # bytes this rank sends, per op
         self.seconds = 0.0
 
     # --- what was moved ------------------------------------------------------------------------
@@ -54,14 +57,15 @@ class Comms:
 
     @property
     def sent_bytes(self) -> float:
-        """Bytes this rank sends with ring collectives: volume * (N-1)/N (point-to-point: all)."""
-        n = self.world_size
-        ring = sum(v for op, v in self.volume.items() if op not in ("send", "recv"))
-        return ring * (n - 1) / n + self.volume.get("send", 0)
+        return sum(self.sent.values())
 
     def _count(self, op: str, buffer_bytes: int) -> None:
         self.calls[op] += 1
         self.volume[op] += VOLUME_FACTOR[op] * buffer_bytes
+        if op in ("send", "recv"):
+            self.sent[op] += buffer_bytes if op == "send" else 0
+        elif self.world_size > 1:
+            self.sent[op] += bytes_per_rank(op, buffer_bytes, self.world_size)
 
     @contextlib.contextmanager
     def timed(self):

@@ -32,7 +32,13 @@ STRATEGIES: dict[str, str] = {
     "single": "course_lib.parallel.strategy:SingleProcess",
     "ddp": "course_lib.parallel.data_parallel:DDP",
     "ddp_naive": "course_lib.parallel.data_parallel:DDPNaive",
+    "zero1": "course_lib.parallel.zero:Zero1",
+    "zero2": "course_lib.parallel.zero:Zero2",
+    "zero3": "course_lib.parallel.zero3:Zero3",
     "torch_ddp": "course_lib.parallel.strategy:TorchDDP",
+    "torch_zero1": "course_lib.parallel.torch_sharded:TorchZero1",
+    "fsdp_grad_op": "course_lib.parallel.torch_sharded:FSDPGradOp",
+    "fsdp_full": "course_lib.parallel.torch_sharded:FSDPFull",
 }
 
 

@@ -1,0 +1,136 @@
+"""PyTorch's own sharded data parallelism behind the Strategy interface, to compare ours with.
+
+* ``torch_zero1``: DistributedDataParallel + ``ZeroRedundancyOptimizer`` (optimizer states
+  sharded by whole parameters, updated parameters broadcast by their owners): ZeRO stage 1.
+* ``fsdp_grad_op``: FSDP2 ``fully_shard`` with ``reshard_after_forward=False``: parameters stay
+  gathered from forward to backward (like FSDP1's SHARD_GRAD_OP), gradients and optimizer states
+  sharded: ZeRO stage 2's memory for states, one all-gather per step.
+* ``fsdp_full``: ``reshard_after_forward=True``: parameters freed after forward and gathered
+  again for backward: ZeRO stage 3.
+
+Units for FSDP are the same as ours (:func:`course_lib.parallel.zero3.default_units`, then the
+root). ``state_dict()`` returns the full state in the unsharded optimizer's format on every rank
+(like ours), so checkpoints move freely between strategies. ``comm_s`` counts only the waiting
+that is visible from outside these wrappers (their collectives run inside backward and step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+
+import torch
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from course_lib.parallel.comms import Comms, broadcast_module
+from course_lib.parallel.strategy import Strategy, TorchDDP, model_device
+from course_lib.parallel.zero3 import default_units
+
+
+def _optimizer_kwargs(opt: torch.optim.Optimizer) -> dict:
+    accepted = inspect.signature(type(opt)).parameters
+    return {k: v for k, v in opt.defaults.items() if k in accepted and k != "params"}
+
+
+class TorchZero1(TorchDDP):
+    name = "torch_zero1"
+
+    def __init__(self, model, make_optimizer, group=None, bucket_cap_mb: float = 25):
+        super().__init__(model, make_optimizer, group, bucket_cap_mb=bucket_cap_mb)
+        full = self.optimizer
+        groups = [{k: v for k, v in g.items()} for g in full.param_groups]
+        self.optimizer = ZeroRedundancyOptimizer(groups, optimizer_class=type(full),
+                                                 process_group=group, **_optimizer_kwargs(full))
+
+    def state_dict(self) -> dict:
+        """Consolidated on rank 0, then broadcast: the full state on every rank."""
+        self.optimizer.consolidate_state_dict(to=0)
+        box = [self.optimizer.state_dict() if self.dp_rank == 0 else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0)
+                                   if self.group is not None else 0, group=self.group)
+        full = {"state": box[0]["state"], "param_groups": box[0]["param_groups"]}
+        return {"model": self.module.state_dict(), "optimizer": full}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.module.load_state_dict(state["model"])
+        # ZeroRedundancyOptimizer.load_state_dict drops the entries other ranks own from its input
+        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+
+
+class FSDP2(Strategy):
+    reshard_after_forward = True
+
+    def __init__(self, model, make_optimizer, group=None, units=None):
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        super().__init__(model, lambda m: None, group)  # the optimizer must see sharded params
+        self.comms = Comms(group)
+        broadcast_module(model, self.comms)  # fully_shard keeps each rank's own values
+        device_type = model_device(model).type
+        mesh = (DeviceMesh.from_group(group, device_type) if group is not None
+                else init_device_mesh(device_type, (self.dp_world_size,)))
+        for unit in default_units(model) if units is None else units:
+            fully_shard(unit, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+        fully_shard(model, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+        self.optimizer = make_optimizer(model)
+        self.names = {id(p): n for n, p in model.named_parameters()}
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+    def finish_grads(self) -> None:
+        if model_device(self.module).type == "cuda":
+            with self._timed_comm():
+                torch.cuda.synchronize()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def _options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+        return StateDictOptions(full_state_dict=True, cpu_offload=False)
+
+    def _param_names(self) -> list[str]:
+        return [self.names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
+
+    def state_dict(self) -> dict:
+        """Full state on every rank; optimizer state keyed by index like an unsharded optimizer."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        model = get_model_state_dict(self.module, options=self._options())
+        optim = get_optimizer_state_dict(self.module, self.optimizer, options=self._options())
+        index = {name: i for i, name in enumerate(self._param_names())}
+        groups = [{**g, "params": [index[n] for n in g["params"]]} for g in optim["param_groups"]]
+        return {"model": model,
+                "optimizer": {"state": {index[n]: s for n, s in optim["state"].items()},
+                              "param_groups": groups}}
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        names = self._param_names()
+        full = copy.deepcopy(state["optimizer"])  # set_optimizer_state_dict edits what it gets
+        optim = {"state": {names[int(i)]: s for i, s in full["state"].items()},
+                 "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
+                                  for g in full["param_groups"]]}
+        set_model_state_dict(self.module, state["model"], options=self._options())
+        set_optimizer_state_dict(self.module, self.optimizer, optim, options=self._options())
+
+
+class FSDPGradOp(FSDP2):
+    name = "fsdp_grad_op"
+    reshard_after_forward = False
+
+
+class FSDPFull(FSDP2):
+    name = "fsdp_full"
+    reshard_after_forward = True
