@@ -1,7 +1,7 @@
 """Measure where training memory and communication go on real processes, to check the formulas.
 
     from course_lib.memory_measure import saved_activation_bytes, full_recomputation
-    from course_lib.memory_measure import measure_strategies      # run_ranks(measure_strategies, 2, ...)
+    from course_lib.memory_measure import measure_strategies  # notebook_launcher(measure_strategies, ...)
 
 :mod:`course_lib.memory` predicts bytes per device from the ZeRO paper (Rajbhandari et al. 2020)
 and Korthikanti et al. 2022; this module counts what the tensors really hold:
@@ -170,21 +170,24 @@ class CommCounter(TorchDispatchMode):
 # ------------------------------------------------------------------ one run per strategy
 
 
-def measure_strategies(rank: int, world_size: int, names: list[str], gpt_kwargs: dict,
-                       batch_size: int, steps: int = 2, bucket_cap_mb: float = 25.0,
-                       lr: float = 1e-3, seed: int = 0) -> dict[str, dict]:
+def measure_strategies(names: list[str], gpt_kwargs: dict, batch_size: int, steps: int = 2,
+                       bucket_cap_mb: float = 25.0, lr: float = 1e-3, seed: int = 0) -> dict[str, dict]:
     """Train the same GPT for ``steps`` with each strategy in ``names``; measure the last step.
 
-    Run on every rank (``run_ranks(measure_strategies, 2, args=(...))``). Each strategy starts from
-    the same weights (seed) and sees the same data (rank r takes its own slice of every global
-    batch), with AdamW in fp32, so all of them must report the same losses. Per strategy:
-    ``num_params``, ``losses``, ``kept`` (bytes held after the last step: params, grads before
-    zero_grad, optimizer), ``peak`` (largest params/grads/comm buffers during the last forward and
-    backward), ``volume`` (collective bytes per op in the last step), ``step_s``.
+    Call it on every rank of an initialised process group, e.g.
+    ``notebook_launcher(measure_strategies, (names, gpt_kwargs, 4), nproc=2)``. Each strategy
+    starts from the same weights (seed) and sees the same data (rank r takes its own slice of
+    every global batch), with AdamW in fp32, so all of them must report the same losses. Per
+    strategy: ``num_params``, ``losses``, ``kept`` (bytes held after the last step: params, grads
+    before zero_grad, optimizer), ``peak`` (largest params/grads/comm buffers during the last
+    forward and backward), ``volume`` and ``calls`` (collectives of the last step), ``step_s``.
     """
+    import torch.distributed as dist
+
     from course_lib.model import GPT, GPTConfig
     from course_lib.parallel.strategy import build_strategy
 
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(**gpt_kwargs)
     results = {}
     for name in names:
@@ -212,7 +215,9 @@ def measure_strategies(rank: int, world_size: int, names: list[str], gpt_kwargs:
                 grads_after = measure_model_states(strategy).grads
                 strategy.step()
             step_s = time.perf_counter() - t0
-            losses.append(_mean_over_ranks(loss.detach(), world_size))
+            mean_loss = loss.detach().clone()
+            dist.all_reduce(mean_loss)
+            losses.append(mean_loss.item() / world_size)
             if last:
                 tracker.remove()
                 states = measure_model_states(strategy)
@@ -222,14 +227,6 @@ def measure_strategies(rank: int, world_size: int, names: list[str], gpt_kwargs:
                                  "calls": dict(counter.calls), "step_s": step_s}
             strategy.zero_grad()
     return results
-
-
-def _mean_over_ranks(loss: torch.Tensor, world_size: int) -> float:
-    import torch.distributed as dist
-
-    t = loss.clone()
-    dist.all_reduce(t)
-    return t.item() / world_size
 
 
 # ------------------------------------------------------------------ measured against the formulas

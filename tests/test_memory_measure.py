@@ -78,8 +78,7 @@ def _worker(rank, world_size):
     counted = (dict(counter.volume), dict(counter.calls))
     names = ["ddp", "zero1", "zero2", "zero3", "fsdp_full"]
     gpt = {"block_size": 16, "vocab_size": 65, "n_layer": 3, "n_head": 2, "n_embd": 32, "bias": True}
-    return counted, measure_strategies(rank, world_size, names, gpt, batch_size=2, steps=2,
-                                       bucket_cap_mb=0.01)
+    return counted, measure_strategies(names, gpt, batch_size=2, steps=2, bucket_cap_mb=0.01)
 
 
 @pytest.mark.slow
