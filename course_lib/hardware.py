@@ -110,6 +110,30 @@ def detect(device: str | None = None) -> HardwareProfile:
                            "bfloat16" if bf16 else "float16", needs_grad_scaler=not bf16)
 
 
+def gpu_count() -> int:
+    """CUDA devices this process can see (honours CUDA_VISIBLE_DEVICES).
+
+    ``torch.cuda.device_count()`` asks NVML first, so it neither creates a CUDA context nor
+    "poisons" a later fork (torch.multiprocessing docs, "Poison fork in multiprocessing").
+    """
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def default_nproc(device: str = "auto") -> int:
+    """``nproc="auto"``: one rank per GPU; on CPU (or without GPUs) 2 ranks."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    n_gpu = 0 if device == "cpu" else gpu_count()
+    return n_gpu if n_gpu else 2
+
+
+def threads_per_rank(nproc_per_node: int) -> int:
+    """CPU threads each rank should use so N ranks share this machine's cores (at least 1)."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, nproc_per_node))
+
+
 def pick_dtype(profile: HardwareProfile, override: str | None = None) -> str:
     """The dtype to train with: bf16 on A100/H100/L4, fp16 (+ grad scaler) on T4/V100, fp32 on CPU."""
     allowed = ("float32", "bfloat16", "float16")
@@ -156,7 +180,8 @@ def info() -> dict:
         "peak_tflops": round((profile.peak(dtype) or 0) / TFLOP, 1) or None,
         "peak_is_estimate": profile.estimated,
         "backend": "nccl" if n_gpu else "gloo",
-        "default_nproc": n_gpu if n_gpu else 2,
+        "default_nproc": n_gpu if n_gpu else 2,  # = default_nproc(), without a second lookup
+        "threads_per_rank": threads_per_rank(n_gpu if n_gpu else 2),
     }
 
 
@@ -174,7 +199,8 @@ def cli(argv: list[str]) -> int:
     est = " (estimate)" if d["peak_is_estimate"] else ""
     print(f"train dtype : {d['train_dtype']}{' + grad scaler' if d['grad_scaler'] else ''}  "
           f"peak={d['peak_tflops']} TFLOP/s{est}")
-    print(f"distributed : backend={d['backend']}  nproc=auto -> {d['default_nproc']} ranks")
+    print(f"distributed : backend={d['backend']}  nproc=auto -> {d['default_nproc']} ranks "
+          f"x {d['threads_per_rank']} threads")
     return 0
 
 

@@ -1,0 +1,204 @@
+"""launch(): run a script or module on N ranks through torchrun, from Python or a notebook.
+
+    from course_lib.launch import launch
+    result = launch("train.py", ["--lr", "3e-4"], nproc=2, timeout=600)
+    result.returncode, result.failed_rank, result.traceback, result.metrics
+
+The call blocks, streams output live (rank 0's in full, every rank's stderr), and returns a
+:class:`LaunchResult`; ``check=True`` raises :class:`LaunchError` on failure instead. Every
+launch gets a free port and its own rendezvous id, so several can run at once on one host.
+Interrupting (the notebook's stop button, Ctrl-C) stops every process of the run before the
+KeyboardInterrupt propagates; :func:`launch_training` runs the course trainer with a progress bar.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from course_lib.launch import checks, torchrun
+from course_lib.launch.supervise import Agent, RankFailure, supervise
+
+
+class LaunchError(RuntimeError):
+    """A launch that failed, timed out or was refused; ``.result`` holds the details."""
+
+    def __init__(self, message: str, result: LaunchResult | None = None):
+        super().__init__(message)
+        self.result = result
+
+    def _render_traceback_(self):  # IPython: show the summary, not the launcher's own stack
+        return [f"LaunchError: {self}"]
+
+
+@dataclass
+class LaunchResult:
+    """What a launch did. ``stdout[k]``/``stderr[k]`` are rank k's full output."""
+
+    returncode: int
+    run_dir: Path
+    nproc: int
+    nnodes: int
+    stdout: dict[int, str] = field(default_factory=dict)
+    stderr: dict[int, str] = field(default_factory=dict)
+    failure: RankFailure | None = None
+    timed_out: bool = False
+    error: str | None = None  # one paragraph: what went wrong and where
+    duration_s: float = 0.0
+    command: list[str] = field(default_factory=list)
+    metrics: object = None  # pandas.DataFrame of RUN_DIR/metrics.csv for training runs
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+    @property
+    def failed_rank(self) -> int | None:
+        return self.failure.rank if self.failure else None
+
+    @property
+    def traceback(self) -> str | None:
+        return self.failure.traceback if self.failure else None
+
+    def output(self, rank: int = 0) -> str:
+        return self.stdout.get(rank, "") + self.stderr.get(rank, "")
+
+    def raise_for_status(self) -> LaunchResult:
+        if not self.ok:
+            raise LaunchError(self.error or f"launch failed with exit code {self.returncode}", self)
+        return self
+
+    def __repr__(self) -> str:
+        state = "ok" if self.ok else (self.error or f"exit code {self.returncode}").split("\n")[0]
+        return (f"LaunchResult({state}, nproc={self.nproc}, nnodes={self.nnodes}, "
+                f"{self.duration_s:.1f} s, run_dir='{self.run_dir}')")
+
+
+def default_run_dir(kind: str = "launch") -> Path:
+    return Path("runs") / kind / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+
+def _prepare_run_dir(run_dir) -> Path:
+    run_dir = Path(run_dir).resolve()
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    for old in logs.glob("rank*"):  # a previous launch's rank files would confuse this one
+        old.unlink()
+    return run_dir
+
+
+def base_env(env: Mapping[str, str] | None, nproc_per_node: int, run_id: str, *, local: bool,
+             nccl_debug: str | None = None, nccl_debug_subsys: str | None = None,
+             nccl_debug_file=None) -> dict[str, str]:
+    """Environment for the agent and its workers (a copy of ours, plus the launch's settings)."""
+    from course_lib.hardware import threads_per_rank
+
+    out = dict(os.environ)
+    out.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc_per_node)))
+    out.update(PYTHONUNBUFFERED="1", COURSE_LAUNCH_ID=run_id, COURSE_PDEATHSIG="1")
+    if local:
+        out["COURSE_LOOPBACK_STORE"] = "1"
+        for k, v in torchrun.local_network_env().items():
+            out.setdefault(k, v)
+    out.update(torchrun.nccl_debug_env(nccl_debug, nccl_debug_subsys, nccl_debug_file))
+    out.update({k: str(v) for k, v in (env or {}).items()})
+    return out
+
+
+def launch(target, args: Sequence[str] = (), *, nproc="auto", nnodes: int = 1,
+           module: bool | None = None, device: str = "auto", timeout: float | None = None,
+           collective_timeout: float = 60.0, env: Mapping[str, str] | None = None, run_dir=None,
+           init_process_group: bool = False, show_ranks: Sequence[int] | str = (0,),
+           rdzv: str = "c10d", rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
+           nccl_debug: str | None = None, nccl_debug_subsys: str | None = None,
+           nccl_debug_file=None, grace: float = 5.0, progress=None, check: bool = False,
+           out=None, err=None) -> LaunchResult:
+    """Run ``target`` (a .py path or a module name) on ``nproc`` ranks per node via torchrun.
+
+    nproc: int or "auto" (one rank per GPU, else 2 CPU ranks, threads split between them).
+    nnodes: >1 without ``rdzv_endpoint`` starts that many torchrun agents on this host, meeting
+        in a c10d rendezvous on 127.0.0.1 (the course's stand-in for a cluster); with
+        ``rdzv_endpoint="HOST:PORT"`` and ``rdzv_id`` this host joins a real multi-node job.
+    timeout: wall-clock limit for the whole run (None: none). On expiry the ranks still running
+        print where they are, then everything is stopped.
+    collective_timeout: seconds a collective may wait; used by the process group that
+        ``init_process_group=True`` creates (as ``%%torchrun`` does) and passed to the trainer
+        in ``COURSE_COLLECTIVE_TIMEOUT``.
+    show_ranks: whose stdout is streamed (stderr of every rank always is): (0,), [0, 1], "all".
+    nccl_debug / nccl_debug_subsys / nccl_debug_file: NCCL_DEBUG, NCCL_DEBUG_SUBSYS, NCCL_DEBUG_FILE.
+    progress: a callable(run_dir) -> object with poll() and close() (training progress bar).
+    """
+    device = checks.resolve_device(device)
+    nproc = checks.resolve_nproc(nproc, device)
+    nnodes = checks.check_nnodes(nnodes)
+    timeout = checks.check_timeout("timeout", timeout)
+    collective_timeout = checks.check_timeout("collective_timeout", collective_timeout, False)
+    target, is_module = checks.resolve_target(target, module)
+    if rdzv not in torchrun.RDZV_BACKENDS:
+        raise checks.LaunchConfigError(f"rdzv must be one of {torchrun.RDZV_BACKENDS}, got {rdzv!r}")
+    if nnodes > 1 and rdzv != "c10d":
+        raise checks.LaunchConfigError("several nodes need the c10d rendezvous (rdzv='c10d')")
+    if rdzv_endpoint and not rdzv_id:
+        raise checks.LaunchConfigError("rdzv_endpoint needs rdzv_id: the same id on every node")
+    checks.check_scheduler(nnodes, nproc, device)  # inside a SLURM/PBS job: what it was given
+    torchrun.nccl_debug_env(nccl_debug, nccl_debug_subsys, nccl_debug_file)  # validates
+
+    run_dir = _prepare_run_dir(run_dir or default_run_dir())
+    log_dir = str(run_dir / "logs")
+    run_id = rdzv_id or torchrun.new_run_id()
+    local = rdzv_endpoint is None
+    full_env = base_env(env, nproc, run_id, local=local, nccl_debug=nccl_debug,
+                        nccl_debug_subsys=nccl_debug_subsys, nccl_debug_file=nccl_debug_file)
+    full_env.setdefault("COURSE_COLLECTIVE_TIMEOUT", f"{collective_timeout:g}")
+    init_pg = ("nccl" if device == "cuda" else "gloo") if init_process_group else "none"
+    worker = torchrun.bootstrap_args(str(run_dir), target, args, module=is_module, init_pg=init_pg,
+                                     pg_timeout=collective_timeout)
+    join = max(30.0, collective_timeout)
+    agents = []
+    if local and nnodes == 1:
+        flags = torchrun.single_node_flags(nproc, rdzv=rdzv, run_id=run_id, join_timeout=join,
+                                           shutdown_timeout=grace, log_dir=f"{log_dir}/torchelastic")
+        agents.append(Agent(torchrun.agent_argv(flags) + worker, f"{log_dir}/agent0"))
+    elif local:
+        endpoint = f"{torchrun.LOOPBACK}:{torchrun.free_port(torchrun.LOOPBACK)}"
+        for i in range(nnodes):
+            flags = torchrun.multi_node_flags(
+                nnodes, nproc, endpoint, run_id, join_timeout=join, is_host=(i == 0),
+                local_addr=torchrun.LOOPBACK, shutdown_timeout=grace,
+                log_dir=f"{log_dir}/torchelastic{i}")
+            agents.append(Agent(torchrun.agent_argv(flags) + worker, f"{log_dir}/agent{i}"))
+    else:
+        flags = torchrun.multi_node_flags(nnodes, nproc, rdzv_endpoint, run_id,
+                                          join_timeout=max(join, 300.0), shutdown_timeout=grace,
+                                          log_dir=f"{log_dir}/torchelastic")
+        agents.append(Agent(torchrun.agent_argv(flags, loopback=False) + worker, f"{log_dir}/agent0"))
+        print(f"[launch] on every other node run:\n  {' '.join(agents[0].argv)}", file=err or sys.stderr)
+
+    outcome = supervise(agents, full_env, log_dir, show=show_ranks, timeout=timeout, grace=grace,
+                        collective_timeout=collective_timeout, progress=progress(run_dir) if progress else None,
+                        out=out, err=err)
+    result = LaunchResult(
+        returncode=outcome.returncode, run_dir=run_dir, nproc=nproc, nnodes=nnodes,
+        stdout=outcome.stdout, stderr=outcome.stderr, failure=outcome.failure,
+        timed_out=outcome.timed_out, error=outcome.error,
+        duration_s=outcome.duration_s, command=agents[0].argv, metrics=_read_metrics(run_dir))
+    if check:
+        result.raise_for_status()
+    return result
+
+
+def _read_metrics(run_dir: Path):
+    path = run_dir / "metrics.csv"
+    if not path.is_file():
+        return None
+    import pandas as pd
+
+    try:
+        return pd.read_csv(path)
+    except (ValueError, OSError):  # empty or half-written: the run died before its first row
+        return None

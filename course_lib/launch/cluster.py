@@ -1,0 +1,261 @@
+"""course submit --scheduler slurm|pbs --nodes N --gpus-per-node G [--dry-run] -- TRAIN ARGS
+
+Clusters: what the scheduler gave this job (read from its environment), and batch scripts that
+run the trainer on N nodes x G GPUs. SLURM starts one ``torchrun`` per node with ``srun``; PBS
+with ``mpiexec -n N -ppn 1`` (MPICH / Cray PALS / Intel MPI syntax). The torchrun agents meet
+in a c10d rendezvous on the first node of the allocation, under the job id, with an explicit
+join timeout. Training arguments are quoted for the shell (``shlex.quote``), so spaces and ``;``
+reach the trainer literally.
+
+Variables read: SLURM_JOB_ID, SLURM_JOB_NUM_NODES/SLURM_NNODES, SLURM_GPUS_ON_NODE,
+SLURM_CPUS_ON_NODE, SLURM_JOB_NODELIST (https://slurm.schedmd.com/sbatch.html#SECTION_OUTPUT-ENVIRONMENT-VARIABLES);
+PBS_JOBID, PBS_NODEFILE, NCPUS (PBS Professional reference guide, "PBS environment variables").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+SCHEDULERS = ("slurm", "pbs")
+DEFAULT_PORT = 29500
+DEFAULT_MODULE = "course_lib.train"
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """The resources a batch job was given (None where the scheduler does not say)."""
+
+    scheduler: str
+    job_id: str
+    nodes: int | None
+    gpus_per_node: int | None
+    cpus_per_node: int | None
+    hosts: tuple[str, ...] = ()
+
+
+def _int(value: str | None) -> int | None:
+    m = re.match(r"\d+", value or "")
+    return int(m.group()) if m else None
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """'gpu[01-03,07],login1' -> ['gpu01', 'gpu02', 'gpu03', 'gpu07', 'login1'] (SLURM syntax)."""
+    hosts = []
+    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", nodelist):
+        if plain:
+            hosts.append(plain)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            for i in range(int(lo), int(hi or lo) + 1):
+                hosts.append(f"{prefix}{i:0{len(lo)}d}")
+    return hosts
+
+
+def detect_allocation(env: Mapping[str, str] | None = None) -> Allocation | None:
+    """The SLURM or PBS job this process runs in, or None outside a batch job."""
+    env = os.environ if env is None else env
+    if env.get("SLURM_JOB_ID"):
+        hosts = tuple(expand_nodelist(env.get("SLURM_JOB_NODELIST", "")))
+        nodes = _int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")) or (len(hosts) or None)
+        return Allocation("slurm", env["SLURM_JOB_ID"], nodes, _int(env.get("SLURM_GPUS_ON_NODE")),
+                          _int(env.get("SLURM_CPUS_ON_NODE")), hosts)
+    if env.get("PBS_JOBID"):
+        hosts: tuple[str, ...] = ()
+        try:
+            with open(env.get("PBS_NODEFILE", "")) as f:
+                hosts = tuple(dict.fromkeys(line.strip() for line in f if line.strip()))
+        except OSError:
+            pass
+        return Allocation("pbs", env["PBS_JOBID"], len(hosts) or None, None, _int(env.get("NCPUS")), hosts)
+    return None
+
+
+def check_allocation(nnodes: int, nproc_per_node: int, uses_gpus: bool,
+                     alloc: Allocation | None) -> None:
+    """Refuse nodes x GPUs that the batch job does not have, saying what to change."""
+    if alloc is None:
+        return
+    var = {"slurm": "SLURM_JOB_NUM_NODES", "pbs": "PBS_NODEFILE"}[alloc.scheduler]
+    if alloc.nodes is not None and nnodes > alloc.nodes:
+        raise ValueError(
+            f"nnodes={nnodes} but this {alloc.scheduler.upper()} job ({alloc.job_id}) has "
+            f"{alloc.nodes} node(s) ({var}); use nnodes<={alloc.nodes} or submit a job with "
+            f"{nnodes} nodes (course submit --nodes {nnodes})")
+    if uses_gpus and alloc.gpus_per_node is not None and nproc_per_node > alloc.gpus_per_node:
+        raise ValueError(
+            f"{nproc_per_node} GPU ranks per node but this job has {alloc.gpus_per_node} GPU(s) per "
+            f"node (SLURM_GPUS_ON_NODE); use nproc={alloc.gpus_per_node} or submit with "
+            f"--gpus-per-node {nproc_per_node}")
+
+
+def _torchrun_line(nodes: int, nproc: int, head: str, run_id: str, port: int, join_timeout: int,
+                   target: Sequence[str], train_args: Sequence[str]) -> str:
+    args = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+            f'--rdzv-endpoint="{head}:{port}"', f'--rdzv-id="{run_id}"',
+            f"--rdzv-conf=join_timeout={join_timeout}", "--max-restarts=0"]
+    return " ".join(args + [shlex.quote(t) for t in target] + [shlex.quote(a) for a in train_args])
+
+
+def _env_lines(nproc: int, cpus_per_node: int | None, nccl_debug: str | None) -> list[str]:
+    lines = []
+    if cpus_per_node:
+        lines.append(f"export OMP_NUM_THREADS={max(1, cpus_per_node // max(1, nproc))}")
+    if nccl_debug:
+        lines += [f"export NCCL_DEBUG={shlex.quote(nccl_debug)}",
+                  'export NCCL_DEBUG_FILE="nccl-%h-%p.log"  # one file per host and process']
+    if sys.prefix != sys.base_prefix:  # the virtual environment this script was written from
+        lines.append(f"source {shlex.quote(os.path.join(sys.prefix, 'bin', 'activate'))}")
+    return lines
+
+
+_NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
+_TIME = re.compile(r"^(\d+-)?\d{1,3}(:\d{2}){0,2}$")
+
+
+def _validate(nodes: int, gpus_per_node: int, nproc_per_node: int | None, **words) -> int:
+    for name, value in words.items():
+        if value is not None and not _NAME.match(str(value)):
+            raise ValueError(f"{name} {value!r} may only use letters, digits and _.+-")
+    if nodes < 1:
+        raise ValueError(f"--nodes must be >= 1, got {nodes}")
+    if gpus_per_node < 0:
+        raise ValueError(f"--gpus-per-node must be >= 0 (0 = CPU nodes), got {gpus_per_node}")
+    nproc = nproc_per_node or gpus_per_node or 2
+    if nproc < 1:
+        raise ValueError(f"--nproc-per-node must be >= 1, got {nproc}")
+    if gpus_per_node and nproc > gpus_per_node:
+        raise ValueError(f"--nproc-per-node={nproc} is more than --gpus-per-node={gpus_per_node}: "
+                         "one rank per GPU; lower --nproc-per-node or ask for more GPUs")
+    return nproc
+
+
+def _check_time(time_limit: str) -> None:
+    if not _TIME.match(time_limit):
+        raise ValueError(f"time limit {time_limit!r} must look like HH:MM:SS (or D-HH:MM:SS)")
+
+
+def slurm_script(nodes: int, gpus_per_node: int, train_args: Sequence[str] = (), *,
+                 target: Sequence[str] = ("-m", DEFAULT_MODULE), job_name: str = "course-train",
+                 time_limit: str = "01:00:00", partition: str | None = None,
+                 account: str | None = None, cpus_per_node: int | None = None,
+                 nproc_per_node: int | None = None, port: int = DEFAULT_PORT,
+                 join_timeout: int = 300, nccl_debug: str | None = None) -> str:
+    """An sbatch script: one srun task per node, each running torchrun with G workers."""
+    nproc = _validate(nodes, gpus_per_node, nproc_per_node, job_name=job_name,
+                      partition=partition, account=account)
+    _check_time(time_limit)
+    d = [f"--job-name={job_name}", f"--nodes={nodes}", "--ntasks-per-node=1",
+         f"--time={time_limit}", "--output=%x-%j.out"]
+    if gpus_per_node:
+        d.insert(3, f"--gpus-per-node={gpus_per_node}")
+    if cpus_per_node:
+        d.append(f"--cpus-per-task={cpus_per_node}")
+    d += [f"--partition={partition}"] if partition else []
+    d += [f"--account={account}"] if account else []
+    lines = ["#!/bin/bash", *(f"#SBATCH {x}" for x in d), "set -euo pipefail", "",
+             "# The first node of the allocation hosts the rendezvous store.",
+             'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+             *_env_lines(nproc, cpus_per_node, nccl_debug), "",
+             "srun --kill-on-bad-exit=1 " + _torchrun_line(
+                 nodes, nproc, "$head_node", "$SLURM_JOB_ID", port, join_timeout, target, train_args)]
+    return "\n".join(lines) + "\n"
+
+
+def pbs_script(nodes: int, gpus_per_node: int, train_args: Sequence[str] = (), *,
+               target: Sequence[str] = ("-m", DEFAULT_MODULE), job_name: str = "course-train",
+               time_limit: str = "01:00:00", partition: str | None = None,
+               account: str | None = None, cpus_per_node: int | None = None,
+               nproc_per_node: int | None = None, port: int = DEFAULT_PORT,
+               join_timeout: int = 300, nccl_debug: str | None = None) -> str:
+    """A qsub script: mpiexec starts one torchrun per node (-ppn 1), each with G workers."""
+    nproc = _validate(nodes, gpus_per_node, nproc_per_node, job_name=job_name,
+                      queue=partition, account=account)
+    _check_time(time_limit)
+    select = f"select={nodes}:ncpus={cpus_per_node or max(1, nproc) * 4}:mpiprocs=1"
+    if gpus_per_node:
+        select += f":ngpus={gpus_per_node}"
+    d = [f"-N {job_name}", f"-l {select}", f"-l walltime={time_limit}", "-j oe"]
+    d += [f"-q {partition}"] if partition else []
+    d += [f"-A {account}"] if account else []
+    lines = ["#!/bin/bash", *(f"#PBS {x}" for x in d), "set -euo pipefail", 'cd "$PBS_O_WORKDIR"', "",
+             "# The first node of the allocation hosts the rendezvous store.",
+             'head_node=$(head -n 1 "$PBS_NODEFILE")', *_env_lines(nproc, cpus_per_node, nccl_debug), "",
+             f"mpiexec -n {nodes} -ppn 1 " + _torchrun_line(
+                 nodes, nproc, "$head_node", "$PBS_JOBID", port, join_timeout, target, train_args)]
+    return "\n".join(lines) + "\n"
+
+
+def _check_strategy(train_args: Sequence[str]) -> None:
+    """An unknown --strategy is refused here, not after the job waited in the queue."""
+    from course_lib.parallel.strategy import STRATEGIES
+
+    args = list(train_args)
+    for i, a in enumerate(args):
+        name = a.split("=", 1)[1] if a.startswith("--strategy=") else (
+            args[i + 1] if a == "--strategy" and i + 1 < len(args) else None)
+        if name is not None and name not in STRATEGIES:
+            raise ValueError(f"unknown strategy {name!r}; choose one of {sorted(STRATEGIES)}")
+
+
+def cli(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="course submit", description=__doc__.split("\n\n")[1])
+    p.add_argument("--scheduler", choices=SCHEDULERS, required=True)
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, required=True, help="0 for CPU-only nodes")
+    p.add_argument("--nproc-per-node", type=int, help="ranks per node (default: the GPUs, or 2)")
+    p.add_argument("--cpus-per-node", type=int)
+    p.add_argument("--time", default="01:00:00", help="wall-clock limit, HH:MM:SS")
+    p.add_argument("--job-name", default="course-train")
+    p.add_argument("--partition", help="SLURM partition / PBS queue")
+    p.add_argument("--account")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="rendezvous port on the first node")
+    p.add_argument("--nccl-debug", choices=["VERSION", "WARN", "INFO", "TRACE"])
+    p.add_argument("--script", help="run this Python file instead of -m course_lib.train")
+    p.add_argument("--output", help="where to write the batch script (default runs/submit/)")
+    p.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
+    p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then the trainer's arguments")
+    a = p.parse_args(argv)
+    train_args = a.train_args[1:] if a.train_args[:1] == ["--"] else a.train_args
+    target = [a.script] if a.script else ["-m", DEFAULT_MODULE]
+    make = slurm_script if a.scheduler == "slurm" else pbs_script
+    try:
+        if a.script and not Path(a.script).is_file():
+            raise ValueError(f"--script {a.script!r} does not exist")
+        if not a.script:
+            _check_strategy(train_args)
+        text = make(a.nodes, a.gpus_per_node, train_args, target=target, job_name=a.job_name,
+                    time_limit=a.time, partition=a.partition, account=a.account,
+                    cpus_per_node=a.cpus_per_node, nproc_per_node=a.nproc_per_node,
+                    port=a.port, nccl_debug=a.nccl_debug)
+    except ValueError as e:
+        print(f"course submit: {e}", file=sys.stderr)
+        return 2
+    if a.dry_run:
+        print(text, end="")
+        return 0
+    ext = "sbatch" if a.scheduler == "slurm" else "pbs"
+    path = Path(a.output or f"runs/submit/{a.job_name}-{time.strftime('%Y%m%d-%H%M%S')}.{ext}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    submit = "sbatch" if a.scheduler == "slurm" else "qsub"
+    exe = shutil.which(submit)
+    if exe is None:
+        print(f"wrote {path}\n{submit} was not found: this machine has no {a.scheduler.upper()}. "
+              f"Copy the script to your cluster's login node and run: {submit} {path.name}",
+              file=sys.stderr)
+        return 1
+    done = subprocess.run([exe, str(path)], check=False, capture_output=True, text=True)
+    print(f"wrote {path}")
+    print((done.stdout + done.stderr).strip())
+    return done.returncode

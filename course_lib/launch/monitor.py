@@ -1,0 +1,231 @@
+"""Watching a running launch: per-rank output, rank states, failures, where a hung rank waits.
+
+Everything here reads files that the ranks write (``RUN_DIR/logs``, see
+:mod:`course_lib.launch.bootstrap`), so it works the same for torchrun, mpiexec and several
+local agents, and nothing is lost if a rank or the launcher dies.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import linecache
+import os
+import re
+import signal
+import sys
+from collections.abc import Iterable
+
+_RANK_FILE = re.compile(r"rank(\d+)\.(out|err)$")
+_FRAME = re.compile(r'File "(.+?)", line (\d+)(?:,)? in (\S+)')
+# torchrun's summary: "Root Cause (first observed failure): [0]: ... rank : 1 (local_rank: 1)
+# exitcode : -9 (pid: 123)"; mpiexec (hydra): "PID 123 RUNNING AT host ... EXIT CODE: 9".
+_TORCHRUN_FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+_HYDRA_FAILURE = re.compile(r"PID (\d+) RUNNING AT \S+\s*\n=\s+EXIT CODE: (\d+)")
+_LAUNCHER_FRAME = re.compile(r'^  File "(<frozen runpy>|.*course_lib/launch/bootstrap\.py)", line \d+ in ')
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+                "reduce_scatter_tensor", "broadcast", "barrier", "reduce", "gather", "scatter",
+                "all_to_all", "all_to_all_single", "send", "recv", "monitored_barrier",
+                "init_process_group", "allreduce", "Allreduce", "bcast", "Barrier", "Bcast")
+
+
+class LogTail:
+    """Follows one growing file and returns its new complete lines."""
+
+    def __init__(self, path: str):
+        self.path, self.pos, self.partial = path, 0, b""
+
+    def read_lines(self, final: bool = False) -> list[str]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.pos)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self.pos += len(data)
+        *lines, self.partial = (self.partial + data).split(b"\n")
+        if self.partial and (final or len(self.partial) > 8192):
+            lines.append(self.partial)
+            self.partial = b""
+        return [line.decode("utf-8", "replace").rstrip("\r") for line in lines]
+
+
+class OutputStreamer:
+    """Prints new rank output live: stdout of the ranks in ``show``, stderr of every rank.
+
+    Lines are prefixed ``[rankK]``; stderr goes to ``err`` (shown red in a notebook).
+    """
+
+    def __init__(self, log_dir: str, show: Iterable[int] | str = (0,), out=None, err=None):
+        self.log_dir = log_dir
+        self.show = show if show == "all" else set(show)
+        self.out, self.err = out or sys.stdout, err or sys.stderr
+        self.tails: dict[str, LogTail] = {}
+
+    def poll(self, final: bool = False) -> None:
+        for path in glob.glob(os.path.join(glob.escape(self.log_dir), "rank*.*")):
+            if _RANK_FILE.search(path) and path not in self.tails:
+                self.tails[path] = LogTail(path)
+        wrote = set()
+        for path in sorted(self.tails):
+            rank_s, kind = _RANK_FILE.search(path).groups()
+            rank = int(rank_s)
+            if kind == "out" and self.show != "all" and rank not in self.show:
+                self.tails[path].read_lines(final)  # keep the offset moving; the file keeps it all
+                continue
+            stream = self.out if kind == "out" else self.err
+            for line in self.tails[path].read_lines(final):
+                if kind == "err" and _LAUNCHER_FRAME.search(line):
+                    continue  # stack dumps: the launcher's own frames say nothing to the user
+                stream.write(f"[rank{rank}] {line}\n")
+                wrote.add(stream)
+        for stream in wrote:
+            stream.flush()
+
+
+def _read_json_files(log_dir: str, pattern: str, skip: str | None = None) -> dict[int, dict]:
+    found = {}
+    for path in glob.glob(os.path.join(glob.escape(log_dir), pattern)):
+        if skip and path.endswith(skip):
+            continue
+        try:
+            with open(path) as f:
+                d = json.load(f)
+            found[int(d["rank"])] = d
+        except (OSError, ValueError, KeyError):
+            continue  # being written: read it next time
+    return found
+
+
+def read_status(log_dir: str) -> dict[int, dict]:
+    """rank -> {'state': running|done|failed, 'pid', 'exitcode', ...} from rank{K}.json."""
+    return _read_json_files(log_dir, "rank*.json", skip=".error.json")
+
+
+def read_errors(log_dir: str) -> dict[int, dict]:
+    """rank -> {'type', 'message', 'traceback', 'kind', 'hint', 'time'} from rank{K}.error.json."""
+    return _read_json_files(log_dir, "rank*.error.json")
+
+
+def read_text(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
+
+
+def launcher_exit_codes(agent_err: str, status: dict[int, dict]) -> dict[int, int]:
+    """rank -> exit code as reported by torchrun's or mpiexec's failure summary."""
+    codes = {int(r): int(c) for r, c in _TORCHRUN_FAILURE.findall(agent_err)}
+    by_pid = {s.get("pid"): r for r, s in status.items()}
+    for pid, code in _HYDRA_FAILURE.findall(agent_err):
+        if int(pid) in by_pid:
+            code = int(code)
+            codes[by_pid[int(pid)]] = -code if code in (6, 9, 11, 15) else code
+    return codes
+
+
+def signal_name(exitcode: int | None) -> str | None:
+    """'SIGKILL' for -9 (a process killed by a signal has a negative exit code)."""
+    if exitcode is None or exitcode >= 0:
+        return None
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
+def _is_user_file(path: str) -> bool:
+    return not (path.startswith("<") or "site-packages" in path or "/lib/python3" in path
+                or path.endswith(os.path.join("launch", "bootstrap.py")))
+
+
+def where(text: str) -> str | None:
+    """'cell.py:5: dist.all_reduce(t) (in all_reduce)' from a traceback or a faulthandler dump.
+
+    Tracebacks list the innermost call last, faulthandler dumps list it first; both name the
+    user's line and, when it is waiting in one, the torch.distributed / MPI call.
+    """
+    if "most recent call first" in text:
+        # One block per thread; the main thread is the one running the user's code via runpy.
+        blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", text)
+        text = next((b for b in blocks if "_run_code" in b or "bootstrap.py" in b), blocks[0])
+        frames = list(reversed([(f, int(n), fn) for f, n, fn in _FRAME.findall(text)]))
+    else:
+        frames = [(f, int(n), fn) for f, n, fn in _FRAME.findall(text)]
+    user = [fr for fr in frames if _is_user_file(fr[0])]
+    if not user:
+        return None
+    path, line, _ = user[-1]
+    inner = frames[frames.index(user[-1]) + 1:]
+    call = next((fn for _, _, fn in inner if fn in _COLLECTIVES), None)
+    code = linecache.getline(path, line).strip()
+    out = f"{os.path.basename(path)}:{line}" + (f": {code}" if code else "")
+    return out + (f" (in {call})" if call else "")
+
+
+def dump_stacks(log_dir: str, ranks: Iterable[int]) -> list[int]:
+    """Ask running ranks to print their Python stacks (SIGUSR1 -> faulthandler) into rankK.err."""
+    status, asked = read_status(log_dir), []
+    for r in ranks:
+        pid = status.get(r, {}).get("pid")
+        if pid and status[r].get("state") == "running":
+            try:
+                os.kill(pid, signal.SIGUSR1)
+                asked.append(r)
+            except (ProcessLookupError, PermissionError):
+                pass
+    return asked
+
+
+def last_dump(err_text: str) -> str | None:
+    """The last faulthandler dump in a rank's stderr, if any."""
+    i = err_text.rfind("Current thread")
+    if i < 0:
+        i = err_text.rfind("most recent call first")
+    if i < 0:
+        return None
+    start = err_text.rfind("Thread 0x", 0, i)
+    return err_text[start if start >= 0 else i:]
+
+
+class MetricsProgress:
+    """A tqdm bar that follows ``metrics.csv`` as the trainer appends to it."""
+
+    STEP_COLUMNS = ("iter", "step", "iteration")
+
+    def __init__(self, path: str, total: int | None, desc: str = "train"):
+        from tqdm.auto import tqdm
+
+        self.path, self.size = path, -1
+        self.bar = tqdm(total=total, desc=desc, unit="it", dynamic_ncols=True)
+
+    def poll(self) -> None:
+        try:
+            size = os.path.getsize(self.path)
+        except OSError:
+            return
+        if size == self.size:
+            return
+        self.size = size
+        with open(self.path, newline="") as f:
+            rows = list(csv.DictReader(f))
+        if not rows:
+            return
+        last = rows[-1]
+        col = next((c for c in self.STEP_COLUMNS if c in last), None)
+        try:
+            n = int(float(last[col])) + 1 if col else len(rows)
+        except (TypeError, ValueError):
+            n = len(rows)
+        self.bar.n = min(n, self.bar.total) if self.bar.total else n
+        shown = {k: last[k] for k in ("loss", "train_loss", "val_loss") if last.get(k) not in (None, "")}
+        if shown:
+            self.bar.set_postfix(shown, refresh=False)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.poll()
+        self.bar.close()

@@ -1,0 +1,167 @@
+"""Start and stop process trees so that nothing is left behind.
+
+A launch starts one process (torchrun's agent, or mpiexec) that starts the workers. Three rules
+keep a notebook kernel from leaking processes:
+
+* the child runs in its own session (``start_new_session``): the kernel's SIGINT (the stop
+  button) and a terminal's Ctrl-C reach only the kernel, which then stops the tree in order;
+* on Linux the child asks the kernel for a parent-death signal (``prctl(PR_SET_PDEATHSIG)``, see
+  prctl(2)): when the thread that started it dies - a kernel restart, ``kill -9`` of the
+  notebook - it gets SIGTERM, and torchrun turns that into stopping its workers;
+* stopping is SIGTERM to the child's process group first (torchrun forwards it to its workers
+  and waits for them), then SIGKILL to every process of the tree still alive after a grace period.
+
+torchrun starts every worker in a session of its own, so the process group does not reach them;
+:class:`ProcessTree` remembers each descendant while the tree is intact (a child whose parent
+has died is re-parented to init and can no longer be found by walking down from the root).
+No shell is involved anywhere: argument lists go to ``execve`` as they are.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+
+import psutil
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+# The parent-death signal the launcher asks for; torchrun and mpiexec both stop their workers
+# on SIGTERM, SIGKILL would orphan them.
+DEFAULT_DEATH_SIGNAL = signal.SIGTERM
+
+
+def _libc_prctl():
+    if not sys.platform.startswith("linux"):
+        return None
+    return ctypes.CDLL(None, use_errno=True).prctl
+
+
+def set_parent_death_signal(sig: int = DEFAULT_DEATH_SIGNAL, prctl=None) -> bool:
+    """Ask Linux to send ``sig`` to this process when the thread that created it exits.
+
+    Returns False where the call does not exist (macOS, Windows). Raises OSError if it fails.
+    """
+    prctl = prctl or _libc_prctl()
+    if prctl is None:
+        return False
+    if prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)}")
+    return True
+
+
+def _make_preexec(death_signal: int):
+    """A function for Popen(preexec_fn=...): set the death signal, exit if the parent is gone.
+
+    libc's prctl is looked up here, in the parent, so the child (between fork and exec) only
+    makes one foreign call and never runs dlopen.
+    """
+    prctl = _libc_prctl()
+    parent = os.getpid()
+
+    def preexec():
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, int(death_signal), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+def spawn(argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str | None = None,
+          stdout=None, stderr=None, death_signal: int | None = DEFAULT_DEATH_SIGNAL) -> subprocess.Popen:
+    """Start ``argv`` (a list, no shell) in a new session with a parent-death signal.
+
+    Call it from a thread that outlives the child (the notebook kernel runs cells on its main
+    thread): Linux delivers the death signal when the creating *thread* exits.
+    """
+    if isinstance(argv, (str, bytes)):
+        raise TypeError("argv must be a list of arguments, not a string (no shell is used)")
+    preexec = _make_preexec(death_signal) if death_signal and sys.platform.startswith("linux") else None
+    return subprocess.Popen(
+        [os.fspath(a) for a in argv], env=None if env is None else dict(env), cwd=cwd,
+        stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+        start_new_session=True, close_fds=True,
+        preexec_fn=preexec,  # noqa: PLW1509 - one prctl call, resolved before the fork
+    )
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+class ProcessTree:
+    """A started process and every descendant seen so far (call :meth:`refresh` regularly)."""
+
+    def __init__(self, popen: subprocess.Popen):
+        self.popen = popen
+        self.known: dict[int, psutil.Process] = {}
+        self.refresh()
+
+    def refresh(self) -> None:
+        try:
+            root = psutil.Process(self.popen.pid)
+            for p in [root, *root.children(recursive=True)]:
+                self.known.setdefault(p.pid, p)
+        except psutil.Error:
+            pass
+
+    def alive(self) -> list[psutil.Process]:
+        return [p for p in self.known.values() if _alive(p)]
+
+    def terminate(self, grace: float = 5.0) -> list[int]:
+        """SIGTERM the root's process group, wait up to ``grace`` s, then SIGKILL what is left.
+
+        Returns the pids that had to be killed. Safe to call more than once.
+        """
+        self.refresh()
+        if self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, signal.SIGTERM)  # the root leads its own session
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            self.popen.poll()  # reap the root so it does not linger as a zombie
+            self.refresh()
+            if not self.alive():
+                break
+            time.sleep(0.02)
+        killed = []
+        for p in self.alive():
+            try:
+                p.kill()
+                killed.append(p.pid)
+            except psutil.Error:
+                pass
+        if killed:
+            psutil.wait_procs([self.known[pid] for pid in killed], timeout=2.0)
+        try:
+            self.popen.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            pass
+        return killed
+
+
+def find_by_env(key: str, value: str) -> list[psutil.Process]:
+    """Live processes of this user whose environment has ``key=value`` (leak checks in tests)."""
+    found = []
+    me = os.getuid()
+    for p in psutil.process_iter(["uids"]):
+        try:
+            if p.info["uids"] is None or p.info["uids"].real != me or p.pid == os.getpid():
+                continue
+            if p.environ().get(key) == value and _alive(p):
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found

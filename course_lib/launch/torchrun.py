@@ -1,0 +1,129 @@
+"""torchrun command lines: one node on 127.0.0.1, several nodes with a c10d rendezvous.
+
+Single node (what a notebook uses): the rendezvous endpoint is ``127.0.0.1:<free port>`` and the
+agent hosts the store; ``course_lib.launch.agent`` makes that store listen on loopback only.
+``c10d`` (the dynamic rendezvous) and ``static`` (``--master-addr/--master-port``) both work.
+
+Multi-node: every node runs the same command; the agents meet at ``--rdzv-endpoint HOST:PORT``
+(the first node, which hosts the store) under a unique ``--rdzv-id`` so two jobs sharing nodes
+never join each other's rendezvous, and give up after an explicit join timeout instead of
+torchrun's 600 s default. Reference: https://docs.pytorch.org/docs/stable/elastic/run.html
+
+Nothing here runs a shell: each function returns a list of arguments.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from collections.abc import Sequence
+
+from course_lib.utils import free_port
+
+LOOPBACK = "127.0.0.1"
+RDZV_BACKENDS = ("c10d", "static")
+NCCL_DEBUG_LEVELS = ("VERSION", "WARN", "INFO", "TRACE")
+
+
+def new_run_id() -> str:
+    """A rendezvous id no other job shares (torchrun's default 'none' lets jobs collide)."""
+    return f"course-{uuid.uuid4().hex[:12]}"
+
+
+def common_flags(nproc_per_node: int, nnodes: int, shutdown_timeout: float, log_dir: str | None) -> list[str]:
+    flags = [f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}", "--max-restarts=0",
+             "--monitor-interval=0.1", f"--shutdown-timeout={max(1, round(shutdown_timeout))}"]
+    if log_dir:
+        flags.append(f"--log-dir={log_dir}")  # torchrun's own error files, not in /tmp
+    return flags
+
+
+def single_node_flags(nproc_per_node: int, *, port: int | None = None, rdzv: str = "c10d",
+                      run_id: str | None = None, join_timeout: float = 60.0,
+                      shutdown_timeout: float = 5.0, log_dir: str | None = None) -> list[str]:
+    """torchrun options for N workers on this host, rendezvous on 127.0.0.1:port."""
+    if rdzv not in RDZV_BACKENDS:
+        raise ValueError(f"rdzv must be one of {RDZV_BACKENDS}, got {rdzv!r}")
+    port = port or free_port(LOOPBACK)
+    flags = common_flags(nproc_per_node, 1, shutdown_timeout, log_dir)
+    if rdzv == "static":
+        flags += ["--rdzv-backend=static", f"--master-addr={LOOPBACK}", f"--master-port={port}",
+                  "--node-rank=0"]
+    else:
+        flags += ["--rdzv-backend=c10d", f"--rdzv-endpoint={LOOPBACK}:{port}",
+                  f"--rdzv-id={run_id or new_run_id()}",
+                  f"--rdzv-conf=join_timeout={max(1, round(join_timeout))},is_host=1"]
+    return flags + [f"--local-addr={LOOPBACK}"]
+
+
+def multi_node_flags(nnodes: int, nproc_per_node: int, endpoint: str, run_id: str, *,
+                     join_timeout: float = 300.0, is_host: bool | None = None,
+                     local_addr: str | None = None, shutdown_timeout: float = 5.0,
+                     log_dir: str | None = None) -> list[str]:
+    """torchrun options for one of ``nnodes`` nodes meeting at ``endpoint`` (c10d rendezvous)."""
+    if nnodes < 1:
+        raise ValueError(f"nnodes must be >= 1, got {nnodes}")
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"rendezvous endpoint must be HOST:PORT, got {endpoint!r}")
+    if not run_id:
+        raise ValueError("a multi-node rendezvous needs a run id shared by all nodes (e.g. the job id)")
+    conf = f"join_timeout={max(1, round(join_timeout))}"
+    if is_host is not None:
+        conf += f",is_host={int(is_host)}"
+    flags = common_flags(nproc_per_node, nnodes, shutdown_timeout, log_dir)
+    flags += ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
+              f"--rdzv-conf={conf}"]
+    if local_addr:
+        flags.append(f"--local-addr={local_addr}")
+    return flags
+
+
+def agent_argv(flags: Sequence[str], loopback: bool = True) -> list[str]:
+    """The agent program: our loopback-store torchrun for local runs, else plain torchrun."""
+    if loopback:
+        return [sys.executable, "-m", "course_lib.launch.agent", *flags]
+    return [sys.executable, "-m", "torch.distributed.run", *flags]
+
+
+def bootstrap_args(run_dir: str, target: str, args: Sequence[str], *, module: bool,
+                   init_pg: str = "none", pg_timeout: float = 60.0, mpi: bool = False) -> list[str]:
+    """``-m course_lib.launch.bootstrap ...``: what torchrun or mpiexec runs on each rank."""
+    out = ["-m", "course_lib.launch.bootstrap", f"--run-dir={run_dir}", f"--init-pg={init_pg}",
+           f"--pg-timeout={pg_timeout:g}"]
+    if mpi:
+        out.append("--mpi")
+    if module:
+        out.append("-m")
+    # "--" keeps a target or argument that starts with "-" from being read as an option.
+    return out + ["--", str(target), *map(str, args)]
+
+
+def nccl_debug_env(level: str | None = None, subsys: str | None = None,
+                   file: str | os.PathLike | None = None) -> dict[str, str]:
+    """NCCL's debug switches (https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html).
+
+    ``level``: VERSION, WARN, INFO or TRACE; ``subsys``: e.g. "INIT,COLL" or "ALL";
+    ``file``: where to write, ``%h`` (host) and ``%p`` (pid) are expanded by NCCL - keep ``%p``
+    so ranks do not overwrite each other.
+    """
+    env = {}
+    if level:
+        if level.upper() not in NCCL_DEBUG_LEVELS:
+            raise ValueError(f"NCCL debug level must be one of {NCCL_DEBUG_LEVELS}, got {level!r}")
+        env["NCCL_DEBUG"] = level.upper()
+    if subsys:
+        env["NCCL_DEBUG_SUBSYS"] = subsys
+    if file:
+        env["NCCL_DEBUG_FILE"] = os.fspath(file)
+    if (subsys or file) and not level:
+        env["NCCL_DEBUG"] = "INFO"  # the other two switches do nothing without a level
+    return env
+
+
+def local_network_env() -> dict[str, str]:
+    """Keep gloo's and NCCL's bootstrap sockets on the loopback interface for one-host runs."""
+    if os.path.exists("/sys/class/net/lo"):
+        return {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+    return {}
