@@ -1,0 +1,61 @@
+"""Notebook 5's experiments on real gloo processes, against one process computing the same thing.
+
+Communication counts follow Megatron-LM (Shoeybi et al. 2019, Sec. 3): one all-reduce in forward
+(g) and one in backward (f) per parallel MLP or attention, so 2 per transformer block each way;
+a ring all-reduce sends 2 (N-1)/N of the buffer per rank (Patarasuk and Yuan 2009).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from course_lib.model_parallel_demo import split_weights_demo, tensor_parallel_demo
+from course_lib.parallel.spawn import run_ranks
+
+B, D, OUT = 8, 36, 20
+
+
+def _both(rank, world_size):
+    split = split_weights_demo(B, D, OUT, repeats=1)
+    tp = tensor_parallel_demo(n_embd=48, n_head=6, n_layer=3, batch=2, block_size=8) \
+        if world_size in (2, 3) else None
+    return split, tp
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_split_weights_and_tensor_parallel(world_size):
+    results = run_ranks(_both, world_size)
+    y_bytes = B * OUT * 4
+    for rank, (split, tp) in enumerate(results):
+        assert split["W bytes (this rank)"] * world_size == split["W bytes (whole)"] == D * OUT * 4
+        # the chain: only the last rank holds y; every other rank sends one partial sum
+        if rank == world_size - 1:
+            assert split["chain: max |y - xW|"] < 1e-4
+            assert split["chain: sent bytes"] == 0
+        else:
+            assert split["chain: max |y - xW|"] is None
+            assert split["chain: sent bytes"] == y_bytes
+        assert split["all_reduce: max |y - xW|"] < 1e-4
+        assert split["all_reduce: sent bytes"] == pytest.approx(2 * (world_size - 1) / world_size * y_bytes)
+
+        assert tp["mlp: max |y - y_ref|"] < 1e-5 and tp["mlp: max |dx - dx_ref|"] < 1e-5
+        assert (tp["mlp: all-reduces forward"], tp["mlp: all-reduces backward"]) == (1, 1)
+        assert tp["mlp: c_fc weight shape (this rank)"] == (4 * 48 // world_size, 48)
+        assert tp["gpt: loss (tensor parallel)"] == pytest.approx(tp["gpt: loss (one process)"], abs=1e-5)
+        assert tp["gpt: max grad diff (replicated params)"] < 1e-5
+        assert tp["gpt: all-reduces forward"] == 2 * 3
+        assert tp["gpt: all-reduces forward + backward"] == 4 * 3
+        assert tp["gpt: param MB (this rank)"] < tp["gpt: param MB (one process)"]
+
+
+def test_chain_rejects_an_uneven_split():
+    import torch
+
+    from course_lib.model_parallel_demo import chain_matmul
+
+    class OneOfThree:
+        world_size, rank = 3, 0
+
+    with pytest.raises(ValueError, match="divide into 3 ranks"):
+        chain_matmul(torch.ones(2, 4), torch.ones(4, 2), OneOfThree())
