@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field, replace
 
 TFLOP = 1e12
@@ -71,7 +72,8 @@ def _match_gpu(device_name: str, total_memory: int) -> str | None:
     if "A100" in n:
         return "a100-80gb" if total_memory > 50 * GB else "a100-40gb"
     for key in ("t4", "v100", "l4"):
-        if key.upper() in n.replace("TESLA ", ""):
+        # whole words: "L4" is not the L40S, "T4" not the Quadro T400
+        if re.search(rf"\b{key.upper()}\b", n):
             return key
     return None
 
