@@ -114,6 +114,12 @@ class Comms:
         with self.timed():
             dist.send(tensor, dst=self._global(dst), group=self.group)
 
+    def isend(self, tensor: torch.Tensor, dst: int):
+        """Non-blocking send; keep ``tensor`` unchanged until the returned work is waited for."""
+        self._count("send", _nbytes(tensor))
+        with self.timed():
+            return dist.isend(tensor, dst=self._global(dst), group=self.group)
+
     def recv(self, tensor: torch.Tensor, src: int) -> None:
         self._count("recv", _nbytes(tensor))
         with self.timed():

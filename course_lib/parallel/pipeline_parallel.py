@@ -1,0 +1,250 @@
+"""Pipeline parallelism: consecutive layers on consecutive ranks, micro-batches flowing through.
+
+Rank ``pp_rank`` holds stage ``pp_rank`` of ``pp_world_size``: a contiguous slice of the layers
+(the first stage also the embeddings, the last also the head and the loss). A batch is cut into
+m micro-batches; a stage sends its output activations to the next stage and, in backward, the
+gradient of its input to the previous one (point-to-point send/recv).
+
+Two schedules (``schedule=``):
+
+* ``"afab"`` (all forward, all backward; GPipe, Huang et al. 2019): m forwards, then m backwards.
+  Every stage keeps the activations of all m micro-batches.
+* ``"1f1b"`` (one forward, one backward; PipeDream-Flush, Narayanan et al. 2021, Megatron-LM):
+  stage r runs p - r - 1 warm-up forwards, then alternates one forward and one backward, then
+  drains. Same bubble, but at most p - r micro-batches in flight, so activation memory is bounded
+  by p instead of m.
+
+Both idle for a "bubble" of (p - 1) forward+backward times per step, a fraction
+(p - 1) / (m + p - 1) of it (GPipe, Sec. 2.2; Narayanan et al. 2021, Sec. 2.2). The pipeline
+measures it two ways: on a logical clock (each forward costs 1 tick and each backward 2, every
+message carries the tick at which it was produced and a stage starts an operation when both it
+and its input are ready: the schedule's own timing, free of this machine's noise), and in wall
+time (seconds computing vs seconds per step; waits include the OS scheduling the processes).
+
+Tied weights across stages (GPT's wte on the first stage, lm_head on the last): each stage keeps
+a copy; after backward the two gradients are exchanged and summed, as Megatron-LM does with its
+embedding group, so both copies stay equal.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from course_lib.parallel.comms import Comms
+
+SCHEDULES = ("afab", "1f1b")
+FORWARD_TICKS, BACKWARD_TICKS = 1, 2  # backward ~ twice the forward's FLOPs
+
+
+def split_layers(n_layer: int, pp_world_size: int) -> list[range]:
+    """Layers of each stage, as even as possible (the first stages get the extra ones)."""
+    if n_layer < pp_world_size:
+        raise ValueError(f"cannot split {n_layer} layers into pp_world_size={pp_world_size} "
+                         "stages: use at most as many stages as layers")
+    base, extra = divmod(n_layer, pp_world_size)
+    sizes = [base + (r < extra) for r in range(pp_world_size)]
+    starts = [sum(sizes[:r]) for r in range(pp_world_size)]
+    return [range(s, s + n) for s, n in zip(starts, sizes)]
+
+
+def schedule_ops(schedule: str, n_micro: int, pp_rank: int, pp_world_size: int) -> list[tuple[str, int]]:
+    """The order in which stage ``pp_rank`` runs ("F", i) and ("B", i) for micro-batches i."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if schedule == "afab":
+        return [("F", i) for i in range(n_micro)] + [("B", i) for i in range(n_micro)]
+    warmup = min(pp_world_size - pp_rank - 1, n_micro)
+    ops = [("F", i) for i in range(warmup)]
+    for i in range(n_micro - warmup):
+        ops += [("F", warmup + i), ("B", i)]
+    return ops + [("B", i) for i in range(n_micro - warmup, n_micro)]
+
+
+class PipelineStage(nn.Module):
+    """first (stage 0 only) -> layers -> last (last stage only: returns the loss)."""
+
+    def __init__(self, layers: list[nn.Module], first: nn.Module | None, last: nn.Module | None,
+                 activation_shape, names: dict[str, nn.Parameter], tied: nn.Parameter | None = None):
+        super().__init__()
+        self.first, self.layers, self.last = first, nn.ModuleList(layers), last
+        self.activation_shape = activation_shape  # micro-batch input -> shape between stages
+        self.names = names  # this stage's parameters under their names in the whole model
+        self.tied = tied  # the copy of a weight shared with another stage, if any
+
+    def forward(self, x, targets=None):
+        if self.first is not None:
+            x = self.first(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.last(x, targets) if self.last is not None else x
+
+
+class _GPTEmbed(nn.Module):
+    def __init__(self, tr: nn.ModuleDict):
+        super().__init__()
+        self.wte, self.wpe, self.drop = tr.wte, tr.wpe, tr.drop
+
+    def forward(self, idx):  # (B, T) -> (B, T, C)
+        return self.drop(self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device)))
+
+
+class _GPTHead(nn.Module):
+    def __init__(self, ln_f: nn.Module, lm_head: nn.Module):
+        super().__init__()
+        self.ln_f, self.lm_head = ln_f, lm_head
+
+    def forward(self, x, targets):  # (B, T, C) -> mean cross-entropy
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+
+
+def gpt_stage(model: nn.Module, pp_rank: int, pp_world_size: int) -> PipelineStage:
+    """Stage ``pp_rank`` of a course_lib.model.GPT; the last stage gets its own copy of the tied
+    embedding as its LM head (unless there is only one stage)."""
+    tr, cfg = model.transformer, model.config
+    blocks = [tr.h[i] for i in split_layers(cfg.n_layer, pp_world_size)[pp_rank]]
+    first = _GPTEmbed(tr) if pp_rank == 0 else None
+    last = tied = None
+    if pp_rank == pp_world_size - 1:
+        lm_head = model.lm_head
+        if pp_world_size > 1:
+            lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+            lm_head.weight = tied = nn.Parameter(model.lm_head.weight.detach().clone())
+        last = _GPTHead(tr.ln_f, lm_head)
+    if pp_rank == 0 and pp_world_size > 1:
+        tied = tr.wte.weight
+    parts = [m for m in (first, *blocks, last) if m is not None]
+    own = {id(p) for m in parts for p in m.parameters()}
+    names = {n: p for n, p in model.named_parameters(remove_duplicate=False) if id(p) in own}
+    if tied is not None and pp_rank > 0:
+        names["lm_head.weight"] = tied
+    return PipelineStage(blocks, first, last, lambda idx: (*idx.shape, cfg.n_embd), names, tied)
+
+
+class _MLPHead(nn.Module):
+    def __init__(self, head: nn.Module):
+        super().__init__()
+        self.head = head
+
+    def forward(self, x, targets):
+        return F.cross_entropy(self.head(x), targets)
+
+
+def mlp_stage(model: nn.Module, pp_rank: int, pp_world_size: int) -> PipelineStage:
+    """Stage ``pp_rank`` of a course_lib.parallel.toy.ToyMLP (Linear + GELU layers, then a head)."""
+    layers = [nn.Sequential(model.layers[i], nn.GELU())
+              for i in split_layers(len(model.layers), pp_world_size)[pp_rank]]
+    last = _MLPHead(model.head) if pp_rank == pp_world_size - 1 else None
+    own = {id(p) for m in layers + [last] if m is not None for p in m.parameters()}
+    names = {n: p for n, p in model.named_parameters() if id(p) in own}
+    width = model.head.in_features
+    return PipelineStage(layers, None, last, lambda x: (x.shape[0], width), names)
+
+
+@dataclass
+class PipelineStats:
+    busy_ticks: int  # this stage's forward + backward ticks
+    total_ticks: float  # the step's length on the logical clock (all stages)
+    busy_s: float  # wall seconds spent computing
+    step_s: float  # wall seconds of the whole step
+    peak_in_flight: int  # most micro-batches whose activations were held at once
+
+    @property
+    def bubble(self) -> float:
+        """Idle fraction on the logical clock: compare with (p - 1) / (m + p - 1)."""
+        return 1 - self.busy_ticks / self.total_ticks
+
+    @property
+    def bubble_wall(self) -> float:
+        return 1 - self.busy_s / self.step_s
+
+
+class Pipeline:
+    """Runs training steps of one stage; every rank of the pipeline group calls ``train_step``."""
+
+    def __init__(self, stage: PipelineStage, comms: Comms, schedule: str = "1f1b"):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        self.stage, self.comms, self.schedule = stage, comms, schedule
+        self.pp_rank, self.pp_world_size = comms.rank, comms.world_size
+        self.is_first, self.is_last = self.pp_rank == 0, self.pp_rank == self.pp_world_size - 1
+        self.dtype = next(stage.parameters()).dtype
+
+    def _recv(self, shape, src: int) -> tuple[torch.Tensor, float]:
+        t, tick = torch.empty(shape, dtype=self.dtype), torch.zeros(1, dtype=torch.float64)
+        self.comms.recv(t, src)
+        self.comms.recv(tick, src)
+        return t, tick.item()
+
+    def _send(self, t: torch.Tensor, tick: float, dst: int) -> None:
+        self.sends.append(self.comms.isend(t.contiguous(), dst))
+        self.sends.append(self.comms.isend(torch.tensor([tick], dtype=torch.float64), dst))
+
+    def train_step(self, x: torch.Tensor, targets: torch.Tensor, n_micro: int):
+        """Forward and backward of one batch (gradients accumulate in the stage's parameters).
+        Returns the batch's mean loss (on every rank) and this rank's :class:`PipelineStats`."""
+        if x.shape[0] % n_micro:
+            raise ValueError(f"batch size {x.shape[0]} is not divisible by n_micro={n_micro}")
+        xs, ys = x.chunk(n_micro), targets.chunk(n_micro)
+        t_step, busy_s, clock, busy = time.perf_counter(), 0.0, 0.0, 0
+        self.sends, saved, in_flight, peak = [], {}, 0, 0
+        loss_sum = torch.zeros((), dtype=torch.float32)
+        for op, i in schedule_ops(self.schedule, n_micro, self.pp_rank, self.pp_world_size):
+            if op == "F":
+                ready = 0.0
+                if self.is_first:
+                    inp = xs[i]
+                else:
+                    inp, ready = self._recv(self.stage.activation_shape(xs[i]), self.pp_rank - 1)
+                    inp.requires_grad_()
+                t0 = time.perf_counter()
+                out = self.stage(inp, ys[i] if self.is_last else None)
+                if self.is_last:
+                    out = out / n_micro  # the batch loss is the mean over micro-batches
+                    loss_sum += out.detach()
+                busy_s += time.perf_counter() - t0
+                clock, busy = max(clock, ready) + FORWARD_TICKS, busy + FORWARD_TICKS
+                if not self.is_last:
+                    self._send(out.detach(), clock, self.pp_rank + 1)
+                saved[i] = (inp, out)
+                in_flight += 1
+                peak = max(peak, in_flight)
+            else:
+                inp, out = saved.pop(i)
+                ready, grad = 0.0, None
+                if not self.is_last:
+                    grad, ready = self._recv(out.shape, self.pp_rank + 1)
+                t0 = time.perf_counter()
+                out.backward(grad)
+                busy_s += time.perf_counter() - t0
+                clock, busy = max(clock, ready) + BACKWARD_TICKS, busy + BACKWARD_TICKS
+                if not self.is_first:
+                    self._send(inp.grad, clock, self.pp_rank - 1)
+                in_flight -= 1
+        for work in self.sends:
+            self.comms.wait(work)
+        self._sum_tied_grads()
+        total = torch.tensor([clock], dtype=torch.float64)
+        self.comms.all_reduce(total, op=torch.distributed.ReduceOp.MAX)  # the step's makespan
+        self.comms.broadcast(loss_sum, src=self.pp_world_size - 1)
+        stats = PipelineStats(busy, total.item(), busy_s, time.perf_counter() - t_step, peak)
+        return loss_sum.item(), stats
+
+    @torch.no_grad()
+    def _sum_tied_grads(self) -> None:
+        """First and last stage hold copies of one weight: both get the sum of their gradients."""
+        w = self.stage.tied
+        if w is None:
+            return
+        other = 0 if self.is_last else self.pp_world_size - 1
+        mine = w.grad.clone() if w.grad is not None else torch.zeros_like(w)
+        work = self.comms.isend(mine, other)
+        theirs = torch.empty_like(w)
+        self.comms.recv(theirs, other)
+        self.comms.wait(work)
+        w.grad = mine + theirs
