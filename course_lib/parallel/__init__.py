@@ -1,0 +1,19 @@
+"""Parallel training you can read and check, one concept per module (imports nothing on import).
+
+    strategy            the Strategy interface the trainer uses; STRATEGIES, build_strategy
+    comms               collectives that count bytes (ZeRO-paper volume, ring bytes) and time
+    data_parallel       DataParallelNaive / DataParallelBucket; strategies "ddp_naive", "ddp"
+    zero, zero3         ZeRO stages 1, 2 ("zero1", "zero2") and 3 ("zero3"); zero_strategy(stage)
+    torch_sharded       PyTorch's: "torch_zero1" (ZeroRedundancyOptimizer), "fsdp_grad_op",
+                        "fsdp_full" (FSDP2 fully_shard); "torch_ddp" is in strategy
+    tensor_parallel     Megatron's f/g, column/row-parallel linears, TP MLP, attention, GPT
+    pipeline_parallel   stages, micro-batches, AFAB (GPipe) and 1F1B schedules, bubble
+    process_groups      the dp x tp x pp grid
+    footprint           bytes of parameters, gradients, optimizer states one rank holds
+    spawn               run_ranks(fn, world_size): a function on N local gloo processes
+    toy                 a small MLP with the GPT interface
+
+Every strategy's ``state_dict()`` is the FULL model and optimizer state (the unsharded
+optimizer's format), identical on every rank, so checkpoints move between strategies and
+numbers of ranks.
+"""
