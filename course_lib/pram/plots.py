@@ -75,6 +75,17 @@ def _axes(axes, n_panels: int, figsize: tuple[float, float]):
     return axes[0].figure, axes
 
 
+_MARKERS = "osD^vxP*"
+_LINESTYLES = ("-", "--", "-.", ":")
+
+
+def _style(i: int) -> dict:
+    """Line style number ``i``: hollow markers of different shapes and sizes, so that series
+    with identical counts (tree max, OR tree, EREW broadcast) stay visible on top of each other."""
+    return {"marker": _MARKERS[i % len(_MARKERS)], "fillstyle": "none",
+            "markersize": 10 - 1.5 * (i % 4), "linestyle": _LINESTYLES[i % len(_LINESTYLES)]}
+
+
 def _series(rows: Sequence[Mapping], key: Sequence[str], x: str) -> dict:
     """``{key values: sorted [(x, row), ...]}``, in the order the keys first appear."""
     out: dict = {}
@@ -98,12 +109,12 @@ def plot_work_time(rows: Sequence[Mapping], axes=None, sequential: bool = True):
     if missing:
         raise ValueError(f"rows lack {sorted(missing)}: pass the output of measure()")
     fig, (ax_t, ax_w) = _axes(axes, 2, (11, 4))
-    for (algo, model), points in _series(rows, ("algorithm", "model"), "n").items():
+    for i, ((algo, model), points) in enumerate(_series(rows, ("algorithm", "model"), "n").items()):
         ns = [n for n, _ in points]
         label = f"{algo} ({model})"
-        line, = ax_t.plot(ns, [r["steps"] for _, r in points], marker="o", label=label)
-        ax_w.plot(ns, [r["work"] for _, r in points], marker="o", label=label,
-                  color=line.get_color())
+        line, = ax_t.plot(ns, [r["steps"] for _, r in points], label=label, **_style(i))
+        ax_w.plot(ns, [r["work"] for _, r in points], label=label, color=line.get_color(),
+                  **_style(i))
     if sequential:
         all_n = sorted({r["n"] for r in rows})
         ax_w.plot(all_n, [max(n - 1, 1) for n in all_n], color="grey", linestyle=":",
@@ -116,6 +127,7 @@ def plot_work_time(rows: Sequence[Mapping], axes=None, sequential: bool = True):
     ax_t.set_ylabel("steps (parallel time)")
     ax_w.set_ylabel("work (operations)")
     ax_t.set_title("Time: PRAM steps")
+    ax_t.legend(fontsize=7)
     ax_w.set_title("Work: operations of all processors")
     ax_w.legend(fontsize=7)
     return fig
@@ -134,11 +146,11 @@ def plot_kernel_scaling(rows: Sequence[Mapping], dim: str, axes=None):
         raise ValueError(f"the rows have no column {dim!r}; they were made for "
                          f"{sorted(set(rows[0]) - {'kernel', 'steps', 'work', 'processors'})}")
     fig, (ax_t, ax_w) = _axes(axes, 2, (11, 4))
-    for (kernel,), points in _series(rows, ("kernel",), dim).items():
+    for i, ((kernel,), points) in enumerate(_series(rows, ("kernel",), dim).items()):
         xs = [x for x, _ in points]
-        line, = ax_t.plot(xs, [r["steps"] for _, r in points], marker="o", label=kernel)
-        ax_w.plot(xs, [r["work"] for _, r in points], marker="o", label=kernel,
-                  color=line.get_color())
+        line, = ax_t.plot(xs, [r["steps"] for _, r in points], label=kernel, **_style(i))
+        ax_w.plot(xs, [r["work"] for _, r in points], label=kernel, color=line.get_color(),
+                  **_style(i))
     for ax, what in ((ax_t, "steps (parallel time)"), (ax_w, "work (operations)")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
