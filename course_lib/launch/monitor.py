@@ -161,7 +161,10 @@ def where(text: str) -> str | None:
     path, line, _ = user[-1]
     inner = frames[frames.index(user[-1]) + 1:]
     call = next((fn for _, _, fn in inner if fn in _COLLECTIVES), None)
+    linecache.checkcache(path)
     code = linecache.getline(path, line).strip()
+    if call is None:  # a compiled call (mpi4py) leaves no frame: read the name off the line
+        call = next((c for c in _COLLECTIVES if re.search(rf"\b{c}\(", code)), None)
     out = f"{os.path.basename(path)}:{line}" + (f": {code}" if code else "")
     return out + (f" (in {call})" if call else "")
 

@@ -1,0 +1,287 @@
+"""The launcher's parts without torchrun: process trees, command lines, checks, diagnosis.
+
+Processes here are plain Python (no torch import), so these tests take a few seconds.
+"""
+
+import faulthandler
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import psutil
+import pytest
+
+from course_lib.launch import checks, monitor, procs, torchrun
+from course_lib.launch.api import launch
+from course_lib.launch.bootstrap import diagnose
+from course_lib.launch.supervise import pick_failure
+
+PY = sys.executable
+
+
+def _gone(pid: int, within: float = 5.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# ---------------------------------------------------------------- processes
+
+
+@pytest.mark.timeout(30)
+def test_arguments_arrive_literally_without_a_shell(tmp_path):
+    weird = ["a b", ";echo pwned", "$HOME", "*", "'q'", 'd"q', "--flag=x y"]
+    p = procs.spawn([PY, "-c", "import sys, json; print(json.dumps(sys.argv[1:]))", *weird],
+                    stdout=subprocess.PIPE, cwd=str(tmp_path))
+    out, _ = p.communicate(timeout=20)
+    assert json.loads(out) == weird
+    with pytest.raises(TypeError, match="not a string"):
+        procs.spawn("echo hi")
+
+
+@pytest.mark.timeout(30)
+def test_child_runs_in_own_session_and_dies_with_its_parent():
+    """SIGKILL the process that spawned the child: the parent-death signal stops the child."""
+    code = ("import sys, time\n"
+            "from course_lib.launch.procs import spawn\n"
+            f"p = spawn([{PY!r}, '-c', 'import time; time.sleep(60)'])\n"
+            "print(p.pid, flush=True)\n"
+            "time.sleep(60)\n")
+    parent = subprocess.Popen([PY, "-c", code], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    try:
+        assert os.getsid(child) == child  # its own session: the kernel's Ctrl-C does not reach it
+        assert psutil.Process(child).is_running()
+        parent.kill()
+        parent.wait()
+        assert _gone(child), "child outlived its parent"
+    finally:
+        for pid in (child, parent.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.timeout(30)
+def test_terminate_kills_a_tree_that_ignores_sigterm():
+    """Like torchrun: the grandchild is in a session of its own; both ignore SIGTERM."""
+    grandchild = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                  "print('ready', flush=True); time.sleep(60)")
+    child = ("import signal, subprocess, sys, time\n"
+             "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+             f"g = subprocess.Popen([sys.executable, '-c', {grandchild!r}], start_new_session=True, stdout=subprocess.PIPE)\n"
+             "g.stdout.readline()\n"
+             "print(g.pid, flush=True)\n"
+             "time.sleep(60)\n")
+    p = procs.spawn([PY, "-c", child], stdout=subprocess.PIPE)
+    gpid = int(p.stdout.readline())
+    tree = procs.ProcessTree(p)
+    assert gpid in tree.known
+    killed = tree.terminate(grace=0.5)
+    assert sorted(killed) == sorted([p.pid, gpid])
+    assert _gone(gpid) and _gone(p.pid)
+    assert tree.alive() == []
+
+
+# ---------------------------------------------------------------- command lines
+
+
+def test_single_node_rendezvous_is_loopback_with_fresh_port_and_id():
+    a = torchrun.single_node_flags(2, join_timeout=45)
+    b = torchrun.single_node_flags(2)
+    endpoint = next(f for f in a if f.startswith("--rdzv-endpoint="))
+    assert endpoint.startswith("--rdzv-endpoint=127.0.0.1:")
+    assert "--local-addr=127.0.0.1" in a and "--rdzv-backend=c10d" in a
+    assert "--rdzv-conf=join_timeout=45,is_host=1" in a
+    ids = {f for f in a + b if f.startswith("--rdzv-id=")}
+    assert len(ids) == 2  # a unique rendezvous id per launch
+    static = torchrun.single_node_flags(3, rdzv="static", port=12345)
+    assert {"--rdzv-backend=static", "--master-addr=127.0.0.1", "--master-port=12345",
+            "--nproc-per-node=3"} <= set(static)
+    with pytest.raises(ValueError, match="rdzv must be one of"):
+        torchrun.single_node_flags(2, rdzv="etcd")
+
+
+def test_multi_node_flags():
+    f = torchrun.multi_node_flags(4, 8, "node01:29400", "job-17", join_timeout=120)
+    assert {"--nnodes=4", "--nproc-per-node=8", "--rdzv-backend=c10d",
+            "--rdzv-endpoint=node01:29400", "--rdzv-id=job-17", "--rdzv-conf=join_timeout=120"} <= set(f)
+    assert "--rdzv-conf=join_timeout=30,is_host=0" in torchrun.multi_node_flags(
+        2, 1, "h:1", "x", join_timeout=30, is_host=False)
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        torchrun.multi_node_flags(2, 1, "node01", "x")
+    with pytest.raises(ValueError, match="run id"):
+        torchrun.multi_node_flags(2, 1, "node01:1", "")
+
+
+def test_bootstrap_args_keep_target_and_args_apart():
+    argv = torchrun.bootstrap_args("/r", "-weird.py", ["-m", "a b"], module=False, init_pg="gloo",
+                                   pg_timeout=7)
+    assert argv[:2] == ["-m", "course_lib.launch.bootstrap"]
+    assert "--init-pg=gloo" in argv and "--pg-timeout=7" in argv
+    assert argv[argv.index("--") + 1:] == ["-weird.py", "-m", "a b"]
+
+
+def test_nccl_debug_switches():
+    assert torchrun.nccl_debug_env("info", "INIT,COLL", "/tmp/nccl.%h.%p") == {
+        "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,COLL", "NCCL_DEBUG_FILE": "/tmp/nccl.%h.%p"}
+    assert torchrun.nccl_debug_env(subsys="ALL")["NCCL_DEBUG"] == "INFO"
+    assert torchrun.nccl_debug_env() == {}
+    with pytest.raises(ValueError, match="NCCL debug level"):
+        torchrun.nccl_debug_env("LOUD")
+
+
+# ---------------------------------------------------------------- refused before spawning
+
+
+@pytest.fixture
+def nothing_spawned(tmp_path):
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    run_dir = tmp_path / "run"
+    yield run_dir
+    after = {p.pid for p in psutil.Process().children(recursive=True)}
+    assert after <= before, "a refused launch started processes"
+    assert not run_dir.exists(), "a refused launch created its run directory"
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "ok.py"
+    path.write_text("print('hi')\n")
+    return path
+
+
+def test_refuses_bad_nproc(nothing_spawned, script):
+    for bad in (0, -1, 1.5, "two", True):
+        with pytest.raises(checks.LaunchConfigError, match="nproc must be"):
+            launch(script, nproc=bad, run_dir=nothing_spawned)
+
+
+def test_refuses_more_gpu_ranks_than_gpus(nothing_spawned, script):
+    from course_lib.hardware import gpu_count
+
+    n = gpu_count()
+    with pytest.raises(checks.LaunchConfigError, match=r"no GPU|GPU\(s\)"):
+        launch(script, nproc=n + 1, device="cuda", run_dir=nothing_spawned)
+
+
+def test_refuses_missing_script_and_module(nothing_spawned):
+    with pytest.raises(checks.LaunchConfigError, match="does not exist"):
+        launch("no_such_script.py", nproc=2, run_dir=nothing_spawned)
+    with pytest.raises(checks.LaunchConfigError, match="neither a file nor an importable module"):
+        launch("no_such_pkg.train", nproc=2, run_dir=nothing_spawned)
+
+
+def test_refuses_bad_options(nothing_spawned, script):
+    with pytest.raises(checks.LaunchConfigError, match="timeout must be"):
+        launch(script, nproc=2, timeout=0, run_dir=nothing_spawned)
+    with pytest.raises(checks.LaunchConfigError, match="rdzv must be"):
+        launch(script, nproc=2, rdzv="etcd", run_dir=nothing_spawned)
+    with pytest.raises(checks.LaunchConfigError, match="nnodes must be"):
+        launch(script, nproc=2, nnodes=0, run_dir=nothing_spawned)
+    with pytest.raises(ValueError, match="NCCL debug level"):
+        launch(script, nproc=2, nccl_debug="LOUD", run_dir=nothing_spawned)
+
+
+def test_refuses_nodes_beyond_the_slurm_allocation(nothing_spawned, script, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_JOB_NUM_NODES", "1")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu01")
+    with pytest.raises(checks.LaunchConfigError, match=r"nnodes=2 but this SLURM job \(4242\) has 1 node"):
+        launch(script, nproc=1, nnodes=2, run_dir=nothing_spawned)
+
+
+def test_refuses_unknown_strategy():
+    with pytest.raises(checks.LaunchConfigError, match="unknown strategy 'zero4'; choose one of"):
+        checks.check_strategy("zero4")
+    checks.check_strategy("ddp")
+
+
+def test_refuses_training_config_that_does_not_fit(nothing_spawned):
+    from course_lib.config import make_config
+    from course_lib.launch import launch_training
+
+    # GPT-2 XL shape with a large batch: hundreds of GB per rank by the memory model
+    cfg = make_config(None, {"n_layer": 48, "n_head": 25, "n_embd": 1600, "block_size": 1024,
+                             "batch_size": 64, "device": "cpu", "nproc": 2,
+                             "out_dir": str(nothing_spawned)})
+    with pytest.raises(checks.LaunchConfigError, match=r"GB per rank \(course_lib.memory estimate"):
+        launch_training(cfg)
+
+
+# ---------------------------------------------------------------- diagnosis
+
+
+def test_diagnose_error_texts():
+    kind, hint = diagnose("RuntimeError: [gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+                          "5000ms for recv operation to complete", "run", 5)
+    assert kind == "collective_timeout" and "never joined" in hint and "5 s" in hint
+    assert diagnose("DistStoreError: timed out", "init", 5)[1].startswith("init_process_group timed out")
+    assert diagnose("RuntimeError: Connection closed by peer [127.0.0.1]:1", "run", 5)[0] == "peer_exited"
+    assert diagnose("ValueError: bad", "run", 5) == ("error", "")
+
+
+def _where_am_i(tmp_path):
+    path = tmp_path / "dump.txt"
+    with open(path, "w") as f:
+        faulthandler.dump_traceback(f, all_threads=True)  # this line is what where() must find
+    return path.read_text()
+
+
+def test_where_reads_tracebacks_and_stack_dumps(tmp_path):
+    try:
+        json.loads("{")  # raises inside the json module (a library frame, not the user's)
+    except ValueError:
+        import traceback
+
+        tb = traceback.format_exc()
+    at = monitor.where(tb)
+    assert at.startswith("test_launch_units.py:") and "json.loads" in at
+    dump = _where_am_i(tmp_path)
+    assert "most recent call first" in dump
+    assert "faulthandler.dump_traceback" in monitor.where(dump)
+    assert monitor.last_dump("noise\n" + dump) is not None and monitor.last_dump("noise") is None
+
+
+def test_root_cause_beats_ranks_that_only_saw_it():
+    killed = pick_failure({0: {"state": "failed", "exitcode": 1}, 1: {"state": "running"}},
+                          {0: {"rank": 0, "type": "RuntimeError", "message": "Connection closed by peer",
+                               "kind": "peer_exited", "time": 1.0}},
+                          {0: 1, 1: -9})
+    assert (killed.rank, killed.kind, killed.signal) == (1, "killed", "SIGKILL")
+    timeout = pick_failure({0: {"state": "failed", "exitcode": 1}, 1: {"state": "running"}},
+                           {0: {"rank": 0, "type": "RuntimeError", "message": "Timed out",
+                                "kind": "collective_timeout", "time": 1.0}},
+                           {0: 1, 1: -15})  # rank 1 was stopped by torchrun afterwards
+    assert (timeout.rank, timeout.kind) == (0, "collective_timeout")
+    assert pick_failure({0: {"state": "done", "exitcode": 0}}, {}, {}) is None
+
+
+def test_parse_torchrun_failure_summary():
+    text = ("Root Cause (first observed failure):\n[0]:\n  time      : 2026-11-22_04:01:50\n"
+            "  host      : localhost\n  rank      : 1 (local_rank: 1)\n"
+            "  exitcode  : -9 (pid: 8100)\n  error_file: <N/A>\n")
+    assert monitor.launcher_exit_codes(text, {}) == {1: -9}
+    hydra = ("=   PID 77 RUNNING AT vm\n=   EXIT CODE: 9\n")
+    assert monitor.launcher_exit_codes(hydra, {3: {"pid": 77}}) == {3: -9}
+
+
+def test_find_by_env_sees_only_marked_processes():
+    marker = uuid.uuid4().hex
+    p = procs.spawn([PY, "-c", "import time; time.sleep(30)"], env={**os.environ, "COURSE_TEST_MARKER": marker})
+    try:
+        assert [q.pid for q in procs.find_by_env("COURSE_TEST_MARKER", marker)] == [p.pid]
+    finally:
+        procs.ProcessTree(p).terminate(grace=1)
+    assert procs.find_by_env("COURSE_TEST_MARKER", marker) == []
