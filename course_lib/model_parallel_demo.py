@@ -149,3 +149,42 @@ def tensor_parallel_demo(n_embd: int = 64, n_head: int = 4, n_layer: int = 2, ba
         "gpt: param MB (this rank)": sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6,
     })
     return result
+
+
+def pipeline_demo(schedules: tuple[str, ...] = ("afab", "1f1b"), n_micros: tuple[int, ...] = (1, 2, 4, 8),
+                  n_layer: int = 4, n_embd: int = 32, n_head: int = 4, block_size: int = 16,
+                  micro_batch: int = 2, seed: int = 0) -> list[dict]:
+    """One training step of a GPT cut into ``world_size`` pipeline stages, for every schedule and
+    number of micro-batches m; this rank's measurements, one dict per (schedule, m).
+
+    Each dict (of the second of two identical steps: the first pays for one-time set-up): the
+    bubble on the logical clock (forward 1 tick, backward 2) and in wall time,
+    (p - 1) / (m + p - 1) to compare with, the most micro-batches in flight on this stage, the
+    pipeline's loss and the loss of the unsplit model on the same batch (one process).
+    """
+    from course_lib.model import GPT, GPTConfig
+    from course_lib.parallel.pipeline_parallel import Pipeline, gpt_stage
+
+    rank, p = dist.get_rank(), dist.get_world_size()
+    cfg = GPTConfig(block_size=block_size, vocab_size=65, n_layer=n_layer, n_head=n_head,
+                    n_embd=n_embd, bias=True)
+    comms, rows = Comms(), []
+    for schedule in schedules:
+        for m in n_micros:
+            torch.manual_seed(seed)
+            model = GPT(cfg)
+            g = torch.Generator().manual_seed(seed + m)
+            idx = torch.randint(0, cfg.vocab_size, (m * micro_batch, block_size + 1), generator=g)
+            x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+            with torch.no_grad():
+                reference = model(x, y)[1].item()
+            pipe = Pipeline(gpt_stage(model, rank, p), comms, schedule)
+            for _ in range(2):  # the first step pays for one-time set-up: measure the second
+                pipe.stage.zero_grad(set_to_none=True)
+                loss, stats = pipe.train_step(x, y, n_micro=m)
+            rows.append({"schedule": schedule, "m": m, "p": p, "stage": rank,
+                         "bubble (ticks)": stats.bubble, "bubble (wall)": stats.bubble_wall,
+                         "(p-1)/(m+p-1)": (p - 1) / (m + p - 1),
+                         "micro-batches in flight": stats.peak_in_flight,
+                         "loss": loss, "loss (one process)": reference, "step ms": 1e3 * stats.step_s})
+    return rows

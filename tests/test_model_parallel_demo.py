@@ -1,5 +1,9 @@
 """Notebook 5's experiments on real gloo processes, against one process computing the same thing.
 
+Pipeline bubble: (p - 1) / (m + p - 1) of a step (Huang et al. 2019, GPipe, Sec. 2.2; Narayanan
+et al. 2021, Sec. 2.2), for AFAB and 1F1B alike; 1F1B keeps at most p - r micro-batches in
+flight on stage r, AFAB all m (Narayanan et al. 2021, Sec. 2.2.1).
+
 Communication counts follow Megatron-LM (Shoeybi et al. 2019, Sec. 3): one all-reduce in forward
 (g) and one in backward (f) per parallel MLP or attention, so 2 per transformer block each way;
 a ring all-reduce sends 2 (N-1)/N of the buffer per rank (Patarasuk and Yuan 2009).
@@ -9,7 +13,11 @@ from __future__ import annotations
 
 import pytest
 
-from course_lib.model_parallel_demo import split_weights_demo, tensor_parallel_demo
+from course_lib.model_parallel_demo import (
+    pipeline_demo,
+    split_weights_demo,
+    tensor_parallel_demo,
+)
 from course_lib.parallel.spawn import run_ranks
 
 B, D, OUT = 8, 36, 20
@@ -59,3 +67,21 @@ def test_chain_rejects_an_uneven_split():
 
     with pytest.raises(ValueError, match="divide into 3 ranks"):
         chain_matmul(torch.ones(2, 4), torch.ones(4, 2), OneOfThree())
+
+
+def _pipeline(rank, world_size):
+    return pipeline_demo(n_micros=(1, 3, 6), n_layer=4, n_embd=16, n_head=2, block_size=8)
+
+
+@pytest.mark.timeout(120)
+def test_pipeline_bubble_and_memory_on_three_stages():
+    p = 3
+    for rank, rows in enumerate(run_ranks(_pipeline, p)):
+        assert len(rows) == 2 * 3
+        for row in rows:
+            m = row["m"]
+            assert row["bubble (ticks)"] == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+            assert row["(p-1)/(m+p-1)"] == pytest.approx((p - 1) / (m + p - 1))
+            assert row["loss"] == pytest.approx(row["loss (one process)"], abs=1e-5)
+            expected = m if row["schedule"] == "afab" else min(m, p - rank)
+            assert row["micro-batches in flight"] == expected, row
