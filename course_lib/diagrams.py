@@ -155,7 +155,7 @@ def _committed(name: str, root: Path | None, note: str = "") -> Figure:
 
 def diagram(name: str, source: str | None = None, live: bool = False, timeout: float = 10.0,
             root: Path | None = None) -> Figure:
-    """The Figure ``show`` displays; see :func:`show`."""
+    """The Figure :func:`show` displays: ``.how`` says which way it was made, ``.note`` why."""
     root = root or repo_root()
     committed_src = None
     if root is not None:
@@ -177,8 +177,8 @@ def diagram(name: str, source: str | None = None, live: bool = False, timeout: f
     return _committed(name, root, note=f"Live rendering failed: {reason} Showing the committed rendering instead.")
 
 
-def show(name: str, source: str | None = None, live: bool = False, timeout: float = 10.0) -> Figure:
-    """Display diagram ``name`` in a notebook and return what was shown.
+def show(name: str, source: str | None = None, live: bool = False, timeout: float = 10.0) -> None:
+    """Display diagram ``name`` in a notebook (:func:`diagram` gives the object instead).
 
     By default the committed rendering (no network needed). ``live=True`` renders the committed
     source through mermaid-py instead; ``source=`` renders your edited Mermaid text. When live
@@ -187,9 +187,7 @@ def show(name: str, source: str | None = None, live: bool = False, timeout: floa
     """
     from IPython.display import display
 
-    fig = diagram(name, source=source, live=live, timeout=timeout)
-    display(fig)
-    return fig
+    display(diagram(name, source=source, live=live, timeout=timeout))
 
 
 def cli(argv: list[str]) -> int:

@@ -220,13 +220,14 @@ def test_zero_stages_diagram_matches_the_memory_model():
 # ------------------------------------------------------------------ diagrams.show and its fallbacks
 
 def test_show_displays_the_committed_rendering(capsys):
-    fig = diagrams.show("dp_step")
+    assert diagrams.show("dp_step") is None  # a notebook cell ending in show() displays it once
+    assert "[diagram dp_step: committed]" in capsys.readouterr().out  # display() outside IPython
+    fig = diagrams.diagram("dp_step")
     assert fig.how == "committed" and fig.note == ""
     assert fig.svg == (ROOT / diagrams.RENDERED / "dp_step.svg").read_text()
     html = fig._repr_html_()
     assert 'alt="diagram: dp_step"' in html and "data:image/svg+xml;base64," in html
     assert base64.b64decode(fig._repr_mimebundle_()["image/png"]) == fig.png
-    assert "[diagram dp_step: committed]" in capsys.readouterr().out  # display() outside IPython
     with pytest.raises(ValueError, match="no diagram named 'dp_stepp'.*dp_step"):
         diagrams.diagram("dp_stepp")
 
