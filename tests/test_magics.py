@@ -1,0 +1,195 @@
+"""%%torchrun and %%mpirun through a real Jupyter kernel: output, failures, a killed rank, the
+stop button, a kernel restart and a kernel shutdown - and the process table after each.
+
+One kernel serves every test (kernels and torch imports are slow); the tests run in file order
+and the last one shuts the kernel down. Every cell passes ``--env COURSE_TEST_MARKER=...`` so
+the launched processes (agents and workers, not the kernel) can be found afterwards.
+"""
+
+import os
+import queue
+import re
+import signal
+import sys
+import time
+import uuid
+
+import pytest
+
+from course_lib.launch.procs import find_by_env
+
+jupyter_client = pytest.importorskip("jupyter_client")
+MARK = "COURSE_TEST_MARKER"
+
+
+class Cell:
+    """A cell executing in the kernel; pump() reads its output until a condition or the end."""
+
+    def __init__(self, kc, code: str):
+        self.kc, self.msg_id = kc, kc.execute(code)
+        self.stdout = self.stderr = ""
+        self.error = None
+        self.done = False
+
+    def pump(self, until=None, timeout: float = 90.0) -> "Cell":
+        deadline = time.monotonic() + timeout
+        while not self.done and not (until and until(self)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cell still running; output so far:\n{self.stdout}\n{self.stderr}")
+            try:
+                msg = self.kc.get_iopub_msg(timeout=0.2)
+            except queue.Empty:
+                continue
+            if msg["parent_header"].get("msg_id") != self.msg_id:
+                continue
+            kind, c = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                if c["name"] == "stdout":
+                    self.stdout += c["text"]
+                else:
+                    self.stderr += c["text"]
+            elif kind == "error":
+                self.error = c
+            elif kind == "status" and c["execution_state"] == "idle":
+                self.done = True
+        return self
+
+
+def _wait_gone(marker: str, within: float = 20.0) -> list:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        left = find_by_env(MARK, marker)
+        if not left:
+            return []
+        time.sleep(0.1)
+    return [(p.pid, p.cmdline()[:4]) for p in find_by_env(MARK, marker)]
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    from jupyter_client.manager import KernelManager
+
+    cwd = tmp_path_factory.mktemp("kernel")
+    env = dict(os.environ, PATH=f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ.get('PATH', '')}")
+    km = KernelManager(kernel_name="python3")
+    km.start_kernel(env=env, cwd=str(cwd))
+    kc = km.client()
+    kc.start_channels()
+    kc.wait_for_ready(timeout=60)
+    state = {"km": km, "kc": kc}
+    _run(kc, "%load_ext course_lib")
+    yield state
+    kc.stop_channels()
+    if km.is_alive():
+        km.shutdown_kernel(now=True)
+
+
+def _run(kc, code, timeout=120) -> Cell:
+    return Cell(kc, code).pump(timeout=timeout)
+
+
+def _ranks_ready(n):
+    return lambda cell: len(re.findall(r"ready (\d+)", cell.stdout)) >= n
+
+
+@pytest.mark.timeout(150)
+def test_torchrun_cell_runs_on_two_ranks(kernel):
+    marker = uuid.uuid4().hex
+    cell = _run(kernel["kc"], f"%%torchrun -n 2 --env {MARK}={marker}\n"
+                              "t = torch.ones(2) * (RANK + 1)\n"
+                              "dist.all_reduce(t)\n"
+                              "print(RANK, WORLD_SIZE, LOCAL_RANK, t.tolist())\n")
+    assert cell.error is None, cell.error
+    assert "[rank0] 0 2 0 [3.0, 3.0]" in cell.stdout and "[rank1] 1 2 1 [3.0, 3.0]" in cell.stdout
+    check = _run(kernel["kc"], "print(torchrun_result.ok, torchrun_result.nproc, torchrun_result.run_dir.name)")
+    assert check.stdout.startswith("True 2 ")
+    assert _wait_gone(marker, 0) == []
+
+
+@pytest.mark.timeout(60)
+def test_mpirun_cell(kernel):
+    marker = uuid.uuid4().hex
+    cell = _run(kernel["kc"], f"%%mpirun -n 3 --env {MARK}={marker}\n"
+                              "print(RANK, WORLD_SIZE, comm.allreduce(RANK + 1))\n")
+    assert cell.error is None, cell.error
+    for r in range(3):
+        assert f"[rank{r}] {r} 3 6" in cell.stdout
+    assert _wait_gone(marker, 0) == []
+
+
+@pytest.mark.timeout(150)
+def test_failing_rank_is_named_with_traceback(kernel):
+    marker = uuid.uuid4().hex
+    cell = _run(kernel["kc"], f"%%torchrun -n 2 --env {MARK}={marker}\n"
+                              "x = 1\n"
+                              "if RANK == 1:\n"
+                              "    x = 1 / 0\n"
+                              "dist.barrier()\n")
+    assert cell.error is not None and cell.error["ename"] == "LaunchError"
+    assert cell.error["evalue"].startswith("rank 1 failed (exit code 1): ZeroDivisionError: division by zero")
+    assert "at cell.py:3: x = 1 / 0" in cell.error["evalue"]
+    assert "[rank1] ZeroDivisionError: division by zero" in cell.stderr  # its traceback, live
+    assert _wait_gone(marker, 0) == []
+
+
+@pytest.mark.timeout(150)
+def test_killed_rank_is_reported(kernel):
+    marker = uuid.uuid4().hex
+    cell = Cell(kernel["kc"], f"%%torchrun -n 2 --env {MARK}={marker}\n"
+                              "import time\n"
+                              "print('ready', RANK, flush=True)\n"
+                              "time.sleep(120)\n")
+    cell.pump(until=_ranks_ready(2))
+    victim = next(p for p in find_by_env(MARK, marker) if p.environ().get("RANK") == "1"
+                  and "course_lib.launch.bootstrap" in p.cmdline())
+    victim.send_signal(signal.SIGKILL)
+    cell.pump()
+    assert cell.error is not None and cell.error["ename"] == "LaunchError"
+    assert cell.error["evalue"].startswith("rank 1 failed (killed by SIGKILL)")
+    assert _wait_gone(marker, 0) == []
+
+
+@pytest.mark.timeout(150)
+def test_interrupt_stops_every_process(kernel):
+    marker = uuid.uuid4().hex
+    cell = Cell(kernel["kc"], f"%%torchrun -n 2 --env {MARK}={marker}\n"
+                              "import time\n"
+                              "print('ready', RANK, flush=True)\n"
+                              "time.sleep(120)\n")
+    cell.pump(until=_ranks_ready(2))
+    assert len(find_by_env(MARK, marker)) >= 3  # the agent and two workers
+    kernel["km"].interrupt_kernel()
+    cell.pump(timeout=30)
+    assert cell.error is not None and cell.error["ename"] == "KeyboardInterrupt"
+    assert "[launch] interrupted: run stopped in" in cell.stderr
+    assert _wait_gone(marker, 0) == []  # gone before the cell returned
+
+
+def _start_sleeping_cell(kernel, marker) -> list[int]:
+    cell = Cell(kernel["kc"], f"%%torchrun -n 2 --env {MARK}={marker}\n"
+                              "import time\n"
+                              "print('ready', RANK, flush=True)\n"
+                              "time.sleep(120)\n")
+    cell.pump(until=_ranks_ready(2))
+    pids = [p.pid for p in find_by_env(MARK, marker)]
+    assert len(pids) >= 3
+    return pids
+
+
+@pytest.mark.timeout(150)
+def test_kernel_restart_leaves_no_process(kernel):
+    marker = uuid.uuid4().hex
+    _start_sleeping_cell(kernel, marker)
+    kernel["km"].restart_kernel(now=True)  # the kernel is killed, as by "Restart" on a busy kernel
+    assert _wait_gone(marker) == []
+    kernel["kc"].wait_for_ready(timeout=60)
+    _run(kernel["kc"], "%load_ext course_lib")
+
+
+@pytest.mark.timeout(150)
+def test_kernel_shutdown_leaves_no_process(kernel):
+    marker = uuid.uuid4().hex
+    _start_sleeping_cell(kernel, marker)
+    kernel["km"].shutdown_kernel(now=False)  # the polite way: a shutdown request first
+    assert not kernel["km"].is_alive()
+    assert _wait_gone(marker) == []
