@@ -216,6 +216,8 @@ def _check_slider(page, check: SliderCheck, shot: Path) -> None:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs_and_widgets_respond(name, lab, browser):
+    from playwright.sync_api import Error as PlaywrightError
+
     base, token = lab
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     stem = Path(name).stem
@@ -232,4 +234,9 @@ def test_notebook_runs_and_widgets_respond(name, lab, browser):
             _check_slider(page, check, ARTIFACTS / f"{stem}-widget{i}.png")
     finally:
         page.screenshot(path=str(ARTIFACTS / f"{stem}.png"), full_page=False)
+        try:  # stop this notebook's kernel so the next notebook has the CPU to itself
+            page.evaluate("""async () => { const p = window.jupyterapp && window.jupyterapp.shell.currentWidget;
+                                           if (p && p.sessionContext) await p.sessionContext.shutdown(); }""")
+        except PlaywrightError:
+            pass  # the page is broken; the server's shutdown stops the kernel
         page.close()
