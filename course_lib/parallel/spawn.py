@@ -33,7 +33,8 @@ def _worker(rank: int, fn, world_size: int, args: tuple, backend: str, port: int
         result = fn(rank, world_size, *args)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # fn may have ended the group itself (the trainer does)
+            dist.destroy_process_group()
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), backend: str = "gloo",

@@ -107,6 +107,10 @@ class FSDP2(Strategy):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         model = get_model_state_dict(self.module, options=self._options())
+        if not self.optimizer.state:  # before the first step: nothing sharded to gather, and
+            # get_optimizer_state_dict would create the state with a zero-gradient step, which
+            # counts as a step for Adam's bias correction and changes the training run
+            return {"model": model, "optimizer": self.optimizer.state_dict()}
         optim = get_optimizer_state_dict(self.module, self.optimizer, options=self._options())
         index = {name: i for i, name in enumerate(self._param_names())}
         groups = [{**g, "params": [index[n] for n in g["params"]]} for g in optim["param_groups"]]
@@ -123,6 +127,9 @@ class FSDP2(Strategy):
                  "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
                                   for g in full["param_groups"]]}
         set_model_state_dict(self.module, state["model"], options=self._options())
+        if not full["state"]:  # saved before the first step (see state_dict)
+            self.optimizer.load_state_dict(full)
+            return
         set_optimizer_state_dict(self.module, self.optimizer, optim, options=self._options())
 
 
