@@ -117,3 +117,34 @@ def plot_collective_model(nbytes: Sequence[float], p: int, alpha: float, bandwid
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     return fig
+
+
+def plot_loss_curve(rows: Sequence[Mapping] | str, title: str | None = None, ax=None):
+    """Train loss per logged step and val loss at each evaluation against the iteration.
+
+    rows: the rows of a run's ``metrics.csv`` (:func:`course_lib.metrics.read_metrics`), or the
+    path of that file.
+    """
+    import math
+
+    if isinstance(rows, str) or hasattr(rows, "__fspath__"):
+        from course_lib.metrics import read_metrics
+
+        rows = read_metrics(rows)
+    train = [(r["iter"], r["train_loss"]) for r in rows if not math.isnan(r.get("train_loss", math.nan))]
+    val = [(r["iter"], r["val_loss"]) for r in rows if not math.isnan(r.get("val_loss", math.nan))]
+    if not train and not val:
+        raise ValueError("plot_loss_curve needs metrics rows with train_loss or val_loss")
+    fig, ax = _axes(ax)
+    if train:
+        ax.plot(*zip(*train), linewidth=1, alpha=0.8, label="train loss (logged steps)")
+    if val:
+        ax.plot(*zip(*val), marker="o", markersize=4, label="val loss (evaluations)")
+        best = min(val, key=lambda p: p[1])
+        ax.annotate(f"{best[1]:.4f}", best, textcoords="offset points", xytext=(0, 8), ha="center", fontsize=8)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("cross-entropy loss")
+    ax.set_title(title or "Training loss")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
