@@ -159,7 +159,8 @@ def stages_png(result: Result) -> bytes:
              for st, b in result.stages.items()}
     fig = plot_memory(items, result.gpu_bytes, f"{result.gpu_name} ({result.gpu_bytes / GB:.0f} GB)",
                       f"N_d = {result.settings.dp}; * = the stage you chose")
-    fig.set_size_inches(6, 3.2)
+    fig.set_size_inches(6.5, 3.2)
+    fig.axes[0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # off the bars
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=80)
     return buf.getvalue()
@@ -180,6 +181,8 @@ class MemoryCalculator:
         calculate(s)  # bad settings raise here, before any widget exists
         self.plot = plot
         style, layout = {"description_width": "130px"}, w.Layout(width="420px")
+        buttons = {"description_width": "130px", "button_width": "80px"}
+        row = w.Layout(width="480px")  # the label and all buttons on one row
         models = [(f"{name} ({PRESETS[name].num_params() / 1e6:.0f} M)", name) for name in PRESETS]
         self.controls = {
             "model": w.Dropdown(options=models + [("custom parameter count", CUSTOM)], value=s.model,
@@ -190,15 +193,15 @@ class MemoryCalculator:
             "dp": w.SelectionSlider(options=list(DP_CHOICES), value=s.dp, description="DP ranks N_d",
                                     style=style, layout=layout),
             "stage": w.ToggleButtons(options=[(STAGE_NAMES[st].split(" ")[0], st) for st in STAGES],
-                                     value=s.stage, description="ZeRO stage", style=style),
+                                     value=s.stage, description="ZeRO stage", style=buttons, layout=row),
             "dtype": w.Dropdown(options=list(DTYPE_CHOICES), value=s.dtype, description="dtype",
                                 style=style, layout=layout),
             "recompute": w.ToggleButtons(options=list(RECOMPUTE_CHOICES), value=s.recompute,
-                                         description="recomputation", style=style),
+                                         description="recomputation", style=buttons, layout=row),
             "batch_size": w.IntSlider(value=s.batch_size or (PRESETS[s.model].batch_size if s.model in PRESETS else 8),
                                       min=1, max=128, description="micro-batch", style=style, layout=layout),
             "flash_attention": w.Checkbox(value=s.flash_attention, description="fused (flash) attention",
-                                          style=style),
+                                          style=style, layout=layout),
             "gpu": w.Dropdown(options=gpu_choices(), value=s.gpu, description="GPU to fit on",
                               style=style, layout=layout),
         }
