@@ -5,24 +5,21 @@
 
 Students call :func:`run_ranks` in the exercise notebooks to try their multi-rank code; the
 exercises' tests call it too, and compare what the ranks return with a single-process
-reference (:func:`assert_close`). A wrong answer must never stall grading: every run has a
-timeout (``COURSE_GRADING_TIMEOUT`` seconds, default 60, or ``timeout=``), after which the ranks
-are killed and :class:`RanksTimeoutError` says which ranks were stuck. A rank that raises stops
-the run at once with :class:`RankError` carrying its traceback.
+reference (:func:`assert_close`). The ranks are forked from the calling process (the notebook's
+kernel) by course_lib's notebook launcher, so ``fn`` may be defined in the notebook or inside a
+test function; values come back pickled.
 
-The ranks are forked from the calling process (the notebook's kernel), so ``fn`` may be defined
-in the notebook or inside a test function; values come back pickled. Forking after CUDA has been
-initialised is unsafe, so that is refused with an explanation.
+A wrong answer must never stall grading: every collective has a timeout
+(``COURSE_GRADING_TIMEOUT`` seconds, default 60, or ``timeout=``) and the whole run a wall-clock
+limit, after which the ranks are stopped and :class:`RanksTimeoutError` says what happened. A
+rank that raises or exits while others wait for it stops the run with :class:`RankError`.
+:func:`p2p_only` lets a test forbid the library collectives and count the bytes a rank sends.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import pickle
-import signal
-import time
-import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -52,7 +49,24 @@ def default_timeout() -> float:
     return seconds
 
 
-def _check(fn, nproc, timeout) -> float:
+def _with_rank(fn, args):
+    """What each rank runs: the exercises' functions take (rank, world_size, *args)."""
+    import torch.distributed as dist
+
+    return fn(dist.get_rank(), dist.get_world_size(), *args)
+
+
+def run_ranks(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float | None = None) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``nproc`` gloo ranks forked from this process
+    (course_lib's :func:`~course_lib.launch.notebook.notebook_launcher`); return their values.
+
+    ``timeout`` (default ``COURSE_GRADING_TIMEOUT`` or 60 s) bounds every collective; the whole
+    call gets 1.5 x timeout + 5 s of wall clock. Raises :class:`RanksTimeoutError` when ranks
+    hang, :class:`RankError` when a rank raises or dies.
+    """
+    from course_lib.launch.checks import LaunchConfigError
+    from course_lib.launch.notebook import NotebookLaunchError, notebook_launcher
+
     if not callable(fn):
         raise TypeError(f"run_ranks needs a function fn(rank, world_size, ...), got {fn!r}")
     if isinstance(nproc, bool) or not isinstance(nproc, int) or not 1 <= nproc <= MAX_RANKS:
@@ -60,109 +74,17 @@ def _check(fn, nproc, timeout) -> float:
     timeout = default_timeout() if timeout is None else float(timeout)
     if not timeout > 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        raise RuntimeError("CUDA is already initialised in this process, and forked ranks cannot "
-                           "use it: restart the kernel and run the multi-rank cells before any "
-                           "cell that touches the GPU (these exercises run on CPU)")
-    return timeout
-
-
-def _rank_main(rank: int, world_size: int, port: int, timeout: float, fn, args, conn) -> None:
-    """Body of a forked rank: join the group, run fn, send ('ok', value) or ('error', text).
-
-    A rank that is done keeps its connections open until the parent stops every rank: a rank
-    that returns early without joining a collective then leaves the others waiting, as it would
-    in a real program, and the parent's timeout names them, instead of gloo reporting a closed
-    connection. The group's own timeout is longer than the parent's, so the parent speaks first.
-    """
-    import datetime
-
-    os.environ["OMP_NUM_THREADS"] = "1"
     try:
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout + 60))
-        value = fn(rank, world_size, *args)
-        try:
-            payload = pickle.dumps(("ok", value))
-        except Exception as e:
-            payload = pickle.dumps(("error", f"rank {rank} returned a value that cannot be sent "
-                                             f"back to the notebook ({type(e).__name__}: {e})"))
-    except BaseException:
-        payload = pickle.dumps(("error", traceback.format_exc()))
-    conn.send_bytes(payload)
-    conn.close()
-    while True:  # until the parent stops every rank (SIGKILL)
-        time.sleep(3600)
-
-
-def _stop(procs) -> None:
-    for p in procs:
-        if p.is_alive():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p.pid, signal.SIGKILL)  # a rank blocked in gloo ignores nothing else
-    for p in procs:
-        p.join(timeout=5)
-
-
-def run_ranks(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float | None = None) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``nproc`` forked gloo ranks; return their values.
-
-    Raises :class:`RanksTimeoutError` when some rank is still running after ``timeout`` seconds
-    (default ``COURSE_GRADING_TIMEOUT`` or 60), :class:`RankError` when a rank raises.
-    """
-    import multiprocessing as mp
-    from multiprocessing.connection import wait
-
-    from course_lib.utils import free_port
-
-    timeout = _check(fn, nproc, timeout)
-    ctx = mp.get_context("fork")
-    port = free_port()
-    procs, conns = [], {}
-    for rank in range(nproc):
-        recv, send = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_rank_main, args=(rank, nproc, port, timeout, fn, args, send),
-                        name=f"rank{rank}", daemon=True)
-        p.start()
-        send.close()
-        procs.append(p)
-        conns[recv] = rank
-    results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while conns:
-            left = deadline - time.monotonic()
-            ready = wait(list(conns), timeout=max(0.0, left)) if left > 0 else []
-            if not ready:
-                stuck = sorted(conns.values())
-                done = sorted(results)
-                raise RanksTimeoutError(
-                    f"rank{'s' if len(stuck) > 1 else ''} {', '.join(map(str, stuck))} of {nproc} "
-                    f"did not finish within {timeout:g} s"
-                    + (f" (rank{'s' if len(done) > 1 else ''} {', '.join(map(str, done))} did)" if done else "")
-                    + ": is there a collective or a receive that some rank never joins?")
-            for conn in ready:
-                rank = conns.pop(conn)
-                try:
-                    status, value = pickle.loads(conn.recv_bytes())
-                except EOFError:
-                    code = procs[rank].join(5) or procs[rank].exitcode
-                    raise RankError(f"rank {rank} died without a result (exit code {code})") from None
-                if status == "error":
-                    raise RankError(f"rank {rank} of {nproc} failed:\n{value}")
-                results[rank] = value
-    finally:
-        _stop(procs)
-        for conn in conns:
-            conn.close()
-    return [results[r] for r in range(nproc)]
+        return notebook_launcher(_with_rank, (fn, args), nproc=nproc, timeout=timeout,
+                                 time_limit=1.5 * timeout + 5)
+    except LaunchConfigError:
+        raise
+    except NotebookLaunchError as e:
+        message = str(e)
+        if "time limit" in message or "timed out" in message:
+            raise RanksTimeoutError(f"the {nproc} ranks did not finish within {timeout:g} s: "
+                                    f"{message}") from None
+        raise RankError(message + (f"\n{e.traceback}" if e.traceback else "")) from None
 
 
 # --------------------------------------------------------------------------------------------
