@@ -16,7 +16,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 
 from course_lib.model import GPT, GPTConfig
 from course_lib.parallel.spawn import run_ranks
@@ -84,8 +84,8 @@ def max_diff(a: dict, b: dict) -> float:
     worst = 0.0
     if isinstance(a, dict):
         assert set(a) == set(b), (sorted(map(str, a)), sorted(map(str, b)))
-        for k in a:
-            worst = max(worst, max_diff(a[k], b[k]))
+        for k, v in a.items():
+            worst = max(worst, max_diff(v, b[k]))
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b)
         for u, v in zip(a, b):

@@ -11,8 +11,12 @@ import torch.distributed as dist
 
 from course_lib.model import GPT, GPTConfig
 from course_lib.parallel.data_parallel import DataParallelBucket
-from course_lib.parallel.process_groups import (ProcessGroupGrid, check_grid, grid_coords,
-                                                group_ranks)
+from course_lib.parallel.process_groups import (
+    ProcessGroupGrid,
+    check_grid,
+    grid_coords,
+    group_ranks,
+)
 from course_lib.parallel.spawn import run_ranks
 from course_lib.parallel.tensor_parallel import tensor_parallel_gpt
 from course_lib.parallel.toy import adamw

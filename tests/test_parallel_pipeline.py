@@ -17,8 +17,14 @@ import torch
 
 from course_lib.model import GPT, GPTConfig
 from course_lib.parallel.comms import Comms
-from course_lib.parallel.pipeline_parallel import (SCHEDULES, Pipeline, gpt_stage, mlp_stage,
-                                                   schedule_ops, split_layers)
+from course_lib.parallel.pipeline_parallel import (
+    SCHEDULES,
+    Pipeline,
+    gpt_stage,
+    mlp_stage,
+    schedule_ops,
+    split_layers,
+)
 from course_lib.parallel.spawn import run_ranks
 from course_lib.parallel.toy import ToyMLP, adamw, toy_batch
 

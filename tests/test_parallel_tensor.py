@@ -17,9 +17,13 @@ import torch.nn.functional as F
 from course_lib.model import GPT, MLP, GPTConfig
 from course_lib.parallel.comms import Comms
 from course_lib.parallel.spawn import run_ranks
-from course_lib.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
-                                                 TensorParallelMLP, split_matmul_example,
-                                                 tensor_parallel_gpt)
+from course_lib.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelMLP,
+    split_matmul_example,
+    tensor_parallel_gpt,
+)
 from course_lib.parallel.toy import adamw
 
 STEPS, TOL = 10, 1e-6

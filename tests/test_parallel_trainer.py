@@ -22,10 +22,11 @@ from course_lib.parallel.strategy import STRATEGIES
 from course_lib.utils import free_port
 
 ITERS = 6
-TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=4, gradient_accumulation_steps=2,
-            max_iters=ITERS, lr_decay_iters=ITERS, warmup_iters=2, learning_rate=3e-3, eval_interval=3,
-            eval_iters=2, log_interval=1, dropout=0.0, dtype="float32", device="cpu", threads=1,
-            compile=False)
+TINY = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "batch_size": 4,
+        "gradient_accumulation_steps": 2, "max_iters": ITERS, "lr_decay_iters": ITERS,
+        "warmup_iters": 2, "learning_rate": 3e-3, "eval_interval": 3, "eval_iters": 2,
+        "log_interval": 1, "dropout": 0.0, "dtype": "float32", "device": "cpu", "threads": 1,
+        "compile": False}
 DISTRIBUTED = [s for s in STRATEGY_NAMES if s != "single"]
 
 
@@ -70,7 +71,7 @@ def test_every_strategy_gives_the_same_losses_and_resumes(tmp_path):
     # checkpoints: stop at iteration 3 and resume to the end, with the same or another strategy;
     # every resumed run must continue exactly like plain data parallelism resumed from its own
     # checkpoint (and the state at the checkpoint must be the uninterrupted run's)
-    half = dict(max_iters=3, nproc=2)
+    half = {"max_iters": 3, "nproc": 2}
     resumes = [("ddp", "ddp"), ("zero3", "zero3"), ("fsdp_full", "zero1"), ("zero2", "fsdp_grad_op")]
     first = [base.replace(out_dir=str(tmp_path / f"{a}-{b}"), strategy=a, **half) for a, b in resumes]
     second = [base.replace(out_dir=str(tmp_path / f"{a}-{b}"), strategy=b, nproc=2,

@@ -52,7 +52,7 @@ def one_step(strategy, x, y):
 
 def figures_worker(rank: int, world_size: int) -> dict:
     out = {}
-    for name, stage in STAGES.items():
+    for name in STAGES:
         strategy = build_strategy(name, toy(), adamw)
         one_step(strategy, *toy_batch(8, seed=rank, d_in=16))  # creates the optimizer states
         strategy.comms.reset()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from course_lib.parallel.comms import Comms, broadcast_module
 from course_lib.parallel.strategy import Strategy

@@ -32,8 +32,8 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from course_lib.parallel.comms import Comms
 
@@ -174,16 +174,19 @@ class Pipeline:
         self.pp_rank, self.pp_world_size = comms.rank, comms.world_size
         self.is_first, self.is_last = self.pp_rank == 0, self.pp_rank == self.pp_world_size - 1
         self.dtype = next(stage.parameters()).dtype
+        self.device = next(stage.parameters()).device  # NCCL sends CUDA tensors only
 
     def _recv(self, shape, src: int) -> tuple[torch.Tensor, float]:
-        t, tick = torch.empty(shape, dtype=self.dtype), torch.zeros(1, dtype=torch.float64)
+        t = torch.empty(shape, dtype=self.dtype, device=self.device)
+        tick = torch.zeros(1, dtype=torch.float64, device=self.device)
         self.comms.recv(t, src)
         self.comms.recv(tick, src)
         return t, tick.item()
 
     def _send(self, t: torch.Tensor, tick: float, dst: int) -> None:
         self.sends.append(self.comms.isend(t.contiguous(), dst))
-        self.sends.append(self.comms.isend(torch.tensor([tick], dtype=torch.float64), dst))
+        self.sends.append(self.comms.isend(
+            torch.tensor([tick], dtype=torch.float64, device=self.device), dst))
 
     def train_step(self, x: torch.Tensor, targets: torch.Tensor, n_micro: int):
         """Forward and backward of one batch (gradients accumulate in the stage's parameters).
@@ -193,7 +196,7 @@ class Pipeline:
         xs, ys = x.chunk(n_micro), targets.chunk(n_micro)
         t_step, busy_s, clock, busy = time.perf_counter(), 0.0, 0.0, 0
         self.sends, saved, in_flight, peak = [], {}, 0, 0
-        loss_sum = torch.zeros((), dtype=torch.float32)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         for op, i in schedule_ops(self.schedule, n_micro, self.pp_rank, self.pp_world_size):
             if op == "F":
                 ready = 0.0
@@ -229,7 +232,7 @@ class Pipeline:
         for work in self.sends:
             self.comms.wait(work)
         self._sum_tied_grads()
-        total = torch.tensor([clock], dtype=torch.float64)
+        total = torch.tensor([clock], dtype=torch.float64, device=self.device)
         self.comms.all_reduce(total, op=torch.distributed.ReduceOp.MAX)  # the step's makespan
         self.comms.broadcast(loss_sum, src=self.pp_world_size - 1)
         stats = PipelineStats(busy, total.item(), busy_s, time.perf_counter() - t_step, peak)

@@ -13,8 +13,9 @@ from __future__ import annotations
 import importlib
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,8 @@ def _worker(rank: int, fn, world_size: int, args: tuple, backend: str, port: int
             out_dir: str, threads: int) -> None:
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
+    if backend == "nccl":  # one GPU per rank
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size)
     try:

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 

@@ -25,8 +25,8 @@ Vocabulary: ``tp_rank``, ``tp_world_size``; the communication goes through a
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from course_lib.parallel.comms import Comms
 

@@ -104,7 +104,10 @@ class FSDP2(Strategy):
 
     def state_dict(self) -> dict:
         """Full state on every rank; optimizer state keyed by index like an unsharded optimizer."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
 
         model = get_model_state_dict(self.module, options=self._options())
         if not self.optimizer.state:  # before the first step: nothing sharded to gather, and
@@ -119,7 +122,10 @@ class FSDP2(Strategy):
                               "param_groups": groups}}
 
     def load_state_dict(self, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         names = self._param_names()
         full = copy.deepcopy(state["optimizer"])  # set_optimizer_state_dict edits what it gets

@@ -7,16 +7,18 @@ odd so that sharding needs padding, as with real models.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 
 class ToyMLP(nn.Module):
     def __init__(self, d_in: int = 12, width: int = 37, n_classes: int = 5, n_layers: int = 3):
         super().__init__()
         dims = [d_in] + [width] * n_layers
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(dims))
         self.head = nn.Linear(width, n_classes)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):

@@ -23,6 +23,10 @@ rebuilt over the shards; AdamW is element-wise, so updating shards equals updati
 In fp32 a rank's shard is a view into the full parameter (no copy); with 16-bit parameters it is
 an fp32 master copy, as in mixed-precision ZeRO.
 
+Gradient accumulation: stage 1 accumulates full gradients locally and communicates once, after
+the last micro-batch; stage 2 keeps no full gradients, so it reduce-scatters every micro-batch and
+sums the shards (``no_sync`` saves no communication there, as with FSDP's default).
+
 Checkpoints: ``state_dict()`` gathers the FULL model and optimizer state, in the format of the
 trainer's unsharded optimizer, identical on every rank (a collective: call it on all ranks).
 A checkpoint of any strategy therefore loads into any other, at any number of ranks.
@@ -35,7 +39,7 @@ import math
 from itertools import accumulate
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from course_lib.parallel.comms import Comms, broadcast_module
 from course_lib.parallel.strategy import Strategy

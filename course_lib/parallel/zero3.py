@@ -23,7 +23,7 @@ gradients are kept between micro-batches, so ``no_sync`` does not save communica
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from course_lib.parallel.zero import ShardedStrategy, ShardLayout
 
