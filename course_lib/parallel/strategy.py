@@ -13,6 +13,15 @@ A training step with gradient accumulation reads, for any strategy::
 
 ``comm_s`` accumulates the wall time spent waiting in collectives (exposed communication); the
 trainer reads and resets it each step to report ``comm_ms``.
+
+Checkpoints: ``state_dict()`` returns the FULL model and optimizer state, gathered from the shards
+for the sharded strategies, in the format of the unsharded optimizer, identical on every rank
+(for sharded strategies it is a collective: call it on every rank). One format for all
+strategies: a checkpoint written under ZeRO-3 resumes under DDP or FSDP, and the reverse;
+``load_state_dict`` takes that full state and keeps this rank's shards. Gathering costs one full
+copy of the model states in each rank's memory while saving: fine for the course's models; for
+models that do not fit once per rank, per-rank sharded checkpoints (torch.distributed.checkpoint)
+are the way, not implemented here.
 """
 
 from __future__ import annotations
