@@ -13,9 +13,12 @@ Multi-node runs on a cluster use the plain ``torchrun``: there the store must be
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import socket
 import sys
+import traceback
 from datetime import timedelta
 
 LOOPBACK_ENV = "COURSE_LOOPBACK_STORE"
@@ -70,11 +73,24 @@ def main(argv: list[str] | None = None) -> None:
     # Belt and braces: the launcher sets this too (preexec); a hand-started agent gets it here.
     if os.environ.get("COURSE_PDEATHSIG") == "1":
         set_parent_death_signal()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # where is the agent? (kill -USR1)
     if os.environ.get(LOOPBACK_ENV) == "1":
         install_loopback_store()
     from torch.distributed.run import main as torchrun_main
 
-    torchrun_main(sys.argv[1:] if argv is None else argv)
+    code = 0
+    try:
+        torchrun_main(sys.argv[1:] if argv is None else argv)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - torchrun's failure summary is in the traceback
+        traceback.print_exc()
+        code = 1
+    # torchrun has stopped its workers by now. Skip the interpreter's teardown: with torch
+    # loaded it takes seconds on a busy machine, and it is all the stop button would wait for.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
