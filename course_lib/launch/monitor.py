@@ -44,11 +44,14 @@ class LogTail:
         except FileNotFoundError:
             return []
         self.pos += len(data)
-        *lines, self.partial = (self.partial + data).split(b"\n")
+        *lines, partial = (self.partial + data).split(b"\n")
+        # A progress bar redraws its line with "\r": keep what a terminal would show, the last.
+        self.partial = partial[partial.rfind(b"\r", 0, len(partial) - 1) + 1:]
         if self.partial and (final or len(self.partial) > 8192):
             lines.append(self.partial)
             self.partial = b""
-        return [line.decode("utf-8", "replace").rstrip("\r") for line in lines]
+        lines = [line.rstrip(b"\r") for line in lines]
+        return [line[line.rfind(b"\r") + 1:].decode("utf-8", "replace") for line in lines]
 
 
 class OutputStreamer:
@@ -199,11 +202,11 @@ class MetricsProgress:
 
     STEP_COLUMNS = ("iter", "step", "iteration")
 
-    def __init__(self, path: str, total: int | None, desc: str = "train"):
+    def __init__(self, path: str, total: int | None, desc: str = "train", file=None):
         from tqdm.auto import tqdm
 
         self.path, self.size = path, -1
-        self.bar = tqdm(total=total, desc=desc, unit="it", dynamic_ncols=True)
+        self.bar = tqdm(total=total, desc=desc, unit="it", dynamic_ncols=True, file=file)
 
     def poll(self) -> None:
         try:
@@ -224,7 +227,8 @@ class MetricsProgress:
         except (TypeError, ValueError):
             n = len(rows)
         self.bar.n = min(n, self.bar.total) if self.bar.total else n
-        shown = {k: last[k] for k in ("loss", "train_loss", "val_loss") if last.get(k) not in (None, "")}
+        shown = {k: f"{float(last[k]):.4f}" for k in ("loss", "train_loss", "val_loss")
+                 if last.get(k) not in (None, "")}
         if shown:
             self.bar.set_postfix(shown, refresh=False)
         self.bar.refresh()

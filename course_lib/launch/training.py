@@ -108,7 +108,9 @@ def launch_training(config, *, nproc=None, nnodes: int = 1, timeout: float | Non
     if getattr(config, "threads", 0):
         env.setdefault("OMP_NUM_THREADS", str(config.threads))
     total = config.max_iters + 1  # iterations 0..max_iters, as nanoGPT counts them
-    bar = (lambda rd: MetricsProgress(str(rd / "metrics.csv"), total, desc=config.name)) if progress else None
+    err = launch_kwargs.get("err")
+    bar = (lambda rd: MetricsProgress(str(rd / "metrics.csv"), total, desc=config.name, file=err)) \
+        if progress else None
     return launch(TRAIN_MODULE, ["--config-file", str(config_file)], module=True, nproc=nproc,
                   nnodes=nnodes, device=device, timeout=timeout, collective_timeout=config.timeout_s,
                   env=env, run_dir=run_dir, show_ranks=show_ranks, progress=bar, check=check,
