@@ -107,15 +107,23 @@ def _torchrun_line(nodes: int, nproc: int, head: str, run_id: str, port: int, jo
     return " ".join(args + [shlex.quote(t) for t in target] + [shlex.quote(a) for a in train_args])
 
 
-def _env_lines(nproc: int, cpus_per_node: int | None, nccl_debug: str | None) -> list[str]:
+def current_venv_activate() -> str | None:
+    """The activate script of the virtual environment this Python runs in, if any."""
+    if sys.prefix == sys.base_prefix:
+        return None
+    return os.path.join(sys.prefix, "bin", "activate")
+
+
+def _env_lines(nproc: int, cpus_per_node: int | None, nccl_debug: str | None,
+               activate: str | None) -> list[str]:
     lines = []
     if cpus_per_node:
         lines.append(f"export OMP_NUM_THREADS={max(1, cpus_per_node // max(1, nproc))}")
     if nccl_debug:
         lines += [f"export NCCL_DEBUG={shlex.quote(nccl_debug)}",
                   'export NCCL_DEBUG_FILE="nccl-%h-%p.log"  # one file per host and process']
-    if sys.prefix != sys.base_prefix:  # the virtual environment this script was written from
-        lines.append(f"source {shlex.quote(os.path.join(sys.prefix, 'bin', 'activate'))}")
+    if activate:  # the virtual environment the script was written from
+        lines.append(f"source {shlex.quote(activate)}")
     return lines
 
 
@@ -140,6 +148,10 @@ def _validate(nodes: int, gpus_per_node: int, nproc_per_node: int | None, **word
     return nproc
 
 
+def _activate(activate: str | None) -> str | None:
+    return current_venv_activate() if activate == "auto" else activate
+
+
 def _check_time(time_limit: str) -> None:
     if not _TIME.match(time_limit):
         raise ValueError(f"time limit {time_limit!r} must look like HH:MM:SS (or D-HH:MM:SS)")
@@ -150,7 +162,8 @@ def slurm_script(nodes: int, gpus_per_node: int, train_args: Sequence[str] = (),
                  time_limit: str = "01:00:00", partition: str | None = None,
                  account: str | None = None, cpus_per_node: int | None = None,
                  nproc_per_node: int | None = None, port: int = DEFAULT_PORT,
-                 join_timeout: int = 300, nccl_debug: str | None = None) -> str:
+                 join_timeout: int = 300, nccl_debug: str | None = None,
+                 activate: str | None = "auto") -> str:
     """An sbatch script: one srun task per node, each running torchrun with G workers."""
     nproc = _validate(nodes, gpus_per_node, nproc_per_node, job_name=job_name,
                       partition=partition, account=account)
@@ -163,10 +176,11 @@ def slurm_script(nodes: int, gpus_per_node: int, train_args: Sequence[str] = (),
         d.append(f"--cpus-per-task={cpus_per_node}")
     d += [f"--partition={partition}"] if partition else []
     d += [f"--account={account}"] if account else []
-    lines = ["#!/bin/bash", *(f"#SBATCH {x}" for x in d), "set -euo pipefail", "",
+    lines = ["#!/bin/bash", *(f"#SBATCH {x}" for x in d),
+             *_env_lines(nproc, cpus_per_node, nccl_debug, _activate(activate)),
+             "set -euo pipefail", "",
              "# The first node of the allocation hosts the rendezvous store.",
-             'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-             *_env_lines(nproc, cpus_per_node, nccl_debug), "",
+             'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)', "",
              "srun --kill-on-bad-exit=1 " + _torchrun_line(
                  nodes, nproc, "$head_node", "$SLURM_JOB_ID", port, join_timeout, target, train_args)]
     return "\n".join(lines) + "\n"
@@ -177,7 +191,8 @@ def pbs_script(nodes: int, gpus_per_node: int, train_args: Sequence[str] = (), *
                time_limit: str = "01:00:00", partition: str | None = None,
                account: str | None = None, cpus_per_node: int | None = None,
                nproc_per_node: int | None = None, port: int = DEFAULT_PORT,
-               join_timeout: int = 300, nccl_debug: str | None = None) -> str:
+               join_timeout: int = 300, nccl_debug: str | None = None,
+               activate: str | None = "auto") -> str:
     """A qsub script: mpiexec starts one torchrun per node (-ppn 1), each with G workers."""
     nproc = _validate(nodes, gpus_per_node, nproc_per_node, job_name=job_name,
                       queue=partition, account=account)
@@ -188,10 +203,15 @@ def pbs_script(nodes: int, gpus_per_node: int, train_args: Sequence[str] = (), *
     d = [f"-N {job_name}", f"-l {select}", f"-l walltime={time_limit}", "-j oe"]
     d += [f"-q {partition}"] if partition else []
     d += [f"-A {account}"] if account else []
-    lines = ["#!/bin/bash", *(f"#PBS {x}" for x in d), "set -euo pipefail", 'cd "$PBS_O_WORKDIR"', "",
+    lines = ["#!/bin/bash", *(f"#PBS {x}" for x in d),
+             "# The system's MPI, found before the venv's mpich wheel could shadow it.",
+             ('mpiexec_bin=$(command -v mpiexec) || { echo "mpiexec not found: load your MPI '
+              '(module load ...)" >&2; exit 1; }'),
+             *_env_lines(nproc, cpus_per_node, nccl_debug, _activate(activate)),
+             "set -euo pipefail", 'cd "$PBS_O_WORKDIR"', "",
              "# The first node of the allocation hosts the rendezvous store.",
-             'head_node=$(head -n 1 "$PBS_NODEFILE")', *_env_lines(nproc, cpus_per_node, nccl_debug), "",
-             f"mpiexec -n {nodes} -ppn 1 " + _torchrun_line(
+             'head_node=$(head -n 1 "$PBS_NODEFILE")', "",
+             f'"$mpiexec_bin" -n {nodes} -ppn 1 ' + _torchrun_line(
                  nodes, nproc, "$head_node", "$PBS_JOBID", port, join_timeout, target, train_args)]
     return "\n".join(lines) + "\n"
 
