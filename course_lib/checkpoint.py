@@ -97,13 +97,14 @@ def check_resumable(saved: dict, cfg: TrainConfig, path: str | os.PathLike = "ch
                           f"pass {fix} to continue that run, or start a new one in another --out_dir")
 
 
-def rng_state(data_generator: torch.Generator) -> dict:
-    """This rank's random state: torch (CPU and CUDA), Python's, and the data sampler's."""
+def rng_state(data_state: torch.Tensor) -> dict:
+    """This rank's random state: torch (CPU and CUDA), Python's, and the data sampler's
+    (``data_state``: the sampler generator's state that redraws the pending batch)."""
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None,
         "python": random.getstate(),
-        "data": data_generator.get_state(),
+        "data": data_state,
     }
 
 

@@ -235,8 +235,9 @@ def parse_overrides(args: list[str]) -> dict:
             elif i + 1 < len(args) and not args[i + 1].startswith("--"):
                 i, text = i + 1, args[i + 1]
             else:
-                parse_value(name, "")  # an unknown name gets its own message first
-                raise ConfigError(f"--{name} needs a value (--{name}=VALUE)")
+                if name in FIELDS:
+                    raise ConfigError(f"--{name} needs a value (--{name}=VALUE)")
+                parse_value(name, "")  # raises: unknown option (with a suggestion)
         out[name] = parse_value(name, text)
         i += 1
     return out

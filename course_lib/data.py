@@ -205,6 +205,8 @@ class TrainBatches:
 
     Each call draws dp_world_size * grad_accum * B start offsets from ``generator`` (identical on
     every rank) and keeps this rank's slice of the global batch, laid out (rank, micro, row).
+    ``resume_state`` is the generator state before the latest draw: a checkpoint taken while
+    that batch is pending saves it, so the resumed run draws the same batch again.
     """
 
     def __init__(self, tokens, batch_size: int, block_size: int, grad_accum: int, dp_rank: int,
@@ -217,11 +219,13 @@ class TrainBatches:
         self.shape = (dp_world_size, grad_accum, batch_size)
         self.dp_rank = dp_rank
         self.generator = torch.Generator().manual_seed(seed)
+        self.resume_state = self.generator.get_state()
         self.pin = self.device.type == "cuda"
 
     def next(self):
         import torch
 
+        self.resume_state = self.generator.get_state()  # drawing again from here repeats this batch
         starts = torch.randint(self.tokens.numel() - self.block_size, self.shape, generator=self.generator)
         x, y = _windows(self.tokens, starts[self.dp_rank], self.block_size)  # (accum, B, T) each
         if self.pin:  # page-locked host memory lets the copy overlap with compute
@@ -229,11 +233,6 @@ class TrainBatches:
                     y.pin_memory().to(self.device, non_blocking=True))
         return x.to(self.device), y.to(self.device)
 
-    def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
 
 
 def eval_batches(tokens, batch_size: int, block_size: int, n_batches: int, seed: int, dp_rank: int,

@@ -10,7 +10,7 @@ in forward/backward and the optimizer step (CUDA events on a GPU, so no host syn
 ``comm_ms`` the exposed communication the Strategy measured (``comm_s``). ``tflops`` is the
 achieved model FLOP/s of the whole job and ``mfu`` that over the peak of all its devices (PaLM,
 Chowdhery et al. 2022, App. B); on a CPU the peak is an estimate (course_lib.hardware).
-Rows are flushed as they are written, so a crash loses nothing already logged.
+Each row is on disk (file closed) as soon as it is written: a crash loses nothing already logged.
 """
 
 from __future__ import annotations
@@ -53,16 +53,12 @@ class MetricsWriter:
             w.writeheader()
             w.writerows(keep)
         os.replace(tmp, self.path)
-        self._file = open(self.path, "a", newline="")
-        self._writer = csv.DictWriter(self._file, COLUMNS, extrasaction="ignore")
 
     def write(self, row: dict) -> None:
-        self._writer.writerow({k: ("" if v is None or (isinstance(v, float) and math.isnan(v)) else v)
-                               for k, v in row.items()})
-        self._file.flush()
-
-    def close(self) -> None:
-        self._file.close()
+        """Append one row; the file is closed again at once (one row per log step: cheap)."""
+        with open(self.path, "a", newline="") as f:
+            csv.DictWriter(f, COLUMNS, extrasaction="ignore").writerow(
+                {k: ("" if v is None or (isinstance(v, float) and math.isnan(v)) else v) for k, v in row.items()})
 
 
 class SpanTimer:

@@ -132,12 +132,14 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
 
     Under torchrun every worker calls this; launch through :func:`course_lib.train_launch.run`.
     """
+    threads_before = torch.get_num_threads()
     rt = setup_runtime(cfg)
     try:
         return _train(cfg, rt, progress)
     finally:
         if rt.distributed and dist.is_initialized():
             dist.destroy_process_group()
+        torch.set_num_threads(threads_before)  # a notebook or test process keeps its own setting
 
 
 def _train(cfg: TrainConfig, rt: Runtime, progress: bool) -> dict:
@@ -218,15 +220,15 @@ def _train(cfg: TrainConfig, rt: Runtime, progress: bool) -> dict:
         if peak and profile.estimated:
             print(f"[{cfg.name}] MFU is relative to an ESTIMATED CPU peak of {peak / 1e9:.0f} GFLOP/s per worker "
                   "(cores x 2.5 GHz x FLOP/cycle)", flush=True)
-        if start_iter:
+        if cfg.init_from == "resume":
             print(f"[{cfg.name}] resumed from {out_dir / ckpt_io.LAST} at iter {start_iter}", flush=True)
 
     def save_checkpoint(it: int, val_loss: float, is_best: bool) -> None:
         state = strategy.state_dict()  # full state; a collective for sharded strategies
-        rngs = [ckpt_io.rng_state(batches.generator)]
+        rngs = [ckpt_io.rng_state(batches.resume_state)]
         if rt.world_size > 1:
             rngs = [None] * rt.world_size
-            dist.all_gather_object(rngs, ckpt_io.rng_state(batches.generator))
+            dist.all_gather_object(rngs, ckpt_io.rng_state(batches.resume_state))
         if master:
             ckpt_io.save_checkpoint(out_dir / ckpt_io.LAST, {
                 "format": ckpt_io.FORMAT_VERSION, **state, "iter_num": it, "val_loss": val_loss,
@@ -319,7 +321,6 @@ def _train(cfg: TrainConfig, rt: Runtime, progress: bool) -> dict:
                "train_loss": last_eval["train"], "best_val_loss": best_val, "world_size": rt.world_size,
                "strategy": strategy_name, "ms_per_iter": 1e3 * run_s / run_steps if run_steps else math.nan}
     if master:
-        metrics.close()
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         print(f"[{cfg.name}] done: iter {cfg.max_iters}, train loss {summary['train_loss']:.4f}, "
               f"val loss {summary['val_loss']:.4f} (best {best_val:.4f}), {summary['ms_per_iter']:.1f} ms/iter",

@@ -1,0 +1,119 @@
+"""TrainConfig: presets as the issue states them (nanoGPT's recipes), typed --field=value
+overrides, errors that name the field, JSON round trip, and errors raised before any spawn."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from course_lib.config import PRESETS, STRATEGY_NAMES, ConfigError, TrainConfig, make_config, parse_overrides
+from course_lib.train_launch import build_config, cli
+
+
+def test_presets_are_nanogpts_recipes():
+    # nanoGPT config/train_shakespeare_char.py
+    gpu = make_config("shakespeare_char")
+    assert (gpu.n_layer, gpu.n_head, gpu.n_embd, gpu.block_size, gpu.batch_size) == (6, 6, 384, 256, 64)
+    assert (gpu.dropout, gpu.learning_rate, gpu.max_iters, gpu.lr_decay_iters) == (0.2, 1e-3, 5000, 5000)
+    assert (gpu.min_lr, gpu.beta2, gpu.warmup_iters, gpu.eval_interval, gpu.eval_iters) == (1e-4, 0.99, 100, 250, 200)
+    assert gpu.bias is False and gpu.gradient_accumulation_steps == 1 and gpu.dataset == "shakespeare_char"
+    # nanoGPT README's CPU run of the same recipe
+    cpu = make_config("shakespeare_char_cpu")
+    assert (cpu.n_layer, cpu.n_head, cpu.n_embd, cpu.block_size, cpu.batch_size) == (4, 4, 128, 64, 12)
+    assert (cpu.dropout, cpu.max_iters, cpu.lr_decay_iters, cpu.eval_iters) == (0.0, 2000, 2000, 20)
+    assert (cpu.learning_rate, cpu.min_lr, cpu.beta2, cpu.warmup_iters) == (1e-3, 1e-4, 0.99, 100)
+    assert set(PRESETS) == {"shakespeare_char", "shakespeare_char_cpu"}
+
+
+def test_overrides_are_typed():
+    o = parse_overrides(["--max_iters=500", "--learning_rate=3e-4", "--compile", "--bias=false",
+                         "--dataset", "shakespeare", "--nproc=3", "--dropout=0"])
+    assert o == {"max_iters": 500, "learning_rate": 3e-4, "compile": True, "bias": False,
+                 "dataset": "shakespeare", "nproc": 3, "dropout": 0.0}
+    assert type(o["dropout"]) is float
+    cfg = make_config("shakespeare_char_cpu", o)
+    assert cfg.max_iters == 500 and cfg.n_layer == 4  # preset, then overrides
+    assert parse_overrides(["--nproc=auto"])["nproc"] >= 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max_iters=abc"], "--max_iters: expected an integer, got 'abc'"),
+    (["--max_iters=1.5"], "--max_iters: expected an integer"),
+    (["--learning_rate=fast"], "--learning_rate: expected a number"),
+    (["--compile=maybe"], "--compile: expected true or false"),
+    (["--n_layers=4"], r"unknown option --n_layers \(did you mean --n_layer\?\)"),
+    (["--max_iters"], "--max_iters needs a value"),
+    (["max_iters=3"], "expected --field=value"),
+])
+def test_bad_overrides_name_the_field(args, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_overrides(args)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"n_embd": 130, "n_head": 4}, r"n_embd \(130\) must be divisible by n_head \(4\)"),
+    ({"batch_size": 0}, "batch_size must be >= 1"),
+    ({"dropout": 1.0}, "dropout must be in"),
+    ({"strategy": "horovod"}, "strategy must be one of"),
+    ({"dtype": "fp8"}, "dtype must be one of"),
+    ({"device": "tpu"}, "device must be"),
+    ({"strategy": "single", "nproc": 2}, "strategy 'single' runs one process"),
+    ({"max_iters": "10"}, "max_iters: expected int, got str"),
+    ({"compile": 1}, "compile: expected bool, got int"),
+])
+def test_invalid_values_are_rejected(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig(**changes)
+
+
+def test_every_strategy_name_is_accepted_and_auto_resolves():
+    for name in STRATEGY_NAMES:
+        TrainConfig(strategy=name, nproc=1 if name == "single" else 2)
+    assert TrainConfig().resolved_strategy(1) == "single"
+    assert TrainConfig(nproc=2).resolved_strategy(2) == "ddp"  # ours is the default for nproc > 1
+
+
+def test_frozen_and_json_round_trip(tmp_path):
+    cfg = make_config("shakespeare_char", {"nproc": 2, "out_dir": str(tmp_path)})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.max_iters = 1
+    path = tmp_path / "config.json"
+    path.write_text(cfg.to_json())
+    assert TrainConfig.load(path) == cfg
+    d = json.loads(cfg.to_json())
+    d["learning_rate"] = 1  # JSON may write a float as an int
+    assert TrainConfig.from_dict(d).learning_rate == 1.0
+    with pytest.raises(ConfigError, match="unknown field.*wandb_log"):
+        TrainConfig.from_json(json.dumps({**d, "wandb_log": True}))
+    with pytest.raises(ConfigError, match="n_layer: expected int, got str"):
+        TrainConfig.from_json(json.dumps({**d, "n_layer": "6"}))
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        TrainConfig.from_json("{")
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        TrainConfig.load(tmp_path / "missing.json")
+
+
+def test_build_config_from_preset_file_and_resume(tmp_path):
+    cfg, _ = build_config(["--config=shakespeare_char_cpu", "--max_iters=7", f"--out_dir={tmp_path}"])
+    assert cfg.max_iters == 7 and cfg.n_embd == 128
+    (tmp_path / "config.json").write_text(cfg.to_json())
+    same, _ = build_config(["--config-file", str(tmp_path / "config.json")])
+    assert same == cfg
+    resumed, _ = build_config(["--resume", f"--out_dir={tmp_path}", "--max_iters=9"])
+    assert resumed == cfg.replace(init_from="resume", max_iters=9)  # the run's own config + overrides
+    with pytest.raises(ConfigError, match="--resume needs --out_dir"):
+        build_config(["--resume"])
+    with pytest.raises(ConfigError, match="unknown --config 'gpt2'"):
+        build_config(["--config=gpt2"])
+
+
+def test_cli_reports_bad_input_before_spawning(tmp_path, capsys):
+    assert cli(["--max_iters=abc"]) == 2
+    assert "course train: error: --max_iters: expected an integer" in capsys.readouterr().err
+    # data not prepared: the message says how to prepare it, and no worker was started
+    assert cli([f"--data_dir={tmp_path}", "--nproc=2", f"--out_dir={tmp_path / 'run'}"]) == 1
+    err = capsys.readouterr().err
+    assert f"run: course data prepare shakespeare_char --data-dir {tmp_path}" in err
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,166 @@
+"""Dataset preparation: published token counts, the offline GPT-2 tokenizer, idempotence, bad
+input, batch sharding across ranks, and the shipped data inside a built wheel.
+
+Published counts for Tiny Shakespeare with a 90/10 split by characters: nanoGPT
+``data/shakespeare_char/prepare.py`` (vocab 65; train 1,003,854 / val 111,540 tokens) and
+``data/shakespeare/readme.md`` (GPT-2 BPE: train 301,966 / val 36,059 tokens).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from course_lib import data
+from course_lib.utils import repo_root, shipped_file
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    for name in data.DATASETS:
+        data.prepare(name, root, quiet=True)
+    return root
+
+
+def test_char_counts_match_nanogpt(prepared):
+    meta = json.loads((prepared / "shakespeare_char" / "meta.json").read_text())
+    assert meta["vocab_size"] == 65 and len(meta["chars"]) == 65
+    assert (meta["train_tokens"], meta["val_tokens"]) == (1_003_854, 111_540)
+    train = np.fromfile(prepared / "shakespeare_char" / "train.bin", dtype=np.uint16)
+    assert train.size == 1_003_854 and train.max() < 65
+    # the ids decode back to the text's first characters
+    _, decode = data.tokenizer(meta)
+    assert decode(train[:14].tolist()) == shipped_file("tinyshakespeare.txt").read_text()[:14] == "First Citizen:"
+
+
+def test_gpt2_counts_match_nanogpt(prepared):
+    meta = data.load_meta(prepared, "shakespeare")
+    assert meta["tokenizer"] == "gpt2" and meta["vocab_size"] == 50257
+    assert (meta["train_tokens"], meta["val_tokens"]) == (301_966, 36_059)
+    assert data.load_tokens(prepared, "shakespeare", "val").numel() == 36_059
+    assert data.model_vocab_size(meta) == 50304  # padded to a multiple of 64, like nanoGPT
+
+
+def test_gpt2_encoding_built_offline_from_shipped_ranks():
+    enc = data.gpt2_encoding()
+    assert enc.encode("Hello world") == [15496, 995]  # GPT-2's published ids (tiktoken "gpt2")
+    assert enc.n_vocab == 50257 and enc.eot_token == 50256
+    text = "ROMEO: But soft, what light through yonder window breaks?\n  It is the east!"
+    assert enc.decode(enc.encode_ordinary(text)) == text
+
+
+def test_prepare_is_idempotent_and_repairs_truncated_output(tmp_path, capsys):
+    out = data.prepare("shakespeare_char", tmp_path)
+    mtime = (out / "train.bin").stat().st_mtime_ns
+    data.prepare("shakespeare_char", tmp_path)
+    assert "already prepared" in capsys.readouterr().out
+    assert (out / "train.bin").stat().st_mtime_ns == mtime  # not rewritten
+    # a truncated file is detected: loading says what to do, preparing again repairs it
+    with open(out / "train.bin", "r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(data.DataError, match="prepare shakespeare_char --force"):
+        data.load_tokens(tmp_path, "shakespeare_char", "train")
+    data.prepare("shakespeare_char", tmp_path, quiet=True)
+    assert data.load_tokens(tmp_path, "shakespeare_char", "train").numel() == 1_003_854
+
+
+def test_missing_and_corrupt_input_give_clear_errors(tmp_path, monkeypatch):
+    with pytest.raises(data.DataError, match="not found at .*nope.txt"):
+        data.prepare("shakespeare_char", tmp_path, source=tmp_path / "nope.txt")
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\xff\xfe not utf-8")
+    with pytest.raises(data.DataError, match="not UTF-8"):
+        data.prepare("shakespeare_char", tmp_path, source=bad)
+    # a damaged shipped text fails its sha256 check
+    damaged = tmp_path / "tinyshakespeare.txt"
+    damaged.write_text(shipped_file("tinyshakespeare.txt").read_text()[:-10])
+    monkeypatch.setattr(data, "shipped_file", lambda name: damaged)
+    with pytest.raises(data.DataError, match="corrupt: sha256"):
+        data.prepare("shakespeare_char", tmp_path / "out")
+    ranks = tmp_path / "gpt2.tiktoken"
+    ranks.write_text("SGVsbG8= 0\nnot base64!! x\n")
+    with pytest.raises(data.DataError, match="corrupt"):
+        data.gpt2_encoding(ranks)
+    with pytest.raises(data.DataError, match="unknown dataset 'openwebtext'"):
+        data.prepare("openwebtext", tmp_path)
+
+
+def test_unprepared_dataset_says_how_to_prepare(tmp_path):
+    with pytest.raises(data.DataError, match=f"course data prepare shakespeare --data-dir {tmp_path}"):
+        data.load_meta(tmp_path, "shakespeare")
+
+
+def test_cli(tmp_path, capsys):
+    assert data.cli(["prepare", "shakespeare_char", "--data-dir", str(tmp_path)]) == 0
+    assert "train 1,003,854 tokens" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        data.cli(["prepare", "wikipedia"])
+
+
+def test_ranks_take_disjoint_slices_of_one_global_batch():
+    tokens = torch.arange(10_000)
+    one = data.TrainBatches(tokens, 8, 16, 1, 0, 1, seed=5)  # 1 rank, 8 rows
+    two = [data.TrainBatches(tokens, 2, 16, 2, r, 2, seed=5) for r in range(2)]  # 2 ranks x 2 micro x 2 rows
+    for _ in range(3):
+        x1, y1 = one.next()
+        parts = [b.next() for b in two]
+        x2 = torch.cat([x.reshape(-1, 16) for x, _ in parts])
+        assert torch.equal(x1.reshape(-1, 16), x2)  # the same rows, split over ranks and micro-steps
+        assert torch.equal(y1[..., :-1], x1[..., 1:])  # targets are the inputs shifted by one
+        assert not torch.equal(parts[0][0], parts[1][0])  # ranks see different data
+
+
+def test_eval_batches_split_evenly_over_ranks():
+    tokens = torch.arange(5_000)
+    full, _, w = data.eval_batches(tokens, 4, 8, 5, seed=1, dp_rank=0, dp_world_size=1)
+    parts = [data.eval_batches(tokens, 4, 8, 5, seed=1, dp_rank=r, dp_world_size=2) for r in range(2)]
+    assert [p[0].shape[0] for p in parts] == [3, 3]  # same number of forwards on every rank
+    assert sum(float(p[2].sum()) for p in parts) == 5 == float(w.sum())
+    kept = torch.cat([p[0][p[2] > 0] for p in parts])
+    assert torch.equal(kept, full)  # exactly the 1-rank batches, each once
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_built_wheel_ships_the_data(tmp_path):
+    """Build the wheel as pip would from a clone, install it elsewhere, find the data from there."""
+    root = repo_root()
+    assert root is not None, "run from a clone"
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, src / name)
+    shutil.copytree(root / "data", src / "data", ignore=shutil.ignore_patterns("shakespeare*"))
+    shutil.copytree(root / "course_lib", src / "course_lib", symlinks=True,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    assert (src / "course_lib" / "_data" / "gpt2.tiktoken").is_symlink()  # links, as in the repo
+    env = {**os.environ, "PIP_NO_INDEX": "1"}
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path / "dist"), str(src)], check=True, env=env, cwd=tmp_path)
+    wheel = next((tmp_path / "dist").glob("course_lib-*.whl"))
+    with zipfile.ZipFile(wheel) as z:
+        for name in ("tinyshakespeare.txt", "gpt2.tiktoken"):
+            content = z.read(f"course_lib/_data/{name}")  # real contents, not a link
+            assert content == (root / "data" / name).read_bytes()
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target",
+                    str(target), str(wheel)], check=True, env=env, cwd=tmp_path)
+    # -S: no site-packages, so neither the editable install nor the clone can answer
+    probe = ("import hashlib, course_lib.utils as u; p = u.shipped_file('tinyshakespeare.txt'); "
+             "print(p); print(hashlib.sha256(p.read_bytes()).hexdigest()); print(u.repo_root())")
+    out = subprocess.run([sys.executable, "-S", "-c", probe], capture_output=True, text=True, check=True,
+                         cwd=tmp_path, env={"PYTHONPATH": str(target), "PATH": os.environ["PATH"]}).stdout.split()
+    assert Path(out[0]) == target / "course_lib" / "_data" / "tinyshakespeare.txt"
+    assert out[1] == data.TEXT_SHA256 == hashlib.sha256(shipped_file("tinyshakespeare.txt").read_bytes()).hexdigest()
+    assert out[2] == "None"  # it really ran as an installed package, not from a clone

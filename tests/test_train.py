@@ -1,0 +1,183 @@
+"""The trainer in one process on a tiny model: run directory and metrics, learning-rate
+schedule, gradient-accumulation equivalence, exact resume after an interruption, incompatible
+resumes, dtype choice per hardware, the fp16 loss-scale rule, and sampling."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from course_lib import checkpoint as ckpt_io
+from course_lib.config import ConfigError, TrainConfig, make_config
+from course_lib.data import TrainBatches, prepare
+from course_lib.hardware import PROFILES, pick_dtype
+from course_lib.metrics import COLUMNS, read_metrics
+from course_lib.sample import cli as sample_cli
+from course_lib.sample import sample
+from course_lib.train import _fp16_step, get_lr, setup_runtime, train
+from course_lib.train_launch import run
+
+TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=4, max_iters=8, lr_decay_iters=8,
+            warmup_iters=2, learning_rate=3e-3, eval_interval=4, eval_iters=2, log_interval=1, dropout=0.0,
+            device="cpu", threads=1)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    prepare("shakespeare_char", root, quiet=True)
+    return str(root)
+
+
+def tiny(data_dir, out_dir, **kw) -> TrainConfig:
+    return make_config("shakespeare_char_cpu", {**TINY, "data_dir": data_dir, "out_dir": str(out_dir), **kw})
+
+
+def params(out_dir) -> dict:
+    return ckpt_io.load_checkpoint(f"{out_dir}/last.pt")["model"]
+
+
+def test_lr_schedule_warmup_then_cosine():
+    cfg = TrainConfig(learning_rate=1e-3, min_lr=1e-4, warmup_iters=100, lr_decay_iters=2000)
+    assert get_lr(0, cfg) == pytest.approx(1e-3 / 101)  # linear warmup from (it + 1) / (warmup + 1)
+    assert get_lr(99, cfg) == pytest.approx(1e-3 * 100 / 101)
+    assert get_lr(100, cfg) == pytest.approx(1e-3)  # the top of the cosine
+    assert get_lr(1050, cfg) == pytest.approx(1e-4 + 0.5 * 9e-4)  # half way: the mean of lr and min_lr
+    assert get_lr(2000, cfg) == get_lr(5000, cfg) == 1e-4
+    lrs = [get_lr(i, cfg) for i in range(100, 2001)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+    assert get_lr(7, cfg.replace(decay_lr=False)) == 1e-3
+
+
+def test_run_directory_metrics_and_checkpoints(data_dir, tmp_path):
+    cfg = tiny(data_dir, tmp_path / "run")
+    summary = train(cfg, progress=False)
+    out = tmp_path / "run"
+    assert {p.name for p in out.iterdir()} >= {"config.json", "run.json", "metrics.csv", "last.pt", "best.pt",
+                                              "summary.json"}
+    assert TrainConfig.load(out / "config.json") == cfg
+    assert (out / "metrics.csv").read_text().splitlines()[0] == ",".join(COLUMNS)
+    rows = read_metrics(out / "metrics.csv")
+    assert [r["iter"] for r in rows] == list(range(9))  # one row per logged step, then the final eval
+    assert [r["iter"] for r in rows if not math.isnan(r["val_loss"])] == [0, 4, 8]
+    for r in rows[:-1]:
+        assert r["lr"] == pytest.approx(get_lr(r["iter"], cfg))
+        assert r["comm_ms"] == 0.0 and 0 < r["compute_ms"] <= r["step_ms"]
+        assert r["tokens_per_s"] == pytest.approx(4 * 32 * 1000 / r["step_ms"])
+        assert r["tflops"] > 0 and 0 < r["mfu"] < 1
+    assert rows[-1]["val_loss"] < rows[0]["val_loss"] - 0.3  # it learns
+    assert summary["val_loss"] == rows[-1]["val_loss"] and summary["world_size"] == 1
+    info = json.loads((out / "run.json").read_text())
+    assert info["peak_is_estimate"] is True and info["global_batch"] == 4 and info["dtype"] == "float32"
+    last, best = (ckpt_io.load_checkpoint(out / f"{n}.pt") for n in ("last", "best"))
+    assert last["iter_num"] == 8 and last["config"] == cfg.to_dict() and len(last["rng"]) == 1
+    assert best["val_loss"] == min(r["val_loss"] for r in rows if not math.isnan(r["val_loss"]))
+    assert last["meta"]["vocab_size"] == 65 and set(last["optimizer"]["state"])
+
+
+def test_gradient_accumulation_equals_a_larger_batch(data_dir, tmp_path):
+    train(tiny(data_dir, tmp_path / "accum", batch_size=2, gradient_accumulation_steps=4), progress=False)
+    train(tiny(data_dir, tmp_path / "big", batch_size=8), progress=False)
+    a, b = params(tmp_path / "accum"), params(tmp_path / "big")
+    for name in b:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6, msg=name)
+    la, lb = (read_metrics(tmp_path / n / "metrics.csv") for n in ("accum", "big"))
+    assert [r["train_loss"] for r in la[:-1]] == pytest.approx([r["train_loss"] for r in lb[:-1]], rel=1e-6)
+
+
+def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(data_dir, tmp_path, monkeypatch):
+    kw = dict(max_iters=12, lr_decay_iters=12, dropout=0.1)  # dropout: the torch RNG state matters too
+    train(tiny(data_dir, tmp_path / "straight", **kw), progress=False)
+
+    # interrupt the same run during iteration 9: the last checkpoint is from iteration 8, and
+    # metrics.csv already holds rows the resumed run will write again
+    calls, real_next = [0], TrainBatches.next
+
+    def next_then_crash(self):
+        calls[0] += 1
+        if calls[0] == 11:  # the batch after the step of iteration 9
+            raise KeyboardInterrupt
+        return real_next(self)
+
+    cfg = tiny(data_dir, tmp_path / "resumed", **kw)
+    monkeypatch.setattr(TrainBatches, "next", next_then_crash)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, progress=False)
+    monkeypatch.undo()
+    assert ckpt_io.load_checkpoint(tmp_path / "resumed" / "last.pt")["iter_num"] == 8
+    assert read_metrics(tmp_path / "resumed" / "metrics.csv")[-1]["iter"] == 8
+    run(cfg.replace(init_from="resume"), progress=False)
+
+    straight, resumed = (read_metrics(tmp_path / n / "metrics.csv") for n in ("straight", "resumed"))
+    keys = ("iter", "train_loss", "val_loss", "eval_train_loss", "lr", "grad_norm")
+    as_str = lambda rows: [[repr(r[k]) for k in keys] for r in rows]  # noqa: E731 (NaN == NaN as text)
+    assert as_str(resumed) == as_str(straight)  # exactly, not approximately
+    a, b = params(tmp_path / "straight"), params(tmp_path / "resumed")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bad_resumes_and_reused_out_dir_are_errors(data_dir, tmp_path):
+    cfg = tiny(data_dir, tmp_path / "run", max_iters=2)
+    with pytest.raises(ckpt_io.CheckpointError, match="no checkpoint at"):
+        run(cfg.replace(init_from="resume"), progress=False)
+    run(cfg, progress=False)
+    with pytest.raises(ConfigError, match="already holds a run.*--resume.*--overwrite"):
+        run(cfg, progress=False)
+    run(cfg, overwrite=True, progress=False)
+    bigger = cfg.replace(init_from="resume", n_layer=3, max_iters=4)
+    with pytest.raises(ConfigError, match="n_layer: checkpoint has 2, now 3"):
+        run(bigger, progress=False)  # caught before any training starts
+    with pytest.raises(ConfigError, match="n_layer"):
+        train(bigger, progress=False)  # and by a worker started some other way
+
+
+def test_dtype_follows_the_hardware_profile(data_dir, tmp_path):
+    assert pick_dtype(PROFILES["a100-80gb"]) == pick_dtype(PROFILES["h100"]) == "bfloat16"
+    assert pick_dtype(PROFILES["t4"]) == "float16" and PROFILES["t4"].needs_grad_scaler
+    assert pick_dtype(PROFILES["cpu"]) == "float32"
+    assert setup_runtime(tiny(data_dir, tmp_path)).dtype == "float32"  # this CPU host
+    assert setup_runtime(tiny(data_dir, tmp_path, dtype="bfloat16")).dtype == "bfloat16"  # --dtype wins
+    with pytest.raises(ConfigError, match="dtype: float16 autocast is not supported .* on CPU"):
+        run(tiny(data_dir, tmp_path / "fp16", dtype="float16"), progress=False)
+    summary = train(tiny(data_dir, tmp_path / "bf16", dtype="bfloat16", max_iters=2), progress=False)
+    assert math.isfinite(summary["val_loss"])  # the autocast path runs
+
+
+def test_fp16_steps_skip_overflow_and_adapt_the_scale():
+    from course_lib.parallel.strategy import build_strategy
+    from course_lib.train import optimizer_factory
+
+    model = torch.nn.Linear(4, 1)
+    strategy = build_strategy("single", model, optimizer_factory(TrainConfig()))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
+
+    def step(x) -> int:
+        scaler.scale(model(x).sum()).backward()
+        scaler.unscale_(strategy.optimizer)
+        norm = strategy.clip_grad_norm_(math.inf)
+        before = model.weight.detach().clone()
+        good = _fp16_step(strategy, scaler, norm, step.good)
+        strategy.zero_grad()
+        step.good = good
+        return not torch.equal(before, model.weight)
+
+    step.good = 0
+    assert step(torch.ones(1, 4)) and scaler.get_scale() == 1024.0
+    assert step(torch.ones(1, 4)) and scaler.get_scale() == 2048.0  # 2 good steps: grow x2
+    assert not step(torch.full((1, 4), math.inf)) and scaler.get_scale() == 1024.0  # overflow: skip, halve
+    assert step.good == 0
+
+
+def test_sampling_from_a_run(data_dir, tmp_path, capsys):
+    train(tiny(data_dir, tmp_path / "run", max_iters=2), progress=False)
+    capsys.readouterr()
+    a = sample(tmp_path / "run", start="ROMEO:", num_samples=2, max_new_tokens=40, seed=3)
+    b = sample(tmp_path / "run", start="ROMEO:", num_samples=2, max_new_tokens=40, seed=3, which="last")
+    assert a == b and len(a) == 2 and all(len(t) == 6 + 40 and t.startswith("ROMEO:") for t in a)
+    assert sample_cli(["--out_dir", str(tmp_path / "run"), "--max_new_tokens=10", "--start=A"]) == 0
+    assert capsys.readouterr().out.startswith("A")
+    assert sample_cli(["--out_dir", str(tmp_path / "nothing")]) == 1
+    assert "no checkpoint" in capsys.readouterr().err

@@ -1,0 +1,107 @@
+"""The trainer on 2 real gloo workers started by torchrun (``course train --nproc=2`` and the
+demo): a 2-rank run with gradient accumulation equals one process with the same global batch,
+Ctrl-C stops the whole process tree, and the interrupted run resumes through the CLI.
+
+The single-process reference trains in this process; each spawned run costs a few seconds of
+torch imports, so there are two.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+from course_lib import checkpoint as ckpt_io
+from course_lib.config import make_config
+from course_lib.data import prepare
+from course_lib.metrics import read_metrics
+from course_lib.train import train
+
+ITERS = 6
+TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, max_iters=ITERS, lr_decay_iters=ITERS, warmup_iters=2,
+            learning_rate=3e-3, eval_interval=3, eval_iters=2, log_interval=1, dropout=0.0)
+
+
+def flags(d: dict) -> list[str]:
+    return [f"--{k}={v}" for k, v in d.items()]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process, batch 8: the global batch of 2 ranks x 2 micro-steps x 2 rows."""
+    root = tmp_path_factory.mktemp("ddp")
+    prepare("shakespeare_char", root / "data", quiet=True)
+    cfg = make_config("shakespeare_char_cpu", {**TINY, "data_dir": str(root / "data"), "out_dir": str(root / "ref"),
+                                               "batch_size": 8, "threads": 1})
+    train(cfg, progress=False)
+    return root
+
+
+def assert_same_training(run_dir, ref_dir, iters=ITERS):
+    got, ref = (ckpt_io.load_checkpoint(d / "last.pt") for d in (run_dir, ref_dir))
+    assert got["iter_num"] == ref["iter_num"] == iters
+    for name in ref["model"]:
+        torch.testing.assert_close(got["model"][name], ref["model"][name], rtol=0, atol=1e-6, msg=name)
+    got_rows, ref_rows = (read_metrics(d / "metrics.csv") for d in (run_dir, ref_dir))
+    assert [r["iter"] for r in got_rows] == list(range(iters + 1))
+    assert [r["train_loss"] for r in got_rows[:-1]] == pytest.approx([r["train_loss"] for r in ref_rows[:-1]],
+                                                                      rel=2e-6)
+    return got
+
+
+@pytest.mark.timeout(180)
+def test_demo_on_two_ranks_equals_one_process(reference):
+    out = reference / "demo"
+    cmd = [sys.executable, "-m", "course_lib.demo", "--nproc=2", f"--out_dir={out}",
+           *flags({**TINY, "data_dir": reference / "data", "batch_size": 2, "gradient_accumulation_steps": 2})]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "global batch 8 sequences = batch_size 2 x grad_accum 2 x 2 ranks" in proc.stdout
+    assert "final val loss" in proc.stdout and "ddp" in proc.stdout
+    ckpt = assert_same_training(out, reference / "ref")
+    assert ckpt["world_size"] == 2 and len(ckpt["rng"]) == 2  # RNG states of both ranks
+    assert not torch.equal(ckpt["rng"][0]["torch"], ckpt["rng"][1]["torch"])  # per-rank seeds (dropout)
+    assert json.loads((out / "run.json").read_text())["strategy"] == "ddp"  # ours, the default for nproc > 1
+    assert (out / "loss.png").stat().st_size > 10_000
+    assert len((out / "sample.txt").read_text()) == 1 + 500  # the "\n" prompt and 500 characters
+
+
+@pytest.mark.timeout(180)
+def test_interrupt_stops_every_process_and_the_run_resumes(reference):
+    out = reference / "interrupted"
+    base = {**TINY, "data_dir": reference / "data", "batch_size": 4, "out_dir": out}
+    cmd = [sys.executable, "-m", "course_lib.train", "--nproc=2", "--no-progress",
+           *flags({**base, "max_iters": 100_000, "eval_interval": 100_000})]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ((out / "metrics.csv").exists() and len(read_metrics(out / "metrics.csv")) >= 3):
+            assert launcher.poll() is None, launcher.stderr.read()
+            assert time.monotonic() < deadline, "the workers did not start training"
+            time.sleep(0.2)
+        tree = psutil.Process(launcher.pid).children(recursive=True)
+        assert len(tree) >= 3  # torchrun and its 2 workers
+        launcher.send_signal(signal.SIGINT)  # Ctrl-C
+        assert launcher.wait(timeout=30) == 130
+        _, alive = psutil.wait_procs(tree, timeout=5)
+        assert not alive, f"left running: {alive}"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert "interrupted" in launcher.stderr.read()
+
+    # the checkpoint of iteration 0 resumes on 2 ranks through the CLI, to the reference's end
+    cmd = [sys.executable, "-m", "course_lib.train", "--resume", f"--out_dir={out}", f"--max_iters={ITERS}",
+           "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout
+    assert_same_training(out, reference / "ref")  # rows written after the checkpoint were dropped
