@@ -170,29 +170,48 @@ def fetch_student_tests(name: str, dest: str | os.PathLike = "tests", base_url: 
     return written
 
 
+def colab_badge_line(name: str) -> str:
+    """The "Open in Colab" badge that starts an exercise: it opens the student release."""
+    from course_lib.smoke import colab_badge
+
+    return colab_badge(f"exercises/{name}/dist/student/{name}.ipynb")
+
+
+def _first(nb, cell_type: str):
+    return next((c for c in nb.cells if c.cell_type == cell_type), None)
+
+
 def setup_cell_problems(ex: Exercise) -> list[str]:
-    """The first code cell of every source must be :func:`colab_setup_cell` (with this repo)."""
+    """The first markdown cell of a source must start with the Colab badge and its first code
+    cell must be :func:`colab_setup_cell`, both for the repository in course_lib.GITHUB_REPO."""
     import nbformat
 
     nb = nbformat.read(ex.source, as_version=4)
-    first = next((c for c in nb.cells if c.cell_type == "code"), None)
-    if first is None or first.source != colab_setup_cell(ex.name):
-        return [f"{ex.source}: the first code cell is not the setup cell for {ex.name}; run "
-                "`course exercises sync` (it rewrites it from course_lib.GITHUB_REPO)"]
-    return []
+    problems = []
+    fix = "run `course exercises sync` (it rewrites them from course_lib.GITHUB_REPO)"
+    md, code = _first(nb, "markdown"), _first(nb, "code")
+    if md is None or md.source.split("\n", 1)[0] != colab_badge_line(ex.name):
+        problems.append(f"{ex.source}: the first markdown cell does not start with the Colab badge of {ex.name}; {fix}")
+    if code is None or code.source != colab_setup_cell(ex.name):
+        problems.append(f"{ex.source}: the first code cell is not the setup cell of {ex.name}; {fix}")
+    return problems
 
 
 def sync_setup_cell(ex: Exercise) -> bool:
-    """Rewrite the first code cell of ``ex``'s source to :func:`colab_setup_cell`; True if changed."""
+    """Rewrite the badge line and the setup cell of ``ex``'s source; True if anything changed."""
     import nbformat
 
     nb = nbformat.read(ex.source, as_version=4)
-    first = next((c for c in nb.cells if c.cell_type == "code"), None)
-    if first is None:
-        raise ValueError(f"{ex.source} has no code cell to hold the setup")
-    if first.source == colab_setup_cell(ex.name):
+    md, code = _first(nb, "markdown"), _first(nb, "code")
+    if md is None or code is None:
+        raise ValueError(f"{ex.source} needs a markdown cell (title) and a code cell (setup)")
+    badge = colab_badge_line(ex.name)
+    first, _, rest = md.source.partition("\n")
+    new_md = md.source if first == badge else (
+        badge + "\n" + rest if "colab.research.google.com" in first else badge + "\n\n" + md.source)
+    if new_md == md.source and code.source == colab_setup_cell(ex.name):
         return False
-    first.source = colab_setup_cell(ex.name)
+    md.source, code.source = new_md, colab_setup_cell(ex.name)
     ex.source.write_text(nbformat.writes(nb) + "\n", encoding="utf-8")
     return True
 
@@ -391,15 +410,17 @@ def _course_arm(*args):
 def _course_disarm(*args):
     _course_signal.alarm(0)
 
-_course_signal.signal(_course_signal.SIGALRM, _course_cell_timeout)
-get_ipython().events.register("pre_run_cell", _course_arm)
-get_ipython().events.register("post_run_cell", _course_disarm)
+if hasattr(_course_signal, "SIGALRM"):  # POSIX; elsewhere cells are not bounded
+    _course_signal.signal(_course_signal.SIGALRM, _course_cell_timeout)
+    get_ipython().events.register("pre_run_cell", _course_arm)
+    get_ipython().events.register("post_run_cell", _course_disarm)
 '''
     DISARM = '''\
 # course_lib.exercises.CellTimeLimit: grading cells from here on are bounded by their own timeouts
-_course_signal.alarm(0)
-get_ipython().events.unregister("pre_run_cell", _course_arm)
-get_ipython().events.unregister("post_run_cell", _course_disarm)
+if hasattr(_course_signal, "SIGALRM"):
+    _course_signal.alarm(0)
+    get_ipython().events.unregister("pre_run_cell", _course_arm)
+    get_ipython().events.unregister("post_run_cell", _course_disarm)
 '''
 
     def __init__(self, submission_path, submission_metadata, plugin_config):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -74,16 +75,22 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float | N
     timeout = default_timeout() if timeout is None else float(timeout)
     if not timeout > 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    import torch.distributed  # noqa: F401 - imported once here, the forked ranks inherit it
+
+    start = time.monotonic()
     try:
         return notebook_launcher(_with_rank, (fn, args), nproc=nproc, timeout=timeout,
                                  time_limit=1.5 * timeout + 5)
     except LaunchConfigError:
         raise
     except NotebookLaunchError as e:
-        message = str(e)
-        if "time limit" in message or "timed out" in message:
-            raise RanksTimeoutError(f"the {nproc} ranks did not finish within {timeout:g} s: "
-                                    f"{message}") from None
+        message, elapsed = str(e), time.monotonic() - start
+        # When one rank's collective times out it exits, and the ranks still waiting on it see
+        # their connection close: which report arrives first is a race, so judge by the clock.
+        if "time limit" in message or "timed out" in message or elapsed >= timeout:
+            raise RanksTimeoutError(f"the {nproc} ranks did not finish within {timeout:g} s (is "
+                                    "there a collective or a receive that some rank never joined?)"
+                                    f"\n{message}") from None
         raise RankError(message + (f"\n{e.traceback}" if e.traceback else "")) from None
 
 
@@ -149,11 +156,18 @@ def p2p_only():
                                "dist.send/dist.isend and dist.recv/dist.irecv only")
         return refuse
 
+    depth = [0]  # send() may be built on isend(): count the outermost call only
+
     def counted(original):
         def send(tensor, *args, **kwargs):
-            sent.bytes += tensor.numel() * tensor.element_size()
-            sent.messages += 1
-            return original(tensor, *args, **kwargs)
+            if depth[0] == 0:
+                sent.bytes += tensor.numel() * tensor.element_size()
+                sent.messages += 1
+            depth[0] += 1
+            try:
+                return original(tensor, *args, **kwargs)
+            finally:
+                depth[0] -= 1
         return send
 
     replacements = {name: forbidden(name) for name in COLLECTIVES}

@@ -466,3 +466,77 @@ def test_course_grade_refuses_bad_input(tmp_path, capsys):
     assert exercises.grade_cli([str(plain)]) == 2
     assert "assignment name" in capsys.readouterr().err
     assert exercises.grade_cli([str(plain), "--cell-timeout", "0"]) == 2
+
+
+# --------------------------------------------------------------------------------------------
+# The grading helpers on their own
+# --------------------------------------------------------------------------------------------
+
+def _deadlock(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    buf = torch.empty(2)
+    dist.recv(buf, (rank - 1) % world_size)  # every rank receives first: nobody ever sends
+    dist.send(buf, (rank + 1) % world_size)
+
+
+def _boom(rank, world_size):
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    return rank
+
+
+def _p2p(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    from course_lib.grading import p2p_only
+
+    with p2p_only() as sent:
+        if rank == 0:
+            dist.send(torch.zeros(5, dtype=torch.float64), 1)
+        else:
+            dist.recv(torch.empty(5, dtype=torch.float64), 0)
+        try:
+            dist.all_reduce(torch.ones(1))
+            refused = ""
+        except RuntimeError as e:
+            refused = str(e)
+    x = torch.ones(1)
+    dist.all_reduce(x)  # restored on exit
+    return sent.bytes, refused, x.item()
+
+
+@pytest.mark.timeout(120)
+def test_run_ranks_bounds_hangs_and_reports_failures():
+    from course_lib.grading import RankError, RanksTimeoutError, run_ranks
+
+    for bad in (dict(nproc=0), dict(nproc=2, timeout=0), dict(nproc=99)):
+        with pytest.raises(ValueError):
+            run_ranks(_boom, **bad)
+    with pytest.raises(RanksTimeoutError, match=r"within 2 s .*never joined"):
+        run_ranks(_deadlock, 2, timeout=2)
+    with pytest.raises(RankError, match="boom on rank 1"):
+        run_ranks(_boom, 2, timeout=30)
+    (b0, refused0, total0), (b1, _, total1) = run_ranks(_p2p, 2, timeout=30)
+    assert (b0, b1) == (40, 0) and "not allowed" in refused0 and total0 == total1 == 2.0
+
+
+@pytest.mark.timeout(120)
+def test_cell_time_limit_stops_an_endless_cell_and_grading_goes_on():
+    from nbclient import NotebookClient
+
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("x = 1"),
+        nbformat.v4.new_code_cell("while True:\n    pass"),
+        nbformat.v4.new_code_cell("y = x + 1\ny"),
+    ])
+    plugin = exercises.CellTimeLimit("sub.ipynb", {}, {"cell_timeout": 2})
+    nb = plugin.before_execution(nb)
+    nb.cells.append(nbformat.v4.new_code_cell("import time\ntime.sleep(3)\n'tests ran'"))  # otter's cell
+    NotebookClient(nb, timeout=60, kernel_name="python3", allow_errors=True).execute()
+    loop, after, last = nb.cells[2], nb.cells[3], nb.cells[-1]
+    assert loop.outputs[0]["ename"] == "TimeoutError" and "longer than 2 s" in loop.outputs[0]["evalue"]
+    assert after.outputs[0]["data"]["text/plain"] == "2"
+    assert last.outputs[0]["data"]["text/plain"] == "'tests ran'"  # disarmed before otter's cells
