@@ -180,7 +180,9 @@ def slurm_script(nodes: int, gpus_per_node: int, train_args: Sequence[str] = (),
              *_env_lines(nproc, cpus_per_node, nccl_debug, _activate(activate)),
              "set -euo pipefail", "",
              "# The first node of the allocation hosts the rendezvous store.",
-             'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)', "",
+             # sed reads every line: `head -n 1` would close the pipe early, and scontrol's
+             # SIGPIPE would fail the script under pipefail
+             'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)', "",
              "srun --kill-on-bad-exit=1 " + _torchrun_line(
                  nodes, nproc, "$head_node", "$SLURM_JOB_ID", port, join_timeout, target, train_args)]
     return "\n".join(lines) + "\n"
@@ -217,15 +219,19 @@ def pbs_script(nodes: int, gpus_per_node: int, train_args: Sequence[str] = (), *
 
 
 def _check_strategy(train_args: Sequence[str]) -> None:
-    """An unknown --strategy is refused here, not after the job waited in the queue."""
-    from course_lib.parallel.strategy import STRATEGIES
+    """An unknown --strategy is refused here, not after the job waited in the queue.
+
+    The names are the trainer's (course_lib.config, which imports no torch: this stays fast)."""
+    from course_lib.config import STRATEGY_NAMES
+
+    known = ("auto", *STRATEGY_NAMES)
 
     args = list(train_args)
     for i, a in enumerate(args):
         name = a.split("=", 1)[1] if a.startswith("--strategy=") else (
             args[i + 1] if a == "--strategy" and i + 1 < len(args) else None)
-        if name is not None and name not in STRATEGIES:
-            raise ValueError(f"unknown strategy {name!r}; choose one of {sorted(STRATEGIES)}")
+        if name is not None and name not in known:
+            raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(known)}")
 
 
 def cli(argv: list[str]) -> int:
