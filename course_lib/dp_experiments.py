@@ -166,6 +166,36 @@ def compare_with_single_process(variants: dict[str, tuple[str, dict]] = VARIANTS
     return results
 
 
+def bucket_sizes(tensor_bytes, cap_bytes: float) -> list[int]:
+    """Pack tensors (given in backward order) into buckets the way DataParallelBucket does: add
+    tensors to the current bucket and close it once it holds ``cap_bytes`` or more."""
+    if not cap_bytes > 0:
+        raise ValueError(f"cap_bytes must be > 0, got {cap_bytes!r}")
+    buckets, current = [], 0
+    for nbytes in tensor_bytes:
+        current += nbytes
+        if current >= cap_bytes:
+            buckets.append(current)
+            current = 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def allreduce_seconds(tensor_bytes, p: int, *, bandwidth: float, alpha: float,
+                      cap_bytes: float | None = None) -> tuple[int, float]:
+    """(messages, seconds) to all-reduce gradients of these sizes with the ring algorithm of
+    :mod:`course_lib.comm`: one message per tensor (``cap_bytes=None``) or per bucket.
+
+    Communication only, none of it hidden behind backward: what overlap can save, not what it does.
+    """
+    from course_lib.comm import collective_time
+
+    messages = list(tensor_bytes) if cap_bytes is None else bucket_sizes(tensor_bytes, cap_bytes)
+    return len(messages), sum(collective_time("all_reduce", n, p, bandwidth=bandwidth, alpha=alpha)
+                              for n in messages)
+
+
 def summary_rows(results: dict[str, dict]) -> list[dict]:
     """One table row per variant from :func:`compare_with_single_process`'s result on one rank."""
     rows = []

@@ -42,3 +42,36 @@ def test_variants_match_one_process_and_count_their_messages():
     rows = summary_rows(r)
     assert [row["variant"] for row in rows] == list(VARIANTS)
     assert all(row["ranks agree after wrap"] and not row["ranks agree before wrap"] for row in rows)
+
+
+def test_bucket_model_matches_the_implementation_and_the_cost_model():
+    import torch.distributed as dist
+
+    from course_lib.comm import collective_time
+    from course_lib.dp_experiments import allreduce_seconds, bucket_sizes
+    from course_lib.model import GPT, GPTConfig
+    from course_lib.parallel.data_parallel import DataParallelBucket
+    from course_lib.utils import free_port
+
+    model = GPT(GPTConfig(**SMALL_GPT))
+    grad_bytes = [p.numel() * 4 for p in reversed(list(model.parameters()))]  # backward order
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        for cap_mb in (0.005, 0.02, 25.0):
+            dp = DataParallelBucket(model, bucket_cap_mb=cap_mb)
+            real = [b.grad_data.numel() * 4 for b in dp.buckets]
+            assert bucket_sizes(grad_bytes, cap_mb * 2**20) == real
+            for h in dp._hooks:
+                h.remove()
+    finally:
+        dist.destroy_process_group()
+    link = {"bandwidth": 12.5e9, "alpha": 5e-6}
+    n, t = allreduce_seconds(grad_bytes, 8, **link)
+    assert n == len(grad_bytes)
+    assert t == pytest.approx(sum(collective_time("all_reduce", b, 8, **link) for b in grad_bytes))
+    n1, t1 = allreduce_seconds(grad_bytes, 8, cap_bytes=float("inf"), **link)
+    assert n1 == 1 and t1 == pytest.approx(collective_time("all_reduce", sum(grad_bytes), 8, **link))
+    assert t - t1 == pytest.approx((n - 1) * 2 * 7 * 5e-6)  # the extra latencies: 2(p-1) alpha per message
+    with pytest.raises(ValueError, match="cap_bytes must be > 0"):
+        bucket_sizes(grad_bytes, 0)
