@@ -27,7 +27,8 @@ WORKER = textwrap.dedent('''
     print(json.dumps({"rank": RANK, "world": WORLD_SIZE, "local": LOCAL_RANK, "sum": t.item(),
                       "port": os.environ["MASTER_PORT"], "argv": sys.argv[1:],
                       "group_rank": os.environ.get("GROUP_RANK"),
-                      "mark": os.environ["COURSE_TEST_MARKER"], "listen": listening}))
+                      "mark": os.environ["COURSE_TEST_MARKER"], "listen": listening,
+                      "nccl": [os.environ.get(k) for k in ("NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_DEBUG_FILE")]}))
     print(f"stderr line from rank {RANK}", file=sys.stderr)
 ''')
 
@@ -52,9 +53,11 @@ def test_concurrent_launches_loopback_and_literal_args(tmp_path, marker):
 
     def run(i, rdzv):
         outs[i], errs[i] = io.StringIO(), io.StringIO()
+        nccl = {"nccl_debug": "WARN", "nccl_debug_subsys": "INIT,COLL",
+                "nccl_debug_file": f"{tmp_path}/nccl.%h.%p"} if i == 0 else {}
         results[i] = launch(script, WEIRD_ARGS, nproc=2, init_process_group=True, rdzv=rdzv,
                             env={"COURSE_TEST_MARKER": marker}, run_dir=tmp_path / f"run{i}",
-                            collective_timeout=60, out=outs[i], err=errs[i])
+                            collective_timeout=60, out=outs[i], err=errs[i], **nccl)
 
     threads = [threading.Thread(target=run, args=(i, rdzv))
                for i, rdzv in enumerate(["c10d", "c10d", "static"])]
@@ -76,6 +79,8 @@ def test_concurrent_launches_loopback_and_literal_args(tmp_path, marker):
         assert "[rank0] {" in shown and "[rank1] {" not in shown  # stdout: rank 0 only
         assert "[rank1] stderr line from rank 1" in errs[i].getvalue()  # errors: every rank
         assert (r.run_dir / "logs" / "rank1.out").read_text() == r.stdout[1]
+        nccl = ["WARN", "INIT,COLL", f"{tmp_path}/nccl.%h.%p"] if i == 0 else [None, None, None]
+        assert all(x["nccl"] == nccl for x in recs)  # NCCL's debug switches reach every rank
     assert len(ports) == 3
 
 
