@@ -300,8 +300,9 @@ def plot_scaling(strong: Sequence[dict], s_fit: float, weak: Sequence[dict] | No
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m course_lib.scaling_laws",
-                                 description="Measure strong and weak scaling of a job with a known serial part.")
-    ap.add_argument("--procs", default=",".join(str(2 ** k) for k in range((os.cpu_count() or 1).bit_length())),
+                                 description="Measure strong scaling of a job with a known serial part.")
+    cores = os.cpu_count() or 1
+    ap.add_argument("--procs", default=",".join(str(2 ** k) for k in range(cores.bit_length())),
                     help="process counts, e.g. 1,2,4 (default: powers of 2 up to the cores)")
     ap.add_argument("--serial-units", type=int, default=10)
     ap.add_argument("--parallel-units", type=int, default=190)
@@ -312,15 +313,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         ap.error(f"--procs takes whole numbers separated by commas, got {a.procs!r}")
     strong = measure_strong(procs, a.serial_units, a.parallel_units, a.repeats)
-    s = fit_serial_fraction([r["p"] for r in strong], [r["speedup"] for r in strong]) if max(procs) > 1 else None
-    written = a.serial_units / (a.serial_units + a.parallel_units)
-    print(f"serial part written in: s = {written:.3f}")
+    print(f"serial part written in: s = {a.serial_units / (a.serial_units + a.parallel_units):.3f}")
     for r in strong:
         kf = "" if r["karp_flatt"] is None else f"  Karp-Flatt e = {r['karp_flatt']:.3f}"
-        print(f"p = {r['p']:3d}: {r['seconds'] * 1e3:8.1f} ms  speedup {r['speedup']:.2f}  "
-              f"efficiency {r['efficiency']:.2f}{kf}")
-    if s is not None:
-        print(f"fitted Amdahl serial fraction s = {s:.3f} (ceiling 1/s = {1 / s if s else float('inf'):.1f})")
+        print(f"p = {r['p']:3d}: {r['seconds'] * 1e3:8.1f} ms  speedup {r['speedup']:.2f}{kf}")
+    if max(procs) > 1:
+        print(f"fitted Amdahl serial fraction s = "
+              f"{fit_serial_fraction([r['p'] for r in strong], [r['speedup'] for r in strong]):.3f}")
     return 0
 
 

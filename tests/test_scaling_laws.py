@@ -91,3 +91,13 @@ def test_speedup_table():
     assert two["strategy"] == "ddp"
     with pytest.raises(ValueError, match="ms_per_iter > 0"):
         sl.speedup_table([{"ranks": 1, "ms_per_iter": math.nan, "tokens_per_iter": 1}])
+
+
+@pytest.mark.timeout(120)
+def test_command_line(capsys):
+    assert sl.main(["--procs", "1,2", "--serial-units", "1", "--parallel-units", "2", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "serial part written in: s = 0.333" in out and "Karp-Flatt e =" in out and "fitted Amdahl" in out
+    with pytest.raises(SystemExit):
+        sl.main(["--procs", "one,two"])
+    assert "--procs takes whole numbers" in capsys.readouterr().err
