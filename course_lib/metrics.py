@@ -16,10 +16,13 @@ Each row is on disk (file closed) as soon as it is written: a crash loses nothin
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
 import time
 from pathlib import Path
+
+from course_lib.utils import atomic_write_bytes
 
 COLUMNS = ("iter", "train_loss", "val_loss", "eval_train_loss", "lr", "grad_norm", "step_ms", "compute_ms",
            "comm_ms", "tokens_per_s", "tflops", "mfu")
@@ -112,3 +115,22 @@ def throughput(steps: int, elapsed_s: float, compute_s: float, comm_s: float, to
         "tflops": achieved / 1e12,
         "mfu": achieved / peak_flops_total if peak_flops_total else math.nan,
     }
+
+
+def announce_run(cfg, info: dict) -> None:
+    """Write ``run.json`` (what this run resolved to) and ``config.json``, print the header."""
+    out = Path(cfg.out_dir)
+    atomic_write_bytes(out / "config.json", cfg.to_json().encode())
+    atomic_write_bytes(out / "run.json", (json.dumps(info, indent=1) + "\n").encode())
+    cpu = info["device"] == "cpu"
+    where = f"{info['world_size']} x {info['device']}" + (f" ({info['threads_per_worker']} threads each)" if cpu else "")
+    lines = [f"{where} | strategy {info['strategy']} | {info['dtype']} | {info['n_params'] / 1e6:.2f}M parameters",
+             f"global batch {info['global_batch']} sequences = batch_size {cfg.batch_size} x grad_accum "
+             f"{cfg.gradient_accumulation_steps} x {info['world_size']} ranks; {info['tokens_per_iter']:,} tokens/iter"]
+    if info["peak_flops_per_device"] and info["peak_is_estimate"]:
+        lines.append(f"MFU is relative to an ESTIMATED CPU peak of {info['peak_flops_per_device'] / 1e9:.0f} "
+                     "GFLOP/s per worker (cores x 2.5 GHz x FLOP/cycle)")
+    if cfg.init_from == "resume":
+        lines.append(f"resumed from {out / 'last.pt'} at iter {info['start_iter']}")
+    for line in lines:
+        print(f"[{cfg.name}] {line}", flush=True)

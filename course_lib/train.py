@@ -21,13 +21,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import random
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -36,9 +33,9 @@ import torch.distributed as dist
 from course_lib import checkpoint as ckpt_io
 from course_lib.config import TrainConfig
 from course_lib.data import TrainBatches, eval_batches, load_meta, load_tokens, model_vocab_size
-from course_lib.metrics import MetricsWriter, SpanTimer, throughput
+from course_lib.metrics import MetricsWriter, SpanTimer, announce_run, throughput
 from course_lib.model import GPT, GPTConfig
-from course_lib.utils import atomic_write_bytes
+from course_lib.train_runtime import Runtime, setup_runtime
 
 
 def get_lr(it: int, cfg: TrainConfig) -> float:
@@ -61,52 +58,6 @@ def optimizer_factory(cfg: TrainConfig):
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=True)
     return make
-
-
-@dataclass
-class Runtime:
-    """Where this process runs: rank, device, dtype, threads (resolved from the config)."""
-    rank: int
-    world_size: int
-    local_world_size: int
-    device: str
-    dtype: str
-    threads: int
-    distributed: bool
-
-    @property
-    def device_type(self) -> str:
-        return "cuda" if self.device.startswith("cuda") else "cpu"
-
-
-def setup_runtime(cfg: TrainConfig) -> Runtime:
-    """Join the process group when launched by torchrun; pick device, threads and dtype."""
-    from course_lib.hardware import detect, pick_dtype
-
-    env = os.environ
-    distributed = "RANK" in env and "WORLD_SIZE" in env
-    rank, world = (int(env["RANK"]), int(env["WORLD_SIZE"])) if distributed else (0, 1)
-    local_rank, local_world = int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", 1))
-    device = cfg.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise RuntimeError("device cuda requested but torch.cuda.is_available() is False; use --device=cpu")
-        device = f"cuda:{local_rank}" if distributed else (device if ":" in device else "cuda:0")
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores (as nanoGPT)
-        torch.backends.cudnn.allow_tf32 = True
-        threads = torch.get_num_threads()
-    else:  # N workers share the cores: cores // N threads each, so they do not oversubscribe
-        threads = cfg.threads or max(1, len(os.sched_getaffinity(0)) // local_world)
-        torch.set_num_threads(threads)
-    if distributed and not dist.is_initialized():
-        backend = "nccl" if device.startswith("cuda") else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s),
-                                device_id=torch.device(device) if backend == "nccl" else None)
-    dtype = pick_dtype(detect(device), cfg.dtype)
-    return Runtime(rank, world, local_world, device, dtype, threads, distributed)
 
 
 @torch.no_grad()
@@ -202,26 +153,13 @@ def _train(cfg: TrainConfig, rt: Runtime, progress: bool) -> dict:
     flops_per_token = model.flops_per_token()
     metrics = None
     if master:
-        out_dir.mkdir(parents=True, exist_ok=True)
         info = {"strategy": strategy_name, "world_size": rt.world_size, "device": rt.device, "dtype": rt.dtype,
                 "threads_per_worker": rt.threads, "n_params": model.num_params(), "tokens_per_iter": tokens_per_iter,
                 "global_batch": cfg.batch_size * cfg.gradient_accumulation_steps * rt.world_size,
                 "hardware": profile.name, "peak_flops_per_device": peak, "peak_is_estimate": profile.estimated,
                 "torch": torch.__version__, "start_iter": start_iter}
-        (out_dir / "run.json").write_text(json.dumps(info, indent=1) + "\n")
-        atomic_write_bytes(out_dir / "config.json", cfg.to_json().encode())
+        announce_run(cfg, info)  # run.json, config.json and the header lines
         metrics = MetricsWriter(out_dir / "metrics.csv", start_iter)
-        where = f"{rt.world_size} x {rt.device}" + (f" ({rt.threads} threads each)" if rt.device_type == "cpu" else "")
-        print(f"[{cfg.name}] {where} | strategy {strategy_name} | {rt.dtype} | "
-              f"{model.num_params() / 1e6:.2f}M parameters", flush=True)
-        print(f"[{cfg.name}] global batch {info['global_batch']} sequences = batch_size {cfg.batch_size} x "
-              f"grad_accum {cfg.gradient_accumulation_steps} x {rt.world_size} ranks; "
-              f"{tokens_per_iter:,} tokens/iter", flush=True)
-        if peak and profile.estimated:
-            print(f"[{cfg.name}] MFU is relative to an ESTIMATED CPU peak of {peak / 1e9:.0f} GFLOP/s per worker "
-                  "(cores x 2.5 GHz x FLOP/cycle)", flush=True)
-        if cfg.init_from == "resume":
-            print(f"[{cfg.name}] resumed from {out_dir / ckpt_io.LAST} at iter {start_iter}", flush=True)
 
     def save_checkpoint(it: int, val_loss: float, is_best: bool) -> None:
         state = strategy.state_dict()  # full state; a collective for sharded strategies
@@ -345,16 +283,12 @@ def _fp16_step(strategy, scaler, grad_norm: torch.Tensor, good_steps: int) -> in
     return good_steps
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m course_lib.train``: a torchrun worker (``--config-file``) or ``course train``."""
-    from course_lib.train_launch import cli
-    return cli(sys.argv[1:] if argv is None else argv)
-
-
 def cli(argv: list[str]) -> int:
+    """``course train`` and ``python -m course_lib.train``: a torchrun worker (``--config-file``
+    under torchrun) or the host side (see :mod:`course_lib.train_launch`)."""
     from course_lib.train_launch import cli as launch_cli
     return launch_cli(argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli(sys.argv[1:]))

@@ -93,15 +93,15 @@ def prepare_run_dir(cfg: TrainConfig, overwrite: bool = False) -> Path:
     return path
 
 
-def torchrun_command(config_file: str | os.PathLike, nproc: int, port: int) -> list[str]:
+def torchrun_command(config_file: str | os.PathLike, nproc: int, port: int, progress: bool = True) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
             "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}", "--local-addr=127.0.0.1",
             "--max-restarts=0", "--monitor-interval=0.1", "--shutdown-timeout=5",
-            "-m", "course_lib.train", "--config-file", str(config_file)]
+            "-m", "course_lib.train", "--config-file", str(config_file)] + ([] if progress else ["--no-progress"])
 
 
 def launch_torchrun(config_file: str | os.PathLike, nproc: int, *, threads: int | None = None,
-                    grace_s: float = 10.0) -> int:
+                    progress: bool = True, grace_s: float = 10.0) -> int:
     """Run the workers through torchrun and wait; returns its exit code.
 
     torchrun and its workers get their own session (a terminal's Ctrl-C reaches only us); on any
@@ -113,7 +113,8 @@ def launch_torchrun(config_file: str | os.PathLike, nproc: int, *, threads: int 
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     env.setdefault("PYTHONUNBUFFERED", "1")
-    proc = subprocess.Popen(torchrun_command(config_file, nproc, free_port()), env=env, start_new_session=True)
+    proc = subprocess.Popen(torchrun_command(config_file, nproc, free_port(), progress), env=env,
+                            start_new_session=True)
     try:
         return proc.wait()
     except BaseException:
@@ -155,7 +156,7 @@ def run(cfg: TrainConfig, overwrite: bool = False, progress: bool = True) -> dic
     threads = None
     if _device_type(cfg) == "cpu":
         threads = cfg.threads or max(1, len(os.sched_getaffinity(0)) // cfg.nproc)
-    rc = launch_torchrun(config_file, cfg.nproc, threads=threads)
+    rc = launch_torchrun(config_file, cfg.nproc, threads=threads, progress=progress)
     if rc != 0:
         raise TrainError(f"training failed: torchrun exited with code {rc} (the workers' errors are above)")
     return json.loads((Path(cfg.out_dir) / "summary.json").read_text())
