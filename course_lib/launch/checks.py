@@ -1,8 +1,8 @@
 """Refuse bad launches before anything is spawned, with a message that says what to change.
 
 Checked: the number of processes and nodes, GPUs asked for versus GPUs present, the script or
-module to run, the batch allocation (SLURM/PBS) the launch runs in, the timeouts, and for a
-training run the strategy and the estimated memory per device (:mod:`course_lib.memory`).
+module to run, the batch allocation (SLURM/PBS) the launch runs in, the timeouts and strategy
+names. A training config's memory estimate is checked in :mod:`course_lib.launch.training`.
 """
 
 from __future__ import annotations
@@ -100,28 +100,3 @@ def check_strategy(name: str) -> None:
 
     if name not in STRATEGIES:
         raise LaunchConfigError(f"unknown strategy {name!r}; choose one of {sorted(STRATEGIES)}")
-
-
-def check_memory(config, nproc_per_node: int, nnodes: int, device: str) -> float | None:
-    """Estimated bytes per device for a training config; refuse it when it exceeds the GPU.
-
-    Uses :func:`course_lib.memory.estimate_config_bytes` when the memory model offers it;
-    returns None (no check) otherwise and on CPU, where the limit is the host's RAM.
-    """
-    try:
-        from course_lib import memory
-    except ImportError:
-        return None
-    estimate = getattr(memory, "estimate_config_bytes", None) or getattr(memory, "config_bytes", None)
-    if estimate is None or device != "cuda":
-        return None
-    from course_lib.hardware import detect
-
-    need = float(estimate(config, world_size=nproc_per_node * nnodes))
-    have = detect("cuda").memory_bytes
-    if need > have:
-        raise LaunchConfigError(
-            f"this training config needs about {need / 1e9:.1f} GB per GPU (course_lib.memory "
-            f"estimate) but the GPU has {have / 1e9:.1f} GB; lower batch_size or block_size, use "
-            "a ZeRO strategy or more GPUs, or a smaller model")
-    return need
