@@ -285,3 +285,22 @@ def test_find_by_env_sees_only_marked_processes():
     finally:
         procs.ProcessTree(p).terminate(grace=1)
     assert procs.find_by_env("COURSE_TEST_MARKER", marker) == []
+
+
+@pytest.mark.timeout(30)
+def test_terminate_reaches_workers_whose_parent_died():
+    """The agent crashed and left a worker (own session, re-parented to init): still stopped."""
+    child = ("import subprocess, sys\n"
+             "g = subprocess.Popen([sys.executable, '-c', 'import time; print(1, flush=True); time.sleep(60)'],"
+             " start_new_session=True, stdout=subprocess.PIPE)\n"
+             "g.stdout.readline()\n"
+             "print(g.pid, flush=True)\n"
+             "import time; time.sleep(60)\n")  # until the test kills it
+    p = procs.spawn([PY, "-c", child], stdout=subprocess.PIPE)
+    gpid = int(p.stdout.readline())
+    tree = procs.ProcessTree(p)  # sees the worker while its parent is alive
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    assert psutil.Process(gpid).is_running()
+    assert tree.terminate(grace=10) == []  # SIGTERM sufficed: nobody needed SIGKILL
+    assert _gone(gpid, 1.0)

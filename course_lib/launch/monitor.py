@@ -17,6 +17,8 @@ import signal
 import sys
 from collections.abc import Iterable
 
+import psutil
+
 _RANK_FILE = re.compile(r"rank(\d+)\.(out|err)$")
 _FRAME = re.compile(r'File "(.+?)", line (\d+)(?:,)? in (\S+)')
 # torchrun's summary: "Root Cause (first observed failure): [0]: ... rank : 1 (local_rank: 1)
@@ -179,9 +181,12 @@ def dump_stacks(log_dir: str, ranks: Iterable[int]) -> list[int]:
         pid = status.get(r, {}).get("pid")
         if pid and status[r].get("state") == "running":
             try:
+                # the pid must still be that rank (started shortly before it wrote its status)
+                if not 0 <= status[r]["started"] - psutil.Process(pid).create_time() < 60:
+                    continue
                 os.kill(pid, signal.SIGUSR1)
                 asked.append(r)
-            except (ProcessLookupError, PermissionError):
+            except (ProcessLookupError, PermissionError, psutil.Error, KeyError):
                 pass
     return asked
 

@@ -129,6 +129,12 @@ class ProcessTree:
                 os.killpg(self.popen.pid, signal.SIGTERM)  # the root leads its own session
             except (ProcessLookupError, PermissionError):
                 pass
+        else:  # the root is gone (crashed?): nobody will stop its workers but us
+            for p in self.alive():
+                try:
+                    p.terminate()
+                except psutil.Error:
+                    pass
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
             self.popen.poll()  # reap the root so it does not linger as a zombie

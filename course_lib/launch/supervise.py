@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from course_lib.launch import monitor
+from course_lib.launch.bootstrap import diagnose
 from course_lib.launch.procs import ProcessTree, spawn
 
 
@@ -209,8 +210,11 @@ def _failure_message(f: RankFailure, status, stderr, collective_timeout) -> str:
     msg = f"rank {f.rank} failed ({how}): {f.message.splitlines()[0] if f.kind != 'killed' else 'no Python error'}"
     if f.where:
         msg += f"\n  at {f.where}"
-    if f.hint:
-        msg += f"\n  {f.hint}"
+    hint = f.hint
+    if not hint and f.kind in ("killed", "exit"):  # e.g. NCCL's watchdog aborts on a timeout
+        hint = diagnose(stderr.get(f.rank, "")[-4000:], "run", collective_timeout)[1]
+    if hint:
+        msg += f"\n  {hint}"
     if f.kind in ("collective_timeout", "peer_exited"):
         msg += "\n" + "\n".join(_others(f.rank, status, stderr))
     return msg
