@@ -98,9 +98,12 @@ def _init_torch(backend: str, timeout_s: float, local_rank: int) -> dict:
 
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+    kwargs = {}
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        # device_id binds the communicator to this rank's GPU (no guessing in barrier())
+        kwargs["device_id"] = torch.device("cuda", local_rank)
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
     return {"torch": torch, "dist": dist}
 
 
