@@ -86,8 +86,13 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu", mmap: bool = Fa
     return ckpt
 
 
-def check_resumable(saved: dict, cfg: TrainConfig, path: str | os.PathLike = "checkpoint") -> None:
-    """Raise ConfigError naming every field that differs from the checkpoint's config and may not."""
+def check_resumable(saved: dict, cfg: TrainConfig, path: str | os.PathLike = "checkpoint",
+                    iter_num: int = 0) -> None:
+    """Raise ConfigError naming every field that differs from the checkpoint's config and may not
+    (and if the checkpoint, at ``iter_num``, is already past ``max_iters``)."""
+    if cfg.max_iters < iter_num:
+        raise ConfigError(f"{path} is at iteration {iter_num}, past max_iters={cfg.max_iters}; "
+                          f"pass --max_iters={iter_num} or more to continue it")
     diffs = [(k, saved.get(k), v) for k, v in cfg.to_dict().items()
              if k not in RESUME_MAY_CHANGE and saved.get(k) != v]
     if diffs:

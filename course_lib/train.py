@@ -133,7 +133,7 @@ def _train(cfg: TrainConfig, rt: Runtime, progress: bool) -> dict:
     start_iter, best_val = 0, math.inf
     if cfg.init_from == "resume":
         ck = ckpt_io.load_checkpoint(out_dir / ckpt_io.LAST, map_location=rt.device)
-        ckpt_io.check_resumable(ck["config"], cfg, out_dir / ckpt_io.LAST)
+        ckpt_io.check_resumable(ck["config"], cfg, out_dir / ckpt_io.LAST, ck["iter_num"])
         if ck["world_size"] != rt.world_size:
             raise ckpt_io.CheckpointError(f"{out_dir / ckpt_io.LAST} was written by {ck['world_size']} ranks, "
                                           f"this run has {rt.world_size}; resume with --nproc={ck['world_size']}")

@@ -73,7 +73,7 @@ def preflight(cfg: TrainConfig, overwrite: bool = False) -> None:
     out = Path(cfg.out_dir)
     if cfg.init_from == "resume":
         ck = ckpt_io.load_checkpoint(out / ckpt_io.LAST, mmap=True)
-        ckpt_io.check_resumable(ck["config"], cfg, out / ckpt_io.LAST)
+        ckpt_io.check_resumable(ck["config"], cfg, out / ckpt_io.LAST, ck["iter_num"])
     elif (out / ckpt_io.LAST).exists() and not overwrite:
         raise ConfigError(f"{out} already holds a run (last.pt); pass --resume to continue it, "
                           "--overwrite to start it again, or choose another --out_dir")
@@ -164,7 +164,7 @@ def run(cfg: TrainConfig, overwrite: bool = False, progress: bool = True) -> dic
 
 def _help_epilog() -> str:
     d = TrainConfig()
-    fields = "\n".join(f"  --{name}={getattr(d, name)!r:<22} ({f.type.__name__})" for name, f in FIELDS.items())
+    fields = "\n".join(f"  {f'--{name}={getattr(d, name)!r}':<42} {f.type.__name__}" for name, f in FIELDS.items())
     return (f"presets (--config=NAME): {', '.join(PRESETS)}\n\nfields (default values; any one as --field=value):\n"
             f"{fields}\n\nbool fields also accept a bare --field (true); --nproc=auto uses every GPU, or 2 CPU workers.")
 

@@ -84,3 +84,5 @@ def test_resume_compatibility_names_every_incompatible_field():
     msg = str(e.value)
     assert "cannot resume run/last.pt" in msg and "n_layer: checkpoint has 4, now 6" in msg
     assert "learning_rate: checkpoint has 0.001, now 0.0003" in msg and "--n_layer=4" in msg
+    with pytest.raises(ConfigError, match="at iteration 300, past max_iters=200; pass --max_iters=300"):
+        ckpt_io.check_resumable(saved, ok.replace(max_iters=200), "run/last.pt", iter_num=300)
