@@ -281,7 +281,12 @@ def plot_scaling(strong: Sequence[dict], s_fit: float, weak: Sequence[dict] | No
     big = [2 ** k for k in range(max(1, p_max).bit_length())]
     ax2.plot(big, big, "k:", label="ideal")
     ax2.plot(big, [amdahl_speedup(s_fit, p) for p in big], marker=".",
-             label=f"Amdahl (fixed job), ceiling 1/s = {1 / s_fit:.0f}" if s_fit else "Amdahl (s = 0)")
+             label=f"Amdahl (fixed job), fitted s = {s_fit:.3f}, ceiling {1 / s_fit:.0f}" if s_fit
+             else "Amdahl (fixed job), fitted s = 0")
+    if s_written is not None:
+        ax2.plot(big, [amdahl_speedup(s_written, p) for p in big], "--",
+                 label=f"Amdahl, s = {s_written:.3f} as written, ceiling {1 / s_written:.0f}" if s_written
+                 else "Amdahl, s = 0 as written")
     s_weak = statistics.mean(r["serial_share"] for r in weak) if weak else s_fit
     ax2.plot(big, [gustafson_speedup(s_weak, p) for p in big], marker=".",
              label=f"Gustafson (growing job), s' = {s_weak:.3f}")

@@ -77,7 +77,7 @@ def test_measurements_are_consistent():
         assert w["gustafson"] == pytest.approx(w["serial_share"] + (1 - w["serial_share"]) * w["p"])
         assert w["scaled_speedup"] == pytest.approx(w["seconds_1"] / w["seconds"])
     fig = sl.plot_scaling(strong, 0.05, weak, s_written=1 / 5, p_max=64)
-    assert len(fig.axes) == 2 and len(fig.axes[1].get_lines()) == 4
+    assert len(fig.axes) == 2 and len(fig.axes[1].get_lines()) == 5  # ideal, 2 x Amdahl, Gustafson, measured
     with pytest.raises(ValueError, match="procs"):
         sl.measure_strong([0, 1])
 
