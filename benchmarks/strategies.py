@@ -127,7 +127,7 @@ def summarize(runs: list[dict], args, threads: int) -> dict:
 
 def markdown(rows: list[dict]) -> str:
     head = ("| strategy | nodes | ranks | time/iter (ms) | min-max (ms) | tokens/s | speedup | "
-            "efficiency | exposed comm (ms) | model states / rank (MB) | peak RSS / rank (MB) |")
+            "efficiency | exposed comm (ms) | model states / rank (MiB) | peak RSS / rank (MiB) |")
     lines = [head, "|" + "---|" * 11]
     for r in rows:
         lines.append(f"| {r['strategy']} | {r['nodes']} | {r['ranks']} | {r['ms_per_iter']:.1f} | "
