@@ -69,8 +69,7 @@ def test_every_strategy_gives_the_same_losses_and_resumes(tmp_path):
     run([base.replace(out_dir=str(tmp_path / "single"), strategy="single", batch_size=8)], 1)
     dist_runs = [base.replace(out_dir=str(tmp_path / s), strategy=s, nproc=2) for s in DISTRIBUTED]
     # checkpoints: stop at iteration 3 and resume to the end, with the same or another strategy;
-    # every resumed run must continue exactly like plain data parallelism resumed from its own
-    # checkpoint (and the state at the checkpoint must be the uninterrupted run's)
+    # every resumed run must continue exactly like the uninterrupted one
     half = {"max_iters": 3, "nproc": 2}
     resumes = [("ddp", "ddp"), ("zero3", "zero3"), ("fsdp_full", "zero1"), ("zero2", "fsdp_grad_op")]
     first = [base.replace(out_dir=str(tmp_path / f"{a}-{b}"), strategy=a, **half) for a, b in resumes]
@@ -82,17 +81,10 @@ def test_every_strategy_gives_the_same_losses_and_resumes(tmp_path):
     # so its train losses are compared, and the eval losses among the 2-rank runs
     single, ref = losses(tmp_path / "single"), losses(tmp_path / "ddp")
     assert sorted(single) == sorted(ref) == list(range(ITERS + 1))
-    for name in DISTRIBUTED:
+    for name in DISTRIBUTED + [f"{a}-{b}" for a, b in resumes]:
         got = losses(tmp_path / name)
         assert sorted(got) == sorted(ref), name
         for it in ref:
             assert numbers(got[it]) == pytest.approx(numbers(ref[it]), rel=2e-6, abs=0), (name, it)
             if it < ITERS:
                 assert float(got[it][0]) == pytest.approx(float(single[it][0]), rel=2e-6, abs=0)
-    resumed_ref = losses(tmp_path / "ddp-ddp")
-    assert numbers(resumed_ref[3])[1:] == pytest.approx(numbers(ref[3])[1:], rel=2e-6, abs=0)
-    for a, b in resumes[1:]:
-        got = losses(tmp_path / f"{a}-{b}")
-        assert sorted(got) == sorted(resumed_ref)
-        for it in got:
-            assert numbers(got[it]) == pytest.approx(numbers(resumed_ref[it]), rel=2e-6, abs=0), (a, b, it)
