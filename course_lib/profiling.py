@@ -153,6 +153,7 @@ def profile_worker(rank: int, world_size: int, spec: dict) -> dict:
     from course_lib.model import GPT, GPTConfig
     from course_lib.parallel.strategy import build_strategy
 
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # else the profiler's library logs every start and stop
     device = f"cuda:{rank}" if spec["device"] == "cuda" else "cpu"
     if device != "cpu":
         torch.cuda.set_device(device)
