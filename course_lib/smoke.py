@@ -60,8 +60,12 @@ def in_colab(environ: Mapping[str, str] | None = None) -> bool:
 
 
 def install_spec(repo: str = GITHUB_REPO, branch: str = GITHUB_BRANCH) -> str:
-    """What pip installs on Colab: the package straight from the course repository."""
-    return f"course-lib @ git+https://github.com/{repo}@{branch}"
+    """What pip installs on Colab: the package straight from the course repository.
+
+    With the ``mpich`` extra: Colab has no MPI of its own, and ``%%mpirun`` needs the
+    ``mpiexec`` (and the libmpi that mpi4py loads) that the PyPI MPICH wheel brings.
+    """
+    return f"course-lib[mpich] @ git+https://github.com/{repo}@{branch}"
 
 
 def colab_url(notebook: str, repo: str = GITHUB_REPO, branch: str = GITHUB_BRANCH) -> str:

@@ -255,7 +255,8 @@ def test_setup_cell_installs_on_colab_only(monkeypatch):
     monkeypatch.setenv("COLAB_RELEASE_TAG", "release-colab-test")
     exec(code, {"get_ipython": FakeShell})  # noqa: S102
     assert calls == [("pip", f'install --quiet "{smoke.install_spec()}"')]
-    assert smoke.install_spec().startswith("course-lib @ git+https://github.com/")
+    # the mpich extra: Colab has no MPI, and %%mpirun needs the wheel's mpiexec
+    assert smoke.install_spec(repo="o/r", branch="b") == "course-lib[mpich] @ git+https://github.com/o/r@b"
 
 
 def test_sync_rewrites_badge_and_setup_cell():
