@@ -166,12 +166,12 @@ class LiveLossPlot:
     def redraw(self) -> None:
         with self._lock:
             rows = list(self.rows)
-            self.status.value = status_html(rows, self.total_iters, self.smoothing, self.title)
             fig = loss_figure(rows, self.smoothing, self.title or None, self.total_iters)
             fig.set_size_inches(*self.figsize)
             buf = io.BytesIO()
             fig.savefig(buf, format="png", dpi=self.dpi)
-            self.image.value = buf.getvalue()
+            self.image.value = buf.getvalue()  # the plot first: a changed status means both are new
+            self.status.value = status_html(rows, self.total_iters, self.smoothing, self.title)
             self.history.append(len(rows))
 
     def follow(self, fn: Callable, *args, **kwargs):

@@ -66,6 +66,9 @@ WIDGET_CHECKS: dict[str, tuple[SliderCheck, ...]] = {
     "04_zero_and_fsdp.ipynb": (SliderCheck("micro-batch", ".course-memcalc", ".widget-html"),),
     # notebook 6's PRAM step slider (course_lib.pram.step_slider): each step redraws the memory
     "06_pram.ipynb": (SliderCheck("step", None, ".widget-html"),),
+    # notebook 7's live loss plot (course_lib.live_plot, class course-live-loss): the smoothing
+    # slider changes the smoothed train loss in the status line (and the curve)
+    "07_nanogpt_shakespeare.ipynb": (SliderCheck("smoothing", ".course-live-loss", ".widget-html"),),
 }
 NOTEBOOKS = [name for name in WIDGET_CHECKS if (ROOT / "notebooks" / name).is_file()]
 
