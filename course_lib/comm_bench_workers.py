@@ -1,7 +1,6 @@
-"""Worker side of ``course bench comm``: one process per rank times each collective.
+"""mpiexec -n 2 python -m course_lib.comm_bench_workers CONFIG.json OUT.jsonl
 
-    mpiexec -n 2 python -m course_lib.comm_bench_workers CONFIG.json OUT.jsonl
-
+Worker side of ``course bench comm``: one process per rank times each collective
 (``course bench comm --backend mpi`` runs that line itself; the torch backends spawn
 :func:`torch_worker` instead.) For every (collective, size) each rank fills its buffers with
 rank + 1, runs the collective once and checks the result, then runs ``warmup`` untimed and
