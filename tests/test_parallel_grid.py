@@ -99,3 +99,17 @@ def test_bad_grids_are_clear_errors():
         grid_coords(8, 2, 2, 2)
     with pytest.raises(RuntimeError, match="needs torch.distributed to be initialised"):
         ProcessGroupGrid(dp=1)
+
+
+def test_run_ranks_refuses_bad_input_before_spawning(monkeypatch):
+    def never(rank, world_size):
+        raise AssertionError("no worker may start")
+
+    with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
+        run_ranks(never, 0)
+    with pytest.raises(ValueError, match="backend must be 'gloo' .* or 'nccl'"):
+        run_ranks(never, 2, backend="mpi")
+    # NCCL needs a GPU per rank: refused in the parent, before any process starts
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="NCCL needs one GPU per rank: 2 ranks, 1 GPU"):
+        run_ranks(never, 2, backend="nccl")

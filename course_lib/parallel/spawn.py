@@ -28,10 +28,13 @@ def _worker(rank: int, fn, world_size: int, args: tuple, backend: str, port: int
             out_dir: str, threads: int) -> None:
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
-    if backend == "nccl":  # one GPU per rank
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+    kwargs = {}
+    if backend == "nccl":  # one GPU per rank (run_ranks checked there are enough)
+        torch.cuda.set_device(rank)
+        # device_id binds the communicator to this rank's GPU (no guessing in barrier())
+        kwargs["device_id"] = torch.device("cuda", rank)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size)
+                            world_size=world_size, **kwargs)
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
@@ -51,6 +54,13 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), backend
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' (CPU) or 'nccl' (one GPU per rank), got {backend!r}")
+    if backend == "nccl":
+        gpus = torch.cuda.device_count()  # asks NVML: no CUDA context in the parent
+        if gpus < world_size:
+            raise ValueError(f"NCCL needs one GPU per rank: {world_size} ranks, {gpus} GPU(s) "
+                             "here; use backend='gloo' or fewer ranks")
     if start_method is None:
         fork_ok = "fork" in mp.get_all_start_methods() and not torch.cuda.is_initialized()
         start_method = "fork" if fork_ok else "spawn"
