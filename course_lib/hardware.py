@@ -101,7 +101,9 @@ def detect(device: str | None = None) -> HardwareProfile:
     use_cuda = torch.cuda.is_available() if device is None else device.startswith("cuda")
     if not use_cuda:
         return cpu_profile(torch.get_num_threads())
-    index = torch.device(device or "cuda").index or 0
+    index = torch.device(device or "cuda").index
+    if index is None:  # plain "cuda": the rank's own GPU (after torch.cuda.set_device), not GPU 0
+        index = torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
     key = _match_gpu(props.name, props.total_memory)
     if key is not None:

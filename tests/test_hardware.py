@@ -126,3 +126,18 @@ def test_detected_gpu_has_a_profile_and_dtype():
     assert p.name == _match_gpu(props.name, props.total_memory) or p.name == props.name
     expected = "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float16"
     assert pick_dtype(p) == expected
+
+
+def test_detect_reads_the_ranks_own_gpu(monkeypatch):
+    """A rank that called torch.cuda.set_device(1) gets GPU 1's profile from detect("cuda")."""
+    import types
+
+    import torch
+
+    gpus = [types.SimpleNamespace(name="Tesla T4", total_memory=15 * GB),
+            types.SimpleNamespace(name="NVIDIA A100-SXM4-80GB", total_memory=80 * GB)]
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: gpus[i])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert hardware.detect("cuda").name == "a100-80gb"
+    assert hardware.detect("cuda:0").name == "t4"
+    assert hardware.detect("cuda:0").memory_bytes == 15 * GB  # the device's own, not the sheet's
