@@ -154,9 +154,15 @@ def run_job(serial_units: int, parallel_units: int, pool=None, p: int = 1) -> tu
     return time.perf_counter() - t0, t1 - t0
 
 
-def _timed(serial_units: int, parallel_units: int, p: int, repeats: int, pool=None) -> tuple[float, float]:
-    """Median (total, serial) seconds over ``repeats`` runs."""
-    runs = [run_job(serial_units, parallel_units, pool, p) for _ in range(repeats)]
+def _timed(serial_units: int, parallel_units: int, p: int, repeats: int) -> tuple[float, float]:
+    """Median (total, serial) seconds over ``repeats`` runs on p processes (p = 1: this one)."""
+    pool = _pool(p) if p > 1 else None
+    try:
+        runs = [run_job(serial_units, parallel_units, pool, p) for _ in range(repeats)]
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
     return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
 
 
@@ -179,15 +185,7 @@ def measure_strong(procs: Sequence[int], serial_units: int = 10, parallel_units:
     t1, _ = _timed(serial_units, parallel_units, 1, repeats)
     rows = []
     for p in procs:
-        if p == 1:
-            t = t1
-        else:
-            pool = _pool(p)
-            try:
-                t, _ = _timed(serial_units, parallel_units, p, repeats, pool)
-            finally:
-                pool.terminate()
-                pool.join()
+        t = t1 if p == 1 else _timed(serial_units, parallel_units, p, repeats)[0]
         speedup = t1 / t
         rows.append({"p": p, "seconds": t, "speedup": speedup, "efficiency": speedup / p,
                      "karp_flatt": karp_flatt(speedup, p) if p > 1 else None})
@@ -208,17 +206,8 @@ def measure_weak(procs: Sequence[int], serial_units: int = 10, parallel_units_pe
     rows = []
     for p in procs:
         work = parallel_units_per_proc * p
-        if p == 1:
-            t, ts = _timed(serial_units, work, 1, repeats)
-            t1 = t
-        else:
-            t1, _ = _timed(serial_units, work, 1, repeats)
-            pool = _pool(p)
-            try:
-                t, ts = _timed(serial_units, work, p, repeats, pool)
-            finally:
-                pool.terminate()
-                pool.join()
+        t1, ts1 = _timed(serial_units, work, 1, repeats)
+        t, ts = (t1, ts1) if p == 1 else _timed(serial_units, work, p, repeats)
         share = min(1.0, ts / t)
         rows.append({"p": p, "seconds": t, "seconds_1": t1, "scaled_speedup": t1 / t,
                      "serial_share": share, "gustafson": gustafson_speedup(share, p)})
