@@ -21,8 +21,9 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 DEFAULT_TIMEOUT_S = 60.0
 TIMEOUT_ENV = "COURSE_GRADING_TIMEOUT"
@@ -109,7 +110,8 @@ def assert_close(actual, expected, what: str = "result", atol: float = 1e-6, rto
         raise AssertionError(f"{what}: {len(actual)} tensors, expected {len(expected)}")
     for i, (a, e) in enumerate(zip(actual, expected)):
         if not isinstance(a, torch.Tensor):
-            raise AssertionError(f"{what}: item {i} is {type(a).__name__}, expected a tensor")
+            # a failed check like the others below, not a caller's type error
+            raise AssertionError(f"{what}: item {i} is {type(a).__name__}, expected a tensor")  # noqa: TRY004
         e = e.detach()
         if a.shape != e.shape:
             raise AssertionError(f"{what}: item {i} has shape {tuple(a.shape)}, expected {tuple(e.shape)}")

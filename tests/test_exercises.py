@@ -39,11 +39,11 @@ GRADING_TIMEOUT = "12"
 # (exercise, question it breaks, text in the solution notebook, wrong replacement, why plausible)
 WRONG_ANSWERS = [
     ("01_collectives", "q1_ring_all_reduce",
-     "        request = dist.isend(chunks[send_index].contiguous(), right)\n"
-     "        dist.recv(incoming, left)\n"
-     "        request.wait()\n",
-     "        dist.recv(incoming, left)  # every rank waits to receive before anyone sends\n"
-     "        dist.send(chunks[send_index].contiguous(), right)\n",
+     ("        request = dist.isend(chunks[send_index].contiguous(), right)\n"
+      "        dist.recv(incoming, left)\n"
+      "        request.wait()\n"),
+     ("        dist.recv(incoming, left)  # every rank waits to receive before anyone sends\n"
+      "        dist.send(chunks[send_index].contiguous(), right)\n"),
      "hang: blocking receive before send on every rank, a deadlock around the ring"),
     ("02_data_parallel", "q1_average_gradients",
      "            p.grad /= world_size\n", "",
@@ -512,7 +512,7 @@ def _p2p(rank, world_size):
 def test_run_ranks_bounds_hangs_and_reports_failures():
     from course_lib.grading import RankError, RanksTimeoutError, run_ranks
 
-    for bad in (dict(nproc=0), dict(nproc=2, timeout=0), dict(nproc=99)):
+    for bad in ({"nproc": 0}, {"nproc": 2, "timeout": 0}, {"nproc": 99}):
         with pytest.raises(ValueError):
             run_ranks(_boom, **bad)
     with pytest.raises(RanksTimeoutError, match=r"within 2 s .*never joined"):

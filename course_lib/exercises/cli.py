@@ -1,0 +1,130 @@
+"""Command lines: ``course exercises build|check|list|sync`` and ``course grade``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from course_lib.exercises.build import build, check
+from course_lib.exercises.colab import setup_cell_problems, sync_setup_cell
+from course_lib.exercises.grade import (
+    CELL_TIMEOUT_ENV,
+    find_autograder,
+    grade_many,
+    points_text,
+)
+from course_lib.exercises.layout import select
+
+
+def cli(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="course exercises",
+                                description="Build the graded exercises with otter-grader.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="run otter assign: dist/student and dist/autograder")
+    b.add_argument("names", nargs="*", help="exercises to build (NN or NN_topic; default: all)")
+    b.add_argument("--root", type=Path, help="exercises folder (default: exercises/ of this clone)")
+    b.add_argument("--verify", action="store_true",
+                   help="then grade each solution (must score full marks) and blank release (zero)")
+    b.add_argument("--jobs", type=int, default=2, help="gradings at once for --verify (default 2)")
+    b.add_argument("-v", "--verbose", action="store_true", help="show otter's output")
+    c = sub.add_parser("check", help="fail if a dist/ is stale or was edited by hand")
+    c.add_argument("names", nargs="*")
+    c.add_argument("--root", type=Path)
+    ls = sub.add_parser("list", help="list the exercises")
+    ls.add_argument("--root", type=Path)
+    sy = sub.add_parser("sync", help="rewrite each source's setup cell from course_lib.GITHUB_REPO")
+    sy.add_argument("names", nargs="*")
+    sy.add_argument("--root", type=Path)
+    args = p.parse_args(argv)
+
+    try:
+        exercises = select(getattr(args, "names", []), args.root)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"course exercises: {e}", file=sys.stderr)
+        return 2
+    if args.cmd == "list":
+        for ex in exercises:
+            state = "up to date" if not check(ex) else "needs build"
+            print(f"{ex.name:<24} {state}")
+        return 0
+    if args.cmd == "sync":
+        for ex in exercises:
+            if sync_setup_cell(ex):
+                print(f"rewrote the setup cell of {ex.source}; now run `course exercises build {ex.name}`")
+        return 0
+    if args.cmd == "check":
+        stale = {ex.name: check(ex) + setup_cell_problems(ex) for ex in exercises}
+        problems = [msg for msgs in stale.values() for msg in msgs]
+        for msg in problems:
+            print(msg, file=sys.stderr)
+        print(f"{sum(not m for m in stale.values())}/{len(exercises)} exercises up to date")
+        return 1 if problems else 0
+
+    from tqdm import tqdm
+
+    for ex in tqdm(exercises, desc="otter assign", unit="exercise", disable=len(exercises) < 2):
+        try:
+            build(ex, quiet=not args.verbose)
+        except Exception as e:  # noqa: BLE001 - otter's errors vary; report which exercise failed
+            print(f"course exercises: building {ex.name} failed: {e}", file=sys.stderr)
+            return 1
+        tqdm.write(f"built {ex.dist}")
+    if not args.verify:
+        return 0
+    subs = [ex.solution_notebook for ex in exercises] + [ex.student_notebook for ex in exercises]
+    zips = [ex.autograder_zip for ex in exercises] * 2
+    reports = grade_many(subs, zips, jobs=args.jobs)
+    bad = 0
+    for i, r in enumerate(reports):
+        want_full = i < len(exercises)
+        ok = (r.total == r.possible > 0) if want_full else r.total == 0
+        bad += not ok
+        kind = "solution" if want_full else "blank release"
+        print(f"{'ok ' if ok else 'BAD'} {kind:<13} {Path(r.submission).name:<28} "
+              f"{points_text(r.total)} / {points_text(r.possible)}  ({r.seconds:.1f} s)")
+    return 1 if bad else 0
+
+
+def grade_cli(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="course grade",
+        description="Grade exercise notebooks locally (otter, no Docker, no network): the score of "
+                    "each question, then TOTAL: x / y.")
+    p.add_argument("submissions", nargs="+", type=Path, help="submitted .ipynb notebooks")
+    p.add_argument("--autograder", type=Path,
+                   help="autograder zip (default: found from the notebook's assignment name in "
+                        "exercises/NN_topic/dist/autograder/)")
+    p.add_argument("--root", type=Path, help="exercises folder (default: exercises/ of this clone)")
+    p.add_argument("--jobs", type=int, default=1, help="notebooks graded at once")
+    p.add_argument("--cell-timeout", type=float,
+                   help=f"seconds any cell may run (default from the exercise; env {CELL_TIMEOUT_ENV})")
+    p.add_argument("--json", action="store_true", help="print the reports as JSON")
+    p.add_argument("-q", "--quiet", action="store_true", help="no failure messages, scores only")
+    args = p.parse_args(argv)
+
+    for s in args.submissions:
+        if not s.is_file():
+            print(f"course grade: {s} does not exist", file=sys.stderr)
+            return 2
+    if args.autograder is not None and not args.autograder.is_file():
+        print(f"course grade: autograder zip {args.autograder} does not exist", file=sys.stderr)
+        return 2
+    if args.cell_timeout is not None:
+        if args.cell_timeout <= 0:
+            print("course grade: --cell-timeout must be > 0 seconds", file=sys.stderr)
+            return 2
+        os.environ[CELL_TIMEOUT_ENV] = str(args.cell_timeout)
+    try:
+        zips = [args.autograder or find_autograder(s, args.root) for s in args.submissions]
+    except (ValueError, FileNotFoundError) as e:
+        print(f"course grade: {e}", file=sys.stderr)
+        return 2
+    reports = grade_many(args.submissions, zips, args.root, jobs=args.jobs)
+    if args.json:
+        print(json.dumps([r.to_dict() for r in reports], indent=2))
+    else:
+        print("\n\n".join(r.format(verbose=not args.quiet) for r in reports))
+    return 1 if any(r.error for r in reports) else 0

@@ -1,0 +1,111 @@
+"""The first cells of every exercise: the Colab badge and the setup cell, which on Colab installs
+the package and fetches the exercise's public tests (otter needs them as files there)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from course_lib.exercises.layout import MANIFEST, Exercise
+
+
+def install_spec() -> str:
+    """What pip installs on Colab: the course package with otter-grader, from the repository."""
+    from course_lib import GITHUB_BRANCH, GITHUB_REPO
+
+    return f"course-lib[grading] @ git+https://github.com/{GITHUB_REPO}@{GITHUB_BRANCH}"
+
+
+def colab_setup_cell(name: str) -> str:
+    """Source of an exercise's first code cell. otter needs its public tests as files next to
+    the notebook; Colab opens the notebook alone, so the cell fetches them there."""
+    return (
+        "# Setup. On Google Colab: install the course package and fetch this exercise's public tests.\n"
+        "# Anywhere else (JupyterHub, your laptop) the package and tests/ are already there.\n"
+        "import os, sys\n"
+        'if "google.colab" in sys.modules or "COLAB_RELEASE_TAG" in os.environ:\n'
+        f'    %pip install --quiet "{install_spec()}"\n'
+        "    from course_lib.exercises import fetch_student_tests\n"
+        f'    fetch_student_tests("{name}")\n'
+        "import otter\n"
+        f'grader = otter.Notebook("{name}.ipynb")'
+    )
+
+
+def fetch_student_tests(name: str, dest: str | os.PathLike = "tests", base_url: str | None = None) -> list[Path]:
+    """Download the public tests of exercise ``name`` (its ``dist/student/tests/*.py``) into
+    ``dest``, for ``grader.check`` on Colab. ``base_url`` defaults to the repository's raw files
+    on GitHub; any URL urllib opens works (``file:///path/to/clone`` for a local copy)."""
+    import urllib.request
+
+    if base_url is None:
+        from course_lib import GITHUB_BRANCH, GITHUB_REPO
+
+        base_url = f"https://raw.githubusercontent.com/{GITHUB_REPO}/{GITHUB_BRANCH}"
+    base = f"{base_url.rstrip('/')}/exercises/{name}/dist"
+    try:
+        with urllib.request.urlopen(f"{base}/{MANIFEST}", timeout=30) as r:
+            manifest = json.loads(r.read().decode("utf-8"))
+    except OSError as e:
+        raise RuntimeError(f"could not fetch the tests of {name} from {base}: {e}") from e
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    written = []
+    for rel in sorted(manifest["files"]):
+        if rel.startswith("student/tests/") and rel.endswith(".py"):
+            with urllib.request.urlopen(f"{base}/{rel}", timeout=30) as r:
+                data = r.read()
+            if hashlib.sha256(data).hexdigest() != manifest["files"][rel]:
+                raise RuntimeError(f"{rel} of {name} does not match its manifest; try again later")
+            target = dest / Path(rel).name
+            target.write_bytes(data)
+            written.append(target)
+    return written
+
+
+def colab_badge_line(name: str) -> str:
+    """The "Open in Colab" badge that starts an exercise: it opens the student release."""
+    from course_lib.smoke import colab_badge
+
+    return colab_badge(f"exercises/{name}/dist/student/{name}.ipynb")
+
+
+def _first(nb, cell_type: str):
+    return next((c for c in nb.cells if c.cell_type == cell_type), None)
+
+
+def setup_cell_problems(ex: Exercise) -> list[str]:
+    """The first markdown cell of a source must start with the Colab badge and its first code
+    cell must be :func:`colab_setup_cell`, both for the repository in course_lib.GITHUB_REPO."""
+    import nbformat
+
+    nb = nbformat.read(ex.source, as_version=4)
+    problems = []
+    fix = "run `course exercises sync` (it rewrites them from course_lib.GITHUB_REPO)"
+    md, code = _first(nb, "markdown"), _first(nb, "code")
+    if md is None or md.source.split("\n", 1)[0] != colab_badge_line(ex.name):
+        problems.append(f"{ex.source}: the first markdown cell does not start with the Colab badge of {ex.name}; {fix}")
+    if code is None or code.source != colab_setup_cell(ex.name):
+        problems.append(f"{ex.source}: the first code cell is not the setup cell of {ex.name}; {fix}")
+    return problems
+
+
+def sync_setup_cell(ex: Exercise) -> bool:
+    """Rewrite the badge line and the setup cell of ``ex``'s source; True if anything changed."""
+    import nbformat
+
+    nb = nbformat.read(ex.source, as_version=4)
+    md, code = _first(nb, "markdown"), _first(nb, "code")
+    if md is None or code is None:
+        raise ValueError(f"{ex.source} needs a markdown cell (title) and a code cell (setup)")
+    badge = colab_badge_line(ex.name)
+    first, _, rest = md.source.partition("\n")
+    new_md = md.source if first == badge else (
+        badge + "\n" + rest if "colab.research.google.com" in first else badge + "\n\n" + md.source)
+    if new_md == md.source and code.source == colab_setup_cell(ex.name):
+        return False
+    md.source, code.source = new_md, colab_setup_cell(ex.name)
+    ex.source.write_text(nbformat.writes(nb) + "\n", encoding="utf-8")
+    return True
