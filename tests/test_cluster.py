@@ -79,7 +79,8 @@ def test_slurm_script_text():
                  "#SBATCH --account=course", "export OMP_NUM_THREADS=8"):
         assert line in text.splitlines()
     run = text.splitlines()[-1]
-    assert run.startswith("srun --kill-on-bad-exit=1 torchrun --nnodes=2 --nproc-per-node=4 "
+    # srun asks for the CPUs again: since Slurm 22.05 it does not inherit sbatch's --cpus-per-task
+    assert run.startswith("srun --kill-on-bad-exit=1 --cpus-per-task=32 torchrun --nnodes=2 --nproc-per-node=4 "
                           "--rdzv-backend=c10d --rdzv-endpoint=\"$head_node:29500\" "
                           "--rdzv-id=\"$SLURM_JOB_ID\" --rdzv-conf=join_timeout=300")
     assert run.endswith("-m course_lib.train --max_iters=100 '--run_name=a b;c' '$HOME' --strategy=zero2")

@@ -183,7 +183,10 @@ def slurm_script(nodes: int, gpus_per_node: int, train_args: Sequence[str] = (),
              # sed reads every line: `head -n 1` would close the pipe early, and scontrol's
              # SIGPIPE would fail the script under pipefail
              'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)', "",
-             "srun --kill-on-bad-exit=1 " + _torchrun_line(
+             # Slurm >= 22.05: srun no longer inherits sbatch's --cpus-per-task; ask again, or
+             # every rank of the node shares one core (Slurm's srun man page, --cpus-per-task)
+             "srun --kill-on-bad-exit=1 " + (f"--cpus-per-task={cpus_per_node} " if cpus_per_node
+                                             else "") + _torchrun_line(
                  nodes, nproc, "$head_node", "$SLURM_JOB_ID", port, join_timeout, target, train_args)]
     return "\n".join(lines) + "\n"
 
