@@ -172,6 +172,28 @@ def test_check_reports_stale_and_hand_edited_dist(tmp_path):
     assert any("run `course exercises build" in m for m in exercises.check(ex))
 
 
+def test_sync_rewrites_badge_and_setup_cell(tmp_path):
+    src = EXERCISES[1]
+    (tmp_path / src.name).mkdir()
+    shutil.copy2(src.source, tmp_path / src.name / src.source.name)
+    ex = exercises.discover(tmp_path)[0]
+    nb = nbformat.read(ex.source, as_version=4)
+    md = next(c for c in nb.cells if c.cell_type == "markdown")
+    code = next(c for c in nb.cells if c.cell_type == "code")
+    from course_lib import GITHUB_REPO
+
+    md.source = md.source.replace(GITHUB_REPO, "someone/old-name")
+    code.source = code.source.replace(GITHUB_REPO, "someone/old-name")
+    nbformat.write(nb, ex.source)
+    assert len(exercises.setup_cell_problems(ex)) == 2
+    assert exercises.sync_setup_cell(ex) is True
+    assert exercises.setup_cell_problems(ex) == []
+    assert ex.source.read_bytes() == src.source.read_bytes()  # back to the committed source
+    assert exercises.sync_setup_cell(ex) is False
+    with pytest.raises(ValueError, match="unknown exercise"):
+        exercises.select(["99"], tmp_path)
+
+
 def test_build_refuses_a_source_with_outputs(tmp_path):
     src = EXERCISES[0]
     (tmp_path / src.name).mkdir()
