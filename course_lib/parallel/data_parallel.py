@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from course_lib.parallel.comms import Comms, broadcast_module
-from course_lib.parallel.strategy import Strategy
+from course_lib.parallel.strategy import CommsStrategy
 
 
 class DataParallelNaive(nn.Module):
@@ -144,20 +144,8 @@ class DataParallelBucket(nn.Module):
             bucket.reset()
 
 
-class _DataParallelStrategy(Strategy):
+class _DataParallelStrategy(CommsStrategy):
     """Strategy adapter: the trainer's interface on top of one of the wrappers above."""
-
-    def __init__(self, model, make_optimizer, group=None):
-        self.comms = Comms(group)
-        super().__init__(model, make_optimizer, group)
-
-    @property
-    def comm_s(self) -> float:
-        return self.comms.seconds
-
-    @comm_s.setter
-    def comm_s(self, value: float) -> None:
-        self.comms.seconds = value
 
     def no_sync(self):
         return self.model.no_sync()

@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from course_lib.parallel.comms import Comms
+
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 
 # name -> (module, class): ours first, then PyTorch's; filled in by the modules that implement them.
@@ -95,6 +97,23 @@ class Strategy:
             yield
         finally:
             self.comm_s += time.perf_counter() - t0
+
+
+class CommsStrategy(Strategy):
+    """Base of our own multi-rank strategies: every collective goes through ``self.comms``
+    (a :class:`Comms`), which counts its bytes and seconds; ``comm_s`` reads and resets those."""
+
+    def __init__(self, model: nn.Module, make_optimizer: OptimizerFactory, group=None):
+        self.comms = Comms(group)  # before Strategy.__init__, whose `comm_s = 0` lands here
+        super().__init__(model, make_optimizer, group)
+
+    @property
+    def comm_s(self) -> float:
+        return self.comms.seconds
+
+    @comm_s.setter
+    def comm_s(self, value: float) -> None:
+        self.comms.seconds = value
 
 
 class SingleProcess(Strategy):

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from course_lib.parallel.comms import Comms, broadcast_module
-from course_lib.parallel.strategy import Strategy
+from course_lib.parallel.strategy import CommsStrategy, Strategy
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -116,11 +116,10 @@ def buckets_of(params: list[nn.Parameter], bucket_cap_mb: float) -> list[list[nn
     return out + [current] if current else out
 
 
-class ShardedStrategy(Strategy):
+class ShardedStrategy(CommsStrategy):
     """What all ZeRO stages share: sharded optimizer, global-norm clipping, full checkpoints."""
 
     def __init__(self, model, make_optimizer, group=None):
-        self.comms = Comms(group)
         super().__init__(model, make_optimizer, group)
         self.state_comms = Comms(group)  # checkpoint traffic, kept out of the per-step figures
         broadcast_module(model, self.comms)
@@ -135,14 +134,6 @@ class ShardedStrategy(Strategy):
         self.full_optimizer = self.optimizer  # kept for its param_groups' hyper-parameters only
         self.layout_of: dict[nn.Parameter, tuple[ShardLayout, int]] = {}
         self.shards: dict[nn.Parameter, nn.Parameter] = {}  # module param -> its shard
-
-    @property
-    def comm_s(self) -> float:
-        return self.comms.seconds
-
-    @comm_s.setter
-    def comm_s(self, value: float) -> None:
-        self.comms.seconds = value
 
     def build_sharded_optimizer(self) -> torch.optim.Optimizer:
         """The trainer's optimizer class and groups, over this rank's shards."""
