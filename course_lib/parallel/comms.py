@@ -12,6 +12,10 @@ The parallel layers (data_parallel, zero, tensor_parallel, ...) call these helpe
 * ``seconds``: wall time spent inside blocking calls and ``wait()`` (exposed communication).
   An asynchronous collective overlapped with computation costs only its launch and whatever is
   left to wait for.
+
+On CUDA (NCCL) a collective only enqueues work on a stream and returns at once, so a host timer
+alone would read ~0. There the timed region first lets the compute already queued finish (not
+counted: it is computation), then waits for the collective itself with a device synchronise.
 """
 
 from __future__ import annotations
@@ -68,10 +72,16 @@ class Comms:
             self.sent[op] += bytes_per_rank(op, buffer_bytes, self.world_size)
 
     @contextlib.contextmanager
-    def timed(self):
+    def timed(self, cuda: bool = False, blocking: bool = True):
+        """Time the block. ``cuda`` and ``blocking``: wait until the device is done with it."""
+        settle = cuda and blocking
+        if settle:
+            torch.cuda.current_stream().synchronize()  # queued compute is not communication
         t0 = time.perf_counter()
         try:
             yield
+            if settle:
+                torch.cuda.synchronize()
         finally:
             self.seconds += time.perf_counter() - t0
 
@@ -80,7 +90,7 @@ class Comms:
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
         """In place: every rank ends with the reduction of all ranks' ``tensor``."""
         self._count("all_reduce", _nbytes(tensor))
-        with self.timed():
+        with self.timed(tensor.is_cuda, not async_op):
             return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
@@ -89,7 +99,7 @@ class Comms:
             raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected "
                              f"world_size ({self.world_size}) x output ({output.numel()})")
         self._count("reduce_scatter", _nbytes(input))
-        with self.timed():
+        with self.timed(input.is_cuda, not async_op):
             return _reduce_scatter(output, input, group=self.group, async_op=async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
@@ -98,20 +108,20 @@ class Comms:
             raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
                              f"world_size ({self.world_size}) x input ({input.numel()})")
         self._count("all_gather", _nbytes(output))
-        with self.timed():
+        with self.timed(output.is_cuda, not async_op):
             return _all_gather(output, input, group=self.group, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         """``src`` is a rank in this group; every rank ends with its ``tensor``."""
         self._count("broadcast", _nbytes(tensor))
-        with self.timed():
+        with self.timed(tensor.is_cuda, not async_op):
             return dist.broadcast(tensor, src=self._global(src), group=self.group,
                                   async_op=async_op)
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         """Point-to-point to group rank ``dst`` (pipeline parallel)."""
         self._count("send", _nbytes(tensor))
-        with self.timed():
+        with self.timed(tensor.is_cuda):
             dist.send(tensor, dst=self._global(dst), group=self.group)
 
     def isend(self, tensor: torch.Tensor, dst: int):
@@ -122,13 +132,13 @@ class Comms:
 
     def recv(self, tensor: torch.Tensor, src: int) -> None:
         self._count("recv", _nbytes(tensor))
-        with self.timed():
+        with self.timed(tensor.is_cuda):
             dist.recv(tensor, src=self._global(src), group=self.group)
 
     def wait(self, work) -> None:
         """Block until an asynchronous collective finished; the wait counts as exposed time."""
         if work is not None:
-            with self.timed():
+            with self.timed(torch.cuda.is_available() and torch.cuda.is_initialized()):
                 work.wait()
 
     def _global(self, group_rank: int) -> int:
