@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", default="1x1,1x2,2x1", help=f"CPU cases among {', '.join(CPU_CASES)}")
     p.add_argument("--strategy", default="ddp", help="strategy of the 2-rank case")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (compile time not counted)")
+    p.add_argument("--dtype", default="auto", help="override the dtype (e.g. bfloat16 autocast on a CPU)")
     p.add_argument("--gpu", action="store_true", help="the GPU recipes instead (needs CUDA)")
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                       {"dataset": "shakespeare", "n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024,
                        "batch_size": 8, "dropout": 0.0, "bias": True})]
             for name, preset, over in cases:
-                results.append(measure(name, preset, {**over, "nproc": n, "compile": args.compile,
+                results.append(measure(name, preset, {**over, "nproc": n, "compile": args.compile, "dtype": args.dtype,
                                                       "strategy": "auto" if n == 1 else args.strategy},
                                        args.warmup, args.iters, str(tmp / "data"), tmp))
         else:
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                 if over["nproc"] > 1:
                     over = {**over, "strategy": args.strategy}
                     name = f"{name} ({args.strategy})"
-                results.append(measure(name, "shakespeare_char_cpu", {**over, "compile": args.compile},
+                results.append(measure(name, "shakespeare_char_cpu", {**over, "compile": args.compile, "dtype": args.dtype},
                                        args.warmup, args.iters, str(tmp / "data"), tmp))
 
     print(f"\nmachine: {machine()}")

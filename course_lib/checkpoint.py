@@ -44,6 +44,7 @@ def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o644)  # mkstemp makes 0600; a checkpoint is an ordinary file
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
             f.flush()
