@@ -9,7 +9,6 @@ torch imports, so there are two.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
