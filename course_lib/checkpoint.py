@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import os
 import random
-import tempfile
 from pathlib import Path
 
 import torch
 
 from course_lib.config import ConfigError, TrainConfig
+from course_lib.utils import atomic_write
 
 LAST, BEST = "last.pt", "best.pt"
 FORMAT_VERSION = 1
@@ -40,20 +40,7 @@ def _fsync_dir(folder: Path) -> None:
 
 def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
     """``torch.save`` to a temp file next to ``path``, fsync, then rename over ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp makes 0600; a checkpoint is an ordinary file
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+    atomic_write(path, lambda f: torch.save(state, f))
 
 
 def copy_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> None:

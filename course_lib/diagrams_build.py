@@ -169,7 +169,6 @@ def build(only: list[str] | None = None, force: bool = False, root: Path | None 
             for name, outs in tqdm(pool.map(render, todo), total=len(todo), desc="rendering diagrams", unit="diagram"):
                 for ext, data in outs.items():
                     atomic_write_bytes(out_dir / f"{name}.{ext}", data)
-                    os.chmod(out_dir / f"{name}.{ext}", 0o644)  # mkstemp made it private
                 entries[name] = {"source_sha256": _text_sha256(root / SOURCES / f"{name}.mmd"),
                                  "svg_sha256": _sha256(outs["svg"]), "png_sha256": _sha256(outs["png"])}
                 # written after every diagram: an interrupted build keeps what it finished
@@ -179,5 +178,4 @@ def build(only: list[str] | None = None, force: bool = False, root: Path | None 
         for ext in ("svg", "png"):
             (out_dir / f"{name}.{ext}").unlink(missing_ok=True)
     atomic_write_bytes(out_dir / MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
-    os.chmod(out_dir / MANIFEST, 0o644)
     return todo

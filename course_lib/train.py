@@ -248,8 +248,8 @@ def _train(cfg: TrainConfig, rt: Runtime, progress: bool) -> dict:
             if master:
                 metrics.write(row)
             bar.update(it + 1 - bar.n)
-            bar.set_postfix(loss=f"{train_loss:.4f}", val=f"{last_eval['val']:.4f}", ms=f"{row['step_ms']:.0f}",
-                            refresh=False)
+            bar.set_postfix(loss=f"{train_loss:.4f}", val=f"{last_eval.get('val', math.nan):.4f}",
+                            ms=f"{row['step_ms']:.0f}", refresh=False)  # no eval yet after a mid-interval resume
             run_steps, run_s = run_steps + steps, run_s + elapsed
             t_last, steps, comm_start, compute_comm, evals = time.perf_counter(), 0, strategy.comm_s, 0.0, None
             compute.reset()

@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -54,29 +56,33 @@ def default_data_dir() -> Path:
     return Path.home() / ".cache" / "course_lib" / "data"
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` so a crash leaves either the old file or the new one.
+def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], mode: int = 0o644) -> None:
+    """Write a file so a crash leaves either the old file or the new one, never a torn one.
 
-    Write to a temporary file in the same folder, fsync it, rename it over the target, then
-    fsync the folder so the rename itself is durable.
+    ``write(f)`` fills a temporary file in the same folder; it is fsynced, renamed over ``path``
+    (``os.replace`` is atomic on POSIX), and the folder is fsynced so the rename itself is durable.
+    ``mode``: mkstemp makes the file private (0600); an ordinary file is 0644.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        Path(tmp).unlink(missing_ok=True)
         raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """:func:`atomic_write` of ``data``."""
+    atomic_write(path, lambda f: f.write(data))

@@ -16,7 +16,6 @@ torchrun; a tqdm bar follows ``RUN_DIR/metrics.csv``, which is returned as a Dat
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 from course_lib.launch import checks
 from course_lib.launch.api import LaunchResult, launch
@@ -84,26 +83,30 @@ def check_training(config, nproc_per_node: int, nnodes: int, device: str) -> flo
 
 def launch_training(config, *, nproc=None, nnodes: int = 1, timeout: float | None = None,
                     progress: bool = True, show_ranks=(0,), env=None, check: bool = False,
-                    **launch_kwargs) -> LaunchResult:
+                    overwrite: bool = True, **launch_kwargs) -> LaunchResult:
     """Train ``config`` (a course_lib.config.TrainConfig) on ``nproc`` ranks per node.
 
     nproc: None = ``config.nproc``; an int, or "auto" (one rank per GPU, else 2 CPU ranks).
     The collective timeout is ``config.timeout_s``; ``timeout`` is a wall-clock limit.
-    Returns a LaunchResult whose ``metrics`` is RUN_DIR/metrics.csv as a DataFrame.
+    The trainer's own checks run first (``course_lib.train_launch.prepare_run_dir``: data
+    prepared, dtype, resume compatible); ``overwrite`` (default, so a re-run notebook cell starts
+    afresh) clears a finished run in ``out_dir``, False refuses it. Returns a LaunchResult whose ``metrics`` is RUN_DIR/metrics.csv as a DataFrame.
     """
     device = config.device.split(":")[0]
     device = checks.resolve_device(device)
     nproc = checks.resolve_nproc(config.nproc if nproc is None else nproc, device)
     nnodes = checks.check_nnodes(nnodes)
     check_training(config, nproc, nnodes, device)
-    run_dir = Path(config.out_dir).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
     if dataclasses.is_dataclass(config) and hasattr(config, "replace"):
         config = config.replace(nproc=nproc)
-    from course_lib.utils import atomic_write_bytes
+    from course_lib.config import ConfigError
+    from course_lib.train_launch import prepare_run_dir
 
-    config_file = run_dir / "config.json"
-    atomic_write_bytes(config_file, config.to_json().encode())
+    try:
+        config_file = prepare_run_dir(config, overwrite=overwrite).resolve()
+    except ConfigError as e:
+        raise checks.LaunchConfigError(str(e)) from None
+    run_dir = config_file.parent
     env = dict(env or {})
     if getattr(config, "threads", 0):
         env.setdefault("OMP_NUM_THREADS", str(config.threads))
@@ -111,7 +114,8 @@ def launch_training(config, *, nproc=None, nnodes: int = 1, timeout: float | Non
     err = launch_kwargs.get("err")
     bar = (lambda rd: MetricsProgress(str(rd / "metrics.csv"), total, desc=config.name, file=err)) \
         if progress else None
-    return launch(TRAIN_MODULE, ["--config-file", str(config_file)], module=True, nproc=nproc,
+    # the workers draw no bar of their own: the launcher's follows metrics.csv
+    return launch(TRAIN_MODULE, ["--config-file", str(config_file), "--no-progress"], module=True, nproc=nproc,
                   nnodes=nnodes, device=device, timeout=timeout, collective_timeout=config.timeout_s,
                   env=env, run_dir=run_dir, show_ranks=show_ranks, progress=bar, check=check,
                   **launch_kwargs)
