@@ -1,7 +1,6 @@
-"""``course``: the command line of the course package.
+"""course --help   (or: course COMMAND --help)
 
-    course --help
-    course COMMAND --help
+``course``: the command line of the course package.
 
 Each command lives in the module that implements it and exposes ``cli(argv) -> int``;
 this file only dispatches, importing the module lazily so ``course --help`` is fast.

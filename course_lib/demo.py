@@ -1,6 +1,6 @@
-"""The instructor demo (``make demo``): Shakespeare, data parallel on every local device.
+"""python -m course_lib.demo --nproc=auto --out_dir=runs/demo
 
-    python -m course_lib.demo --nproc=auto --out_dir=runs/demo
+The instructor demo (``make demo``): Shakespeare, data parallel on every local device.
 
 Prepares the character-level data, trains with DDP on all local devices -- the
 ``shakespeare_char_cpu`` recipe on a CPU host (2 workers x cores // 2 threads), nanoGPT's

@@ -1,4 +1,6 @@
-"""Train the nanoGPT-style model, in one process or as one of N data-parallel workers.
+"""course train --config=shakespeare_char_cpu   (or: python -m course_lib.train ...)
+
+Train the nanoGPT-style model, in one process or as one of N data-parallel workers.
 
     course train --config=shakespeare_char_cpu                 # one process
     course train --config=shakespeare_char_cpu --nproc=2       # 2 workers through torchrun

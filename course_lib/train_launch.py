@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -93,58 +91,32 @@ def prepare_run_dir(cfg: TrainConfig, overwrite: bool = False) -> Path:
     return path
 
 
-def torchrun_command(config_file: str | os.PathLike, nproc: int, port: int, progress: bool = True) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
-            "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}", "--local-addr=127.0.0.1",
-            "--max-restarts=0", "--monitor-interval=0.1", "--shutdown-timeout=5",
-            "-m", "course_lib.train", "--config-file", str(config_file)] + ([] if progress else ["--no-progress"])
-
-
 def launch_torchrun(config_file: str | os.PathLike, nproc: int, *, threads: int | None = None,
                     progress: bool = True, grace_s: float = 10.0) -> int:
-    """Run the workers through torchrun and wait; returns its exit code.
+    """Run the workers through torchrun on this host and wait; returns its exit code.
 
-    torchrun and its workers get their own session (a terminal's Ctrl-C reaches only us); on any
-    interruption we SIGTERM the tree, then SIGKILL what is left after ``grace_s``.
+    The process handling is the launch package's (:mod:`course_lib.launch.procs`): torchrun gets
+    its own session and dies with us (parent-death signal); on any interruption its whole tree
+    gets SIGTERM, then SIGKILL after ``grace_s``. Rendezvous on 127.0.0.1 at a free port, through
+    the loopback-only agent (:func:`course_lib.launch.torchrun.agent_argv`). Output goes straight
+    to this terminal, with the trainer's own progress bar.
     """
-    from course_lib.utils import free_port
+    from course_lib.launch.procs import ProcessTree, spawn
+    from course_lib.launch.torchrun import agent_argv, single_node_flags
 
     env = dict(os.environ)
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     env.setdefault("PYTHONUNBUFFERED", "1")
-    proc = subprocess.Popen(torchrun_command(config_file, nproc, free_port(), progress), env=env,
-                            start_new_session=True)
+    argv = agent_argv(single_node_flags(nproc, rdzv="static")) + [
+        "-m", "course_lib.train", "--config-file", str(config_file)] + ([] if progress else ["--no-progress"])
+    proc = spawn(argv, env=env)
+    tree = ProcessTree(proc)
     try:
         return proc.wait()
     except BaseException:
-        stop_tree(proc, grace_s)
+        tree.terminate(grace_s)
         raise
-
-
-def stop_tree(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """SIGTERM ``proc`` and all its descendants (torchrun's workers have sessions of their own),
-    wait up to ``grace_s``, then SIGKILL the survivors."""
-    import psutil
-
-    try:
-        tree = [psutil.Process(proc.pid)]
-        tree += tree[0].children(recursive=True)
-    except psutil.NoSuchProcess:
-        tree = []
-    for p in tree:
-        try:
-            p.send_signal(signal.SIGTERM)
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(tree, timeout=grace_s)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=5)
-    proc.wait()
 
 
 def run(cfg: TrainConfig, overwrite: bool = False, progress: bool = True) -> dict:
