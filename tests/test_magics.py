@@ -92,6 +92,16 @@ def _ranks_ready(n):
     return lambda cell: len(re.findall(r"ready (\d+)", cell.stdout)) >= n
 
 
+def _sleeping_ranks(kernel, marker: str) -> Cell:
+    """Start a 2-rank %%torchrun cell whose ranks sleep (tagged with ``marker``); return once both run."""
+    cell = Cell(kernel["kc"], f"%%torchrun -n 2 --env {MARK}={marker}\n"
+                              "import time\n"
+                              "print('ready', RANK, flush=True)\n"
+                              "time.sleep(120)\n")
+    cell.pump(until=_ranks_ready(2))
+    return cell
+
+
 @pytest.mark.timeout(150)
 def test_torchrun_cell_runs_on_two_ranks(kernel):
     marker = uuid.uuid4().hex
@@ -135,11 +145,7 @@ def test_failing_rank_is_named_with_traceback(kernel):
 @pytest.mark.timeout(150)
 def test_killed_rank_is_reported(kernel):
     marker = uuid.uuid4().hex
-    cell = Cell(kernel["kc"], f"%%torchrun -n 2 --env {MARK}={marker}\n"
-                              "import time\n"
-                              "print('ready', RANK, flush=True)\n"
-                              "time.sleep(120)\n")
-    cell.pump(until=_ranks_ready(2))
+    cell = _sleeping_ranks(kernel, marker)
     victim = next(p for p in find_by_env(MARK, marker) if p.environ().get("RANK") == "1"
                   and "course_lib.launch.bootstrap" in p.cmdline())
     victim.send_signal(signal.SIGKILL)
@@ -152,11 +158,7 @@ def test_killed_rank_is_reported(kernel):
 @pytest.mark.timeout(150)
 def test_interrupt_stops_every_process(kernel):
     marker = uuid.uuid4().hex
-    cell = Cell(kernel["kc"], f"%%torchrun -n 2 --env {MARK}={marker}\n"
-                              "import time\n"
-                              "print('ready', RANK, flush=True)\n"
-                              "time.sleep(120)\n")
-    cell.pump(until=_ranks_ready(2))
+    cell = _sleeping_ranks(kernel, marker)
     assert len(find_by_env(MARK, marker)) >= 3  # the agent and two workers
     kernel["km"].interrupt_kernel()
     cell.pump(timeout=30)
@@ -166,11 +168,7 @@ def test_interrupt_stops_every_process(kernel):
 
 
 def _start_sleeping_cell(kernel, marker) -> list[int]:
-    cell = Cell(kernel["kc"], f"%%torchrun -n 2 --env {MARK}={marker}\n"
-                              "import time\n"
-                              "print('ready', RANK, flush=True)\n"
-                              "time.sleep(120)\n")
-    cell.pump(until=_ranks_ready(2))
+    _sleeping_ranks(kernel, marker)
     pids = [p.pid for p in find_by_env(MARK, marker)]
     assert len(pids) >= 3
     return pids
