@@ -28,7 +28,7 @@ browser-deps:
 
 demo: $(STAMP)
 	$(VENV)/bin/course data prepare shakespeare_char
-	$(VPY) -m course_lib.demo --nproc=$(NPROC) --out_dir=runs/demo
+	$(VPY) -m course_lib.launch.demo --nproc=$(NPROC) --out_dir=runs/demo
 
 test: $(STAMP) browser-deps
 	$(VPY) -m pytest -q --durations=15
@@ -37,7 +37,7 @@ test-fast: $(STAMP)
 	$(VPY) -m pytest -q -m "not slow and not browser"
 
 # Mermaid sources -> SVG + PNG with mermaid-cli and Debian Chromium (offline). mermaid-cli goes
-# into .tools/mermaid (gitignored) without puppeteer's own Chrome: course_lib.diagrams_build
+# into .tools/mermaid (gitignored) without puppeteer's own Chrome: course_lib.notebook.diagrams_build
 # points it at the system Chromium.
 MMDC_VERSION := 11.17.0
 MMDC_STAMP   := .tools/mermaid/.installed-$(MMDC_VERSION)

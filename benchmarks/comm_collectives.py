@@ -1,8 +1,8 @@
 """python benchmarks/comm_collectives.py --backend gloo --nproc 2 --sizes 1K:256M
 
 Time the five collectives on N local ranks (gloo here, nccl on GPUs, mpi through mpiexec) with
-course_lib.comm_bench, print the nccl-tests style table, fit the alpha-beta model of
-course_lib.comm to each collective (latency alpha and link bandwidth), and save the rows (CSV and
+course_lib.experiments.comm_bench, print the nccl-tests style table, fit the alpha-beta model of
+course_lib.analysis.comm_cost to each collective (latency alpha and link bandwidth), and save the rows (CSV and
 JSONL, the JSONL written while measuring) and a bus-bandwidth plot under --out-dir.
 """
 
@@ -12,9 +12,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from course_lib.comm import fit_alpha_beta
-from course_lib.comm_bench import BACKENDS, OPS, format_table, parse_sizes, run_benchmark, to_csv
-from course_lib.plots import plot_comm_bench
+from course_lib.analysis.comm_cost import fit_alpha_beta
+from course_lib.experiments.comm_bench import BACKENDS, OPS, format_table, parse_sizes, run_benchmark, to_csv
+from course_lib.notebook.plots import plot_comm_bench
 from course_lib.utils import atomic_write_bytes
 
 # The algorithm each library most likely uses for large messages (for the fit only).
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         p.error(str(e))
     print(format_table(rows))
-    print(f"\nalpha-beta fit (course_lib.comm), {args.nproc} ranks:")
+    print(f"\nalpha-beta fit (course_lib.analysis.comm_cost), {args.nproc} ranks:")
     for op in dict.fromkeys(r["op"] for r in rows):
         rs = [r for r in rows if r["op"] == op]
         try:

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from course_lib.config import make_config
+from course_lib.gpt.config import make_config
 from course_lib.parallel.strategy import STRATEGIES
 
 FIELDS = ["strategy", "nodes", "ranks", "ms_per_iter", "ms_min", "ms_max", "tokens_per_s", "speedup",
@@ -46,11 +46,11 @@ FIELDS = ["strategy", "nodes", "ranks", "ms_per_iter", "ms_min", "ms_max", "toke
 
 def bench_worker(rank: int, world_size: int, spec: dict) -> dict:
     """One run on one rank: time spec['iters'] steps, then measure the model states once."""
-    from course_lib.data import TrainBatches, load_meta, load_tokens, model_vocab_size
-    from course_lib.model import GPT, GPTConfig
+    from course_lib.gpt.data import TrainBatches, load_meta, load_tokens, model_vocab_size
+    from course_lib.gpt.model import GPT, GPTConfig
+    from course_lib.gpt.train import optimizer_factory
     from course_lib.parallel.footprint import measure_model_states, peak
     from course_lib.parallel.strategy import build_strategy
-    from course_lib.train import optimizer_factory
 
     cfg = make_config("shakespeare_char_cpu", spec["overrides"])
     torch.set_num_threads(spec["threads"])
@@ -140,7 +140,7 @@ def markdown(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
-    from course_lib.data import prepare
+    from course_lib.gpt.data import prepare
 
     p = argparse.ArgumentParser(description="Every strategy x ranks on the Shakespeare CPU recipe.")
     p.add_argument("--ranks", default="1,2", help="comma-separated rank counts (default 1,2)")

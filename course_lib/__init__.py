@@ -7,7 +7,7 @@ Importing this package has no side effects. ``%load_ext course_lib`` registers t
 __version__ = "0.1.0"
 
 # Where the course lives on GitHub: the Colab badges, the Colab install cell and the links to
-# committed images are built from these two names (course_lib.smoke). PLACEHOLDER: the real
+# committed images are built from these two names (course_lib.notebook.smoke). PLACEHOLDER: the real
 # organisation/repository is not known yet; change it here, then run
 # `python tools/notebooks.py sync` to rewrite the badges and setup cells of the notebooks.
 GITHUB_REPO = "course-org/parallel-dl-course"

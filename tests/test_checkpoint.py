@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from course_lib import checkpoint as ckpt_io
-from course_lib.config import ConfigError, TrainConfig
+from course_lib.gpt import checkpoint as ckpt_io
+from course_lib.gpt.config import ConfigError, TrainConfig
 
 
 def state(x: float) -> dict:

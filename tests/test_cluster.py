@@ -83,7 +83,7 @@ def test_slurm_script_text():
     assert run.startswith("srun --kill-on-bad-exit=1 --cpus-per-task=32 torchrun --nnodes=2 --nproc-per-node=4 "
                           "--rdzv-backend=c10d --rdzv-endpoint=\"$head_node:29500\" "
                           "--rdzv-id=\"$SLURM_JOB_ID\" --rdzv-conf=join_timeout=300")
-    assert run.endswith("-m course_lib.train --max_iters=100 '--run_name=a b;c' '$HOME' --strategy=zero2")
+    assert run.endswith("-m course_lib.gpt.train --max_iters=100 '--run_name=a b;c' '$HOME' --strategy=zero2")
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)  # valid bash
 
 
@@ -126,7 +126,7 @@ def test_slurm_script_runs_with_arguments_intact(tmp_path):
     (call,) = [json.loads(line) for line in record.read_text().splitlines()]
     assert call == ["srun", "--kill-on-bad-exit=1", "torchrun", "--nnodes=2", "--nproc-per-node=4",
                     "--rdzv-backend=c10d", "--rdzv-endpoint=gpu07:29500", "--rdzv-id=4242",
-                    "--rdzv-conf=join_timeout=300", "--max-restarts=0", "-m", "course_lib.train",
+                    "--rdzv-conf=join_timeout=300", "--max-restarts=0", "-m", "course_lib.gpt.train",
                     *TRAIN_ARGS]
 
 

@@ -14,7 +14,7 @@ import math
 
 import pytest
 
-from course_lib.comm import (
+from course_lib.analysis.comm_cost import (
     ALGORITHMS,
     algbw,
     busbw,
@@ -157,7 +157,7 @@ def test_bad_inputs():
 
 
 def test_fit_alpha_beta_recovers_the_link():
-    from course_lib.comm import fit_alpha_beta
+    from course_lib.analysis.comm_cost import fit_alpha_beta
 
     sizes = [2**k for k in range(6, 27, 2)]
     for op, algo, p in (("all_reduce", "ring", 4), ("all_gather", "ring", 3),

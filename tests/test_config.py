@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from course_lib.config import PRESETS, STRATEGY_NAMES, ConfigError, TrainConfig, make_config, parse_overrides
-from course_lib.train_launch import build_config, cli
+from course_lib.gpt.config import PRESETS, STRATEGY_NAMES, ConfigError, TrainConfig, make_config, parse_overrides
+from course_lib.launch.train_cli import build_config, cli
 
 
 def test_presets_are_nanogpts_recipes():

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from course_lib import data
+from course_lib.gpt import data
 from course_lib.utils import repo_root, shipped_file
 
 

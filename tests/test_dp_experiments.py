@@ -4,7 +4,7 @@ all-reduce counts are what naive (one per parameter) and bucketed (one per bucke
 
 import pytest
 
-from course_lib.dp_experiments import (
+from course_lib.experiments.data_parallel_check import (
     SMALL_GPT,
     VARIANTS,
     compare_with_single_process,
@@ -19,7 +19,7 @@ def _worker(rank, world_size, variants):
 
 @pytest.mark.timeout(180)
 def test_variants_match_one_process_and_count_their_messages():
-    from course_lib.model import GPT, GPTConfig
+    from course_lib.gpt.model import GPT, GPTConfig
 
     results = run_ranks(_worker, 2, args=(VARIANTS,))
     model = GPT(GPTConfig(**SMALL_GPT))
@@ -47,9 +47,9 @@ def test_variants_match_one_process_and_count_their_messages():
 def test_bucket_model_matches_the_implementation_and_the_cost_model():
     import torch.distributed as dist
 
-    from course_lib.comm import collective_time
-    from course_lib.dp_experiments import allreduce_seconds, bucket_sizes
-    from course_lib.model import GPT, GPTConfig
+    from course_lib.analysis.comm_cost import collective_time
+    from course_lib.experiments.data_parallel_check import allreduce_seconds, bucket_sizes
+    from course_lib.gpt.model import GPT, GPTConfig
     from course_lib.parallel.data_parallel import DataParallelBucket
     from course_lib.utils import free_port
 

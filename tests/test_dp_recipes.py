@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from course_lib import dp_recipes as dr
+from course_lib.analysis import dp_recipes as dr
 
 
 def test_global_batch_and_accumulation():
@@ -62,7 +62,7 @@ def test_chance_overlap_matches_its_expectation():
 
 
 def test_global_slice_is_what_the_trainer_reads():
-    from course_lib.data import TrainBatches
+    from course_lib.gpt.data import TrainBatches
 
     tokens = torch.arange(500, dtype=torch.long)  # token i at position i: a window's first token is its start
     block, b, world, seed = 8, 5, 3, 11

@@ -513,7 +513,7 @@ def _p2p(rank, world_size):
     import torch
     import torch.distributed as dist
 
-    from course_lib.grading import p2p_only
+    from course_lib.exercises.grading import p2p_only
 
     with p2p_only() as sent:
         if rank == 0:
@@ -532,7 +532,7 @@ def _p2p(rank, world_size):
 
 @pytest.mark.timeout(120)
 def test_run_ranks_bounds_hangs_and_reports_failures():
-    from course_lib.grading import RankError, RanksTimeoutError, run_ranks
+    from course_lib.exercises.grading import RankError, RanksTimeoutError, run_ranks
 
     for bad in ({"nproc": 0}, {"nproc": 2, "timeout": 0}, {"nproc": 99}):
         with pytest.raises(ValueError):

@@ -1,4 +1,4 @@
-"""course_lib.finetune: pre-train, then fine-tune from the checkpoint on other text (notebook 7).
+"""course_lib.gpt.finetune: pre-train, then fine-tune from the checkpoint on other text (notebook 7).
 
 The speeches are checked against an independent count of the speaker lines in the shipped text;
 the fine-tuning data must use the pre-training vocabulary and decode back to the text; a
@@ -14,16 +14,16 @@ import math
 import pytest
 import torch
 
-from course_lib import data
-from course_lib.config import ConfigError, make_config
-from course_lib.finetune import (
+from course_lib.gpt import data
+from course_lib.gpt.config import ConfigError, make_config
+from course_lib.gpt.finetune import (
     finetune_config,
     prepare_finetune_data,
     speaker_counts,
     speeches,
 )
-from course_lib.metrics import read_metrics
-from course_lib.train_launch import run
+from course_lib.gpt.metrics import read_metrics
+from course_lib.launch.train_cli import run
 from course_lib.utils import shipped_file
 
 

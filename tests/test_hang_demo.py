@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from course_lib.hang_demo import skip_a_collective
+from course_lib.experiments.hang import skip_a_collective
 from course_lib.launch import NotebookLaunchError, notebook_launcher
 
 

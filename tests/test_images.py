@@ -20,7 +20,8 @@ from urllib.parse import unquote
 
 import pytest
 
-from course_lib import GITHUB_REPO, diagrams, diagrams_build
+from course_lib import GITHUB_REPO
+from course_lib.notebook import diagrams, diagrams_build
 from course_lib.utils import free_port, repo_root
 
 ROOT = repo_root()
@@ -202,8 +203,8 @@ def _bytes(expr: str, psi: float, n: int) -> float:
 
 
 def test_zero_stages_diagram_matches_the_memory_model():
-    """Every byte count in zero_stages.mmd equals course_lib.memory (ZeRO paper, Section 5)."""
-    from course_lib.memory import model_state_bytes
+    """Every byte count in zero_stages.mmd equals course_lib.analysis.memory (ZeRO paper, Section 5)."""
+    from course_lib.analysis.memory import model_state_bytes
 
     text = diagrams.mermaid_source("zero_stages")
     psi, n = 1000.0, 8

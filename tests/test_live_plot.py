@@ -1,4 +1,4 @@
-"""course_lib.live_plot: the loss plot that follows metrics.csv while a run trains.
+"""course_lib.notebook.live_plot: the loss plot that follows metrics.csv while a run trains.
 
 The smoothing is TensorBoard's debiased exponential moving average; the plot must redraw while
 the training function is still running (not only at its end), show what the file holds, and
@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from course_lib.config import ConfigError, make_config
-from course_lib.live_plot import LiveLossPlot, ema, status_html, train_live
-from course_lib.metrics import MetricsWriter, read_metrics
+from course_lib.gpt.config import ConfigError, make_config
+from course_lib.gpt.metrics import MetricsWriter, read_metrics
+from course_lib.notebook.live_plot import LiveLossPlot, ema, status_html, train_live
 
 
 def test_ema():

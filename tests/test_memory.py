@@ -19,8 +19,13 @@ import sys
 import pytest
 import torch
 
-from course_lib import memory
-from course_lib.memory import (
+from course_lib.analysis import memory
+from course_lib.analysis.activations import (
+    activation_bytes,
+    activation_bytes_outside_layers,
+    activation_bytes_per_layer,
+)
+from course_lib.analysis.memory import (
     GB,
     PRESETS,
     GiB,
@@ -31,11 +36,6 @@ from course_lib.memory import (
     model_state_bytes,
     shard_numel,
     zero_stages,
-)
-from course_lib.memory_activations import (
-    activation_bytes,
-    activation_bytes_outside_layers,
-    activation_bytes_per_layer,
 )
 
 # ZeRO paper, Table 1 ("Per-device memory consumption of different optimizations in ZeRO-DP as a
@@ -216,7 +216,7 @@ def test_gpt2_presets_parameter_counts():
 
 
 def test_preset_counts_equal_the_course_model():
-    from course_lib.model import GPT
+    from course_lib.gpt.model import GPT
 
     shapes = list(PRESETS.values()) + [ModelShape("nobias", 3, 2, 64, 32, 100, 1, bias=False)]
     for shape in shapes:
@@ -244,7 +244,7 @@ def test_activations_match_what_autograd_saves():
     """fp32, no dropout, fused attention (the course model's SDPA): the Korthikanti count with
     e = 4, no masks and no s x s scores is within 2% of the bytes autograd really keeps (the
     rest: LayerNorm statistics and the attention log-sum-exp, which the paper neglects)."""
-    from course_lib.model import GPT
+    from course_lib.gpt.model import GPT
 
     shape = PRESETS["shakespeare_char_cpu"]
     torch.manual_seed(0)
@@ -258,7 +258,7 @@ def test_activations_match_what_autograd_saves():
 
 def test_model_states_match_a_real_adamw_step():
     """fp32 AdamW holds weights, gradients and two moments: 4 + 4 + 8 = 16 bytes per parameter."""
-    from course_lib.model import GPT
+    from course_lib.gpt.model import GPT
 
     shape = PRESETS["shakespeare_char_cpu"]
     model = GPT(shape.gpt_config())
@@ -316,7 +316,7 @@ def test_course_memory_entry_point():
 
 
 def test_plot_zero_memory_bars():
-    from course_lib.plots import plot_zero_memory
+    from course_lib.notebook.plots import plot_zero_memory
 
     fig = plot_zero_memory(7.5e9, dp=64, gpu="v100")
     ax = fig.axes[0]

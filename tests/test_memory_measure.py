@@ -1,7 +1,7 @@
 """Measured memory and communication agree with the published formulas notebook 4 teaches.
 
 Activations: Korthikanti et al. 2022 (arXiv:2205.05198), Sec. 4.1 and Table 2, through
-course_lib.memory_activations. Model states and communication: Rajbhandari et al. 2020 (ZeRO,
+course_lib.analysis.activations. Model states and communication: Rajbhandari et al. 2020 (ZeRO,
 arXiv:1910.02054), Sec. 5 and 7: per rank (4 + 4 + 8) Psi in fp32 for DP, 4 + 4 + 8/N for stage 1,
 4 + 12/N for stage 2, 16/N for stage 3; 2 Psi of traffic for DP and stages 1-2, 3 Psi for stage 3.
 """
@@ -12,15 +12,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.memory_activations import activation_bytes
-from course_lib.memory_measure import (
+from course_lib.analysis.activations import activation_bytes
+from course_lib.experiments.memory_measure import (
     CommCounter,
     compare_with_formulas,
     full_recomputation,
     measure_strategies,
     saved_activation_bytes,
 )
-from course_lib.model import GPT, GPTConfig
+from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.parallel.spawn import run_ranks
 
 CFG = GPTConfig(block_size=32, vocab_size=65, n_layer=3, n_head=4, n_embd=64, bias=True)

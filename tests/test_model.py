@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from course_lib.model import GPT, GPTConfig
+from course_lib.gpt.model import GPT, GPTConfig
 
 
 def gpt2(n_layer: int, n_head: int, n_embd: int) -> GPT:

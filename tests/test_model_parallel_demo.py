@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from course_lib.model_parallel_demo import (
+from course_lib.experiments.model_parallel_check import (
     pipeline_demo,
     split_weights_demo,
     tensor_parallel_demo,
@@ -60,7 +60,7 @@ def test_split_weights_and_tensor_parallel(world_size):
 def test_chain_rejects_an_uneven_split():
     import torch
 
-    from course_lib.model_parallel_demo import chain_matmul
+    from course_lib.experiments.model_parallel_check import chain_matmul
 
     class OneOfThree:
         world_size, rank = 3, 0

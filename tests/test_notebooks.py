@@ -26,7 +26,7 @@ from urllib.parse import unquote, urlparse
 import nbformat
 import pytest
 
-from course_lib import smoke
+from course_lib.notebook import smoke
 from course_lib.utils import repo_root
 
 ROOT = repo_root()
@@ -84,7 +84,7 @@ SHOW_CALL = re.compile(r"""diagrams\.(?:show|diagram|mermaid_source)\(\s*["']([\
 
 def missing_references(nb, folder: Path) -> list[str]:
     """Local files that markdown links/images or diagrams.show(...) calls name but that do not exist."""
-    from course_lib import diagrams
+    from course_lib.notebook import diagrams
 
     missing = []
     for i, cell in enumerate(nb.cells):

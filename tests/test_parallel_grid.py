@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.model import GPT, GPTConfig
+from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.parallel.data_parallel import DataParallelBucket
 from course_lib.parallel.process_groups import (
     ProcessGroupGrid,

@@ -15,7 +15,7 @@ import copy
 import pytest
 import torch
 
-from course_lib.model import GPT, GPTConfig
+from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.parallel.comms import Comms
 from course_lib.parallel.pipeline_parallel import (
     SCHEDULES,

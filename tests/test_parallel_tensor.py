@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from course_lib.model import GPT, MLP, GPTConfig
+from course_lib.gpt.model import GPT, MLP, GPTConfig
 from course_lib.parallel.comms import Comms
 from course_lib.parallel.spawn import run_ranks
 from course_lib.parallel.tensor_parallel import (

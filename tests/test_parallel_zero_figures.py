@@ -5,8 +5,8 @@ Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Pa
 mixed-precision Adam (2-byte weights and gradients, K = 12): 16 Psi, 4 Psi + 12 Psi / N,
 2 Psi + 14 Psi / N, 16 Psi / N. On CPU in fp32 the same model with fp32 byte sizes applies
 (4-byte weights and gradients, K = 8: Adam's two moments, the weights are their own master copy):
-course_lib.memory.model_state_bytes(dtype="fp32"). Communication, Sec. 7.2: per rank and step,
-data parallelism and ZeRO-1/2 move 2 Psi, ZeRO-3 3 Psi (course_lib.comm.zero_comm_volume).
+course_lib.analysis.memory.model_state_bytes(dtype="fp32"). Communication, Sec. 7.2: per rank and step,
+data parallelism and ZeRO-1/2 move 2 Psi, ZeRO-3 3 Psi (course_lib.analysis.comm_cost.zero_comm_volume).
 
 Each rank measures the live tensors of our implementations (course_lib.parallel.footprint) after
 backward, after the gradient communication and after the step, and the bytes that went through
@@ -19,8 +19,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from course_lib.comm import zero_comm_volume
-from course_lib.memory import model_state_bytes
+from course_lib.analysis.comm_cost import zero_comm_volume
+from course_lib.analysis.memory import model_state_bytes
 from course_lib.parallel.footprint import measure_model_states, peak
 from course_lib.parallel.spawn import run_ranks
 from course_lib.parallel.strategy import build_strategy

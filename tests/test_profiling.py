@@ -1,4 +1,4 @@
-"""course_lib.profiling: one training step per rank split into compute and communication.
+"""course_lib.experiments.profiling: one training step per rank split into compute and communication.
 
 The interval arithmetic is checked on hand-made cases; the profiler on real gloo processes:
 communication is found (> 0) on 2 ranks and absent on one, compute and communication together
@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from course_lib.profiling import (
+from course_lib.experiments.profiling import (
     classify,
     intersect,
     merge,

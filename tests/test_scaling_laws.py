@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from course_lib import scaling_laws as sl
+from course_lib.analysis import scaling_laws as sl
 
 
 def test_amdahl_bounds_and_values():

@@ -1,14 +1,14 @@
 """The strategy decision guide (notebook 5) follows images/diagrams/strategy_guide.mmd, and its
 "fits" answers are the ZeRO paper's per-device model states (Rajbhandari et al. 2020, Sec. 5:
 16 Psi for DP, 16 Psi / N for ZeRO-3, mixed-precision Adam) plus activations from
-course_lib.memory."""
+course_lib.analysis.memory."""
 
 from __future__ import annotations
 
 import pytest
 
-from course_lib.memory import GB, breakdown
-from course_lib.strategy_guide import STRATEGIES, choose_strategy, scenarios
+from course_lib.analysis.memory import GB, breakdown
+from course_lib.analysis.strategy_guide import STRATEGIES, choose_strategy, scenarios
 
 
 def test_one_gpu():

@@ -10,15 +10,15 @@ import math
 import pytest
 import torch
 
-from course_lib import checkpoint as ckpt_io
-from course_lib.config import ConfigError, TrainConfig, make_config
-from course_lib.data import TrainBatches, prepare
+from course_lib.gpt import checkpoint as ckpt_io
+from course_lib.gpt.config import ConfigError, TrainConfig, make_config
+from course_lib.gpt.data import TrainBatches, prepare
+from course_lib.gpt.metrics import COLUMNS, read_metrics
+from course_lib.gpt.sample import cli as sample_cli
+from course_lib.gpt.sample import sample
+from course_lib.gpt.train import _fp16_step, get_lr, setup_runtime, train
 from course_lib.hardware import PROFILES, pick_dtype
-from course_lib.metrics import COLUMNS, read_metrics
-from course_lib.sample import cli as sample_cli
-from course_lib.sample import sample
-from course_lib.train import _fp16_step, get_lr, setup_runtime, train
-from course_lib.train_launch import run
+from course_lib.launch.train_cli import run
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=4, max_iters=8, lr_decay_iters=8,
             warmup_iters=2, learning_rate=3e-3, eval_interval=4, eval_iters=2, log_interval=1, dropout=0.0,
@@ -147,8 +147,8 @@ def test_dtype_follows_the_hardware_profile(data_dir, tmp_path):
 
 
 def test_fp16_steps_skip_overflow_and_adapt_the_scale():
+    from course_lib.gpt.train import optimizer_factory
     from course_lib.parallel.strategy import build_strategy
-    from course_lib.train import optimizer_factory
 
     model = torch.nn.Linear(4, 1)
     strategy = build_strategy("single", model, optimizer_factory(TrainConfig()))

@@ -18,11 +18,11 @@ import psutil
 import pytest
 import torch
 
-from course_lib import checkpoint as ckpt_io
-from course_lib.config import make_config
-from course_lib.data import prepare
-from course_lib.metrics import read_metrics
-from course_lib.train import train
+from course_lib.gpt import checkpoint as ckpt_io
+from course_lib.gpt.config import make_config
+from course_lib.gpt.data import prepare
+from course_lib.gpt.metrics import read_metrics
+from course_lib.gpt.train import train
 
 ITERS = 6
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, max_iters=ITERS, lr_decay_iters=ITERS, warmup_iters=2,
@@ -59,7 +59,7 @@ def assert_same_training(run_dir, ref_dir, iters=ITERS):
 @pytest.mark.timeout(180)
 def test_demo_on_two_ranks_equals_one_process(reference):
     out = reference / "demo"
-    cmd = [sys.executable, "-m", "course_lib.demo", "--nproc=2", f"--out_dir={out}",
+    cmd = [sys.executable, "-m", "course_lib.launch.demo", "--nproc=2", f"--out_dir={out}",
            *flags({**TINY, "data_dir": reference / "data", "batch_size": 2, "gradient_accumulation_steps": 2})]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -77,7 +77,7 @@ def test_demo_on_two_ranks_equals_one_process(reference):
 def test_interrupt_stops_every_process_and_the_run_resumes(reference):
     out = reference / "interrupted"
     base = {**TINY, "data_dir": reference / "data", "batch_size": 4, "out_dir": out}
-    cmd = [sys.executable, "-m", "course_lib.train", "--nproc=2", "--no-progress",
+    cmd = [sys.executable, "-m", "course_lib.gpt.train", "--nproc=2", "--no-progress",
            *flags({**base, "max_iters": 100_000, "eval_interval": 100_000})]
     launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -98,7 +98,7 @@ def test_interrupt_stops_every_process_and_the_run_resumes(reference):
     assert "interrupted" in launcher.stderr.read()
 
     # the checkpoint of iteration 0 resumes on 2 ranks through the CLI, to the reference's end
-    cmd = [sys.executable, "-m", "course_lib.train", "--resume", f"--out_dir={out}", f"--max_iters={ITERS}",
+    cmd = [sys.executable, "-m", "course_lib.gpt.train", "--resume", f"--out_dir={out}", f"--max_iters={ITERS}",
            "--no-progress"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -2,7 +2,7 @@
 
 The expected figures are computed independently from the ZeRO paper's formulas (Rajbhandari et
 al. 2020, Sec. 5 and Figure 1: Psi = 7.5e9, N_d = 64, K = 12 gives 120, 31.4, 16.6 and 1.9 GB)
-and from :func:`course_lib.memory.breakdown` for the activations (tested in test_memory.py).
+and from :func:`course_lib.analysis.memory.breakdown` for the activations (tested in test_memory.py).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from course_lib.memory import GB, PRESETS, breakdown
-from course_lib.widgets import (
+from course_lib.analysis.memory import GB, PRESETS, breakdown
+from course_lib.notebook.widgets import (
     CUSTOM,
     Settings,
     calculate,
@@ -130,7 +130,7 @@ def test_summary_without_widgets():
 
 
 def test_import_has_no_side_effects():
-    code = ("import sys, course_lib.widgets; "
+    code = ("import sys, course_lib.notebook.widgets; "
             "print('ipywidgets' in sys.modules, 'matplotlib' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]

@@ -10,7 +10,7 @@ Housekeeping for the course notebooks (``make notebooks-clear`` runs ``clear``):
 Without NOTEBOOK arguments ``clear`` covers notebooks/*.ipynb and exercises/*/*.ipynb (the
 exercises' generated dist/ folders are left alone). ``sync`` is for when course_lib.GITHUB_REPO
 changes: every lesson notebook's Colab badge and first code cell are generated from it by
-course_lib.smoke, and tests/test_notebooks.py checks that they match.
+course_lib.notebook.smoke, and tests/test_notebooks.py checks that they match.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import nbformat
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a clone without installing
 
-from course_lib import smoke
+from course_lib.notebook import smoke
 
 CELL_METADATA_KEYS = ("execution", "ExecuteTime", "collapsed", "scrolled")
 BADGE_RE = re.compile(r'<a href="https://colab\.research\.google\.com/[^"]*"[^>]*>.*?</a>', re.DOTALL)
@@ -87,7 +87,7 @@ def skeleton(stem: str, title: str):
         v4.new_markdown_cell(f"{smoke.colab_badge(f'notebooks/{stem}.ipynb')}\n\n# {title}\n\nOne paragraph: why this lesson."),
         v4.new_markdown_cell("## Learning goals\n\nAfter this notebook you can\n\n- ...\n- ..."),
         v4.new_code_cell(smoke.colab_setup_cell()),
-        v4.new_code_cell("from course_lib.smoke import smoke_or\n\nn_steps = smoke_or(1000, 10)  # lesson size, test size"),
+        v4.new_code_cell("from course_lib.notebook.smoke import smoke_or\n\nn_steps = smoke_or(1000, 10)  # lesson size, test size"),
         v4.new_markdown_cell("## Summary\n\n- ...\n- ..."),
     ]
     return nb

@@ -21,7 +21,7 @@ Grading runs ``otter run``'s code path in this process (``otter.api.grade_submis
 no network; the notebook executes in a local Python kernel. The :class:`CellTimeLimit` plugin (set
 in each exercise's ``generate: plugins``) bounds every submission cell, so an answer that hangs
 costs its points instead of stalling the grader; multi-rank answers are also bounded by
-:mod:`course_lib.grading`.
+:mod:`course_lib.exercises.grading`.
 
 Modules: :mod:`.layout` (where exercises live), :mod:`.colab` (badge and setup cell, public tests
 on Colab), :mod:`.build` (otter assign, manifest, staleness), :mod:`.grade` (local grading, the

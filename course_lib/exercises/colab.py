@@ -67,7 +67,7 @@ def fetch_student_tests(name: str, dest: str | os.PathLike = "tests", base_url: 
 
 def colab_badge_line(name: str) -> str:
     """The "Open in Colab" badge that starts an exercise: it opens the student release."""
-    from course_lib.smoke import colab_badge
+    from course_lib.notebook.smoke import colab_badge
 
     return colab_badge(f"exercises/{name}/dist/student/{name}.ipynb")
 

@@ -21,7 +21,7 @@ class CellTimeLimit:
     Inserted as the first and last cells of the submission before otter adds its own: the first
     arms SIGALRM before each cell runs and raises ``TimeoutError`` in the kernel when it fires, the
     last disarms it so otter's own test-running cell is not cut short. The tests themselves bound
-    multi-rank work through :mod:`course_lib.grading`. Configure in an exercise's assignment
+    multi-rank work through :mod:`course_lib.exercises.grading`. Configure in an exercise's assignment
     config (``generate: plugins: - course_lib.exercises.CellTimeLimit: {cell_timeout: 120}``);
     the environment variable ``COURSE_GRADING_CELL_TIMEOUT`` overrides it.
     """

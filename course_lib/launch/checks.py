@@ -84,7 +84,7 @@ def resolve_target(target, module: bool | None = None) -> tuple[str, bool]:
         found = False
     if not found:
         raise LaunchConfigError(f"{target!r} is neither a file nor an importable module; give a "
-                                "script path (ending in .py) or a module name like course_lib.train")
+                                "script path (ending in .py) or a module name like course_lib.gpt.train")
     return target, True
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 SCHEDULERS = ("slurm", "pbs")
 DEFAULT_PORT = 29500
-DEFAULT_MODULE = "course_lib.train"
+DEFAULT_MODULE = "course_lib.gpt.train"
 
 
 @dataclass(frozen=True)
@@ -224,8 +224,8 @@ def pbs_script(nodes: int, gpus_per_node: int, train_args: Sequence[str] = (), *
 def _check_strategy(train_args: Sequence[str]) -> None:
     """An unknown --strategy is refused here, not after the job waited in the queue.
 
-    The names are the trainer's (course_lib.config, which imports no torch: this stays fast)."""
-    from course_lib.config import STRATEGY_NAMES
+    The names are the trainer's (course_lib.gpt.config, which imports no torch: this stays fast)."""
+    from course_lib.gpt.config import STRATEGY_NAMES
 
     known = ("auto", *STRATEGY_NAMES)
 
@@ -250,7 +250,7 @@ def cli(argv: list[str]) -> int:
     p.add_argument("--account")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="rendezvous port on the first node")
     p.add_argument("--nccl-debug", choices=["VERSION", "WARN", "INFO", "TRACE"])
-    p.add_argument("--script", help="run this Python file instead of -m course_lib.train")
+    p.add_argument("--script", help="run this Python file instead of -m course_lib.gpt.train")
     p.add_argument("--output", help="where to write the batch script (default runs/submit/)")
     p.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then the trainer's arguments")

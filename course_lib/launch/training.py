@@ -1,15 +1,15 @@
 """launch_training(config): the course trainer on N ranks, with a progress bar and the metrics.
 
-    from course_lib.config import make_config
+    from course_lib.gpt.config import make_config
     from course_lib.launch import launch_training
     cfg = make_config("shakespeare_char_cpu", {"max_iters": 200, "out_dir": "runs/ddp2"})
     result = launch_training(cfg, nproc=2)
     result.metrics.plot(x="iter", y="loss")
 
 Before anything starts: the strategy must exist and the model must fit (estimated memory per
-device from :mod:`course_lib.memory`, checked against the GPU, or the host's RAM for CPU
+device from :mod:`course_lib.analysis.memory`, checked against the GPU, or the host's RAM for CPU
 ranks). Then ``RUN_DIR/config.json`` is written (RUN_DIR = ``config.out_dir``) and
-``python -m course_lib.train --config-file RUN_DIR/config.json`` runs on every rank under
+``python -m course_lib.gpt.train --config-file RUN_DIR/config.json`` runs on every rank under
 torchrun; a tqdm bar follows ``RUN_DIR/metrics.csv``, which is returned as a DataFrame.
 """
 
@@ -21,7 +21,7 @@ from course_lib.launch import checks
 from course_lib.launch.api import LaunchResult, launch
 from course_lib.launch.monitor import MetricsProgress
 
-TRAIN_MODULE = "course_lib.train"
+TRAIN_MODULE = "course_lib.gpt.train"
 
 
 def _zero_stage(strategy: str) -> int:
@@ -32,7 +32,7 @@ def _zero_stage(strategy: str) -> int:
 
 def _vocab_size(config) -> int:
     """The model's vocabulary: from the prepared dataset, else 65 characters / 50304 GPT-2 tokens."""
-    from course_lib import data
+    from course_lib.gpt import data
 
     try:
         return data.model_vocab_size(data.load_meta(config.data_dir or None, config.dataset))
@@ -42,7 +42,7 @@ def _vocab_size(config) -> int:
 
 def estimate_bytes(config, world_size: int, dtype: str) -> float:
     """Per-device training memory of ``config``: ZeRO model states + Korthikanti activations."""
-    from course_lib.memory import ModelShape, breakdown
+    from course_lib.analysis.memory import ModelShape, breakdown
 
     shape = ModelShape("config", config.n_layer, config.n_head, config.n_embd, config.block_size,
                        _vocab_size(config), config.batch_size, bias=config.bias, dropout=config.dropout)
@@ -75,7 +75,7 @@ def check_training(config, nproc_per_node: int, nnodes: int, device: str) -> flo
         have, where = psutil.virtual_memory().total / nproc_per_node, f"this machine's RAM / {nproc_per_node} ranks"
     if need > have:
         raise checks.LaunchConfigError(
-            f"this config needs about {need / 1e9:.2f} GB per rank (course_lib.memory estimate, "
+            f"this config needs about {need / 1e9:.2f} GB per rank (course_lib.analysis.memory estimate, "
             f"{dtype}) but {where} has {have / 1e9:.2f} GB; lower batch_size or block_size, "
             "use a ZeRO strategy or more ranks, or a smaller model")
     return need
@@ -84,11 +84,11 @@ def check_training(config, nproc_per_node: int, nnodes: int, device: str) -> flo
 def launch_training(config, *, nproc=None, nnodes: int = 1, timeout: float | None = None,
                     progress: bool = True, show_ranks=(0,), env=None, check: bool = False,
                     overwrite: bool = True, **launch_kwargs) -> LaunchResult:
-    """Train ``config`` (a course_lib.config.TrainConfig) on ``nproc`` ranks per node.
+    """Train ``config`` (a course_lib.gpt.config.TrainConfig) on ``nproc`` ranks per node.
 
     nproc: None = ``config.nproc``; an int, or "auto" (one rank per GPU, else 2 CPU ranks).
     The collective timeout is ``config.timeout_s``; ``timeout`` is a wall-clock limit.
-    The trainer's own checks run first (``course_lib.train_launch.prepare_run_dir``: data
+    The trainer's own checks run first (``course_lib.launch.train_cli.prepare_run_dir``: data
     prepared, dtype, resume compatible); ``overwrite`` (default, so a re-run notebook cell starts
     afresh) clears a finished run in ``out_dir``, False refuses it. Returns a LaunchResult whose ``metrics`` is RUN_DIR/metrics.csv as a DataFrame.
     """
@@ -99,8 +99,8 @@ def launch_training(config, *, nproc=None, nnodes: int = 1, timeout: float | Non
     check_training(config, nproc, nnodes, device)
     if dataclasses.is_dataclass(config) and hasattr(config, "replace"):
         config = config.replace(nproc=nproc)
-    from course_lib.config import ConfigError
-    from course_lib.train_launch import prepare_run_dir
+    from course_lib.gpt.config import ConfigError
+    from course_lib.launch.train_cli import prepare_run_dir
 
     try:
         config_file = prepare_run_dir(config, overwrite=overwrite).resolve()

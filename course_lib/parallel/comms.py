@@ -8,7 +8,7 @@ The parallel layers (data_parallel, zero, tensor_parallel, ...) call these helpe
   (it is a reduce-scatter followed by an all-gather), a reduce-scatter S (the full input), an
   all-gather S (the full output), a broadcast S. The paper drops the ring algorithm's factor
   (N-1)/N; ``sent_bytes`` keeps it: what each rank sends with bandwidth-optimal algorithms
-  (:func:`course_lib.comm.bytes_per_rank`, the nccl-tests bus-bandwidth factors).
+  (:func:`course_lib.analysis.comm_cost.bytes_per_rank`, the nccl-tests bus-bandwidth factors).
 * ``seconds``: wall time spent inside blocking calls and ``wait()`` (exposed communication).
   An asynchronous collective overlapped with computation costs only its launch and whatever is
   left to wait for.
@@ -27,7 +27,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from course_lib.comm import bytes_per_rank
+from course_lib.analysis.comm_cost import bytes_per_rank
 
 # torch 2.13 renamed the "_tensor" collectives to "_single"; keep older releases working.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

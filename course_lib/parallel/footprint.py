@@ -1,7 +1,7 @@
 """What one rank really holds: bytes of parameters, gradients and optimizer states.
 
 These are the ZeRO paper's "model states" (Rajbhandari et al. 2020, Sec. 3.1), measured on the
-live tensors of any strategy, ours or PyTorch's, to compare with :mod:`course_lib.memory`.
+live tensors of any strategy, ours or PyTorch's, to compare with :mod:`course_lib.analysis.memory`.
 Each storage is counted once (a shard that is a view into a full parameter costs nothing extra;
 a freed ZeRO-3 parameter, its storage resized to zero, costs nothing). Communication buffers
 and activations are "residual states" and are not counted here.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from course_lib.memory import ModelStates
+from course_lib.analysis.memory import ModelStates
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

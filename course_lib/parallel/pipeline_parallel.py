@@ -104,7 +104,7 @@ class _GPTHead(nn.Module):
 
 
 def gpt_stage(model: nn.Module, pp_rank: int, pp_world_size: int) -> PipelineStage:
-    """Stage ``pp_rank`` of a course_lib.model.GPT; the last stage gets its own copy of the tied
+    """Stage ``pp_rank`` of a course_lib.gpt.model.GPT; the last stage gets its own copy of the tied
     embedding as its LM head (unless there is only one stage)."""
     tr, cfg = model.transformer, model.config
     blocks = [tr.h[i] for i in split_layers(cfg.n_layer, pp_world_size)[pp_rank]]

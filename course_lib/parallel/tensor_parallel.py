@@ -190,7 +190,7 @@ class TensorParallelAttention(nn.Module):
 
 
 def tensor_parallel_gpt(model: nn.Module, comms: Comms) -> nn.Module:
-    """Turn a course_lib.model.GPT (identical on every rank) into its tensor-parallel version in
+    """Turn a course_lib.gpt.model.GPT (identical on every rank) into its tensor-parallel version in
     place: every block's attention and MLP split across the ranks of ``comms``; embeddings (tied
     with the LM head), LayerNorms and the head replicated."""
     cfg = model.config

@@ -60,7 +60,7 @@ from .kernels_backward import (
     matmul_backward_tree,
 )
 from .machine import MAX_PROCESSORS, ArrayView, View, run
-from .memory import Array, Memory, filled
+from .shared_memory import Array, Memory, filled
 from .models import (
     MODEL_ORDER,
     MODELS,

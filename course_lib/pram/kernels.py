@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import random
 
-from .memory import Array, filled
+from .shared_memory import Array, filled
 from .program import Program, coords, phases
 
 __all__ = ["encoder_forward", "matmul_forward", "layernorm_forward", "attention_forward",

@@ -15,7 +15,7 @@ import math
 import random
 
 from .kernels import GELU_SCALE, _program, randn, to_torch, tokens
-from .memory import Array, filled
+from .shared_memory import Array, filled
 from .program import Program, coords, phases
 
 __all__ = ["crossentropy_backward", "matmul_backward", "matmul_backward_tree",

@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from .memory import Memory
+from .shared_memory import Memory
 from .models import AccessViolation, Model, PRAMError, ProcessorLimitError, get_model
 from .program import (
     Concurrency,

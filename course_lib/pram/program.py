@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .memory import Memory, flatten
+from .shared_memory import Memory, flatten
 
 __all__ = ["Concurrency", "Program", "Result", "StepStats", "StepTrace", "coords", "phases"]
 

@@ -7,7 +7,7 @@ points = 5
 
 @test_case(points=None, hidden=False)
 def test_two_ranks(ring_all_reduce):
-    from course_lib.grading import run_ranks, p2p_only
+    from course_lib.exercises.grading import run_ranks, p2p_only
 
     def worker(rank, world_size):
         import torch

@@ -8,7 +8,7 @@ points = 4
 @test_case(points=None, hidden=False)
 def test_two_ranks_equal_whole_batch(average_gradients):
     import torch
-    from course_lib.grading import assert_close, run_ranks
+    from course_lib.exercises.grading import assert_close, run_ranks
 
     def make_model():
         torch.manual_seed(5)
@@ -29,8 +29,8 @@ def test_two_ranks_equal_whole_batch(average_gradients):
 @test_case(points=None, hidden=True)
 def test_three_ranks_gpt_with_frozen_and_tied_weights(average_gradients):
     import torch
-    from course_lib.grading import assert_close, run_ranks
-    from course_lib.model import GPT, GPTConfig
+    from course_lib.exercises.grading import assert_close, run_ranks
+    from course_lib.gpt.model import GPT, GPTConfig
     cfg = GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=2, n_embd=8)
     g = torch.Generator().manual_seed(7)
     idx, targets = (torch.randint(0, 16, (6, 8), generator=g), torch.randint(0, 16, (6, 8), generator=g))

@@ -13,7 +13,7 @@ def test_ten_examples(shard_indices):
 
 @test_case(points=None, hidden=True)
 def test_many_sizes_on_ranks(shard_indices):
-    from course_lib.grading import run_ranks
+    from course_lib.exercises.grading import run_ranks
     for n in (0, 1, 2, 7, 64, 1001):
         for world in (1, 2, 3, 4, 8):
             shards = [shard_indices(n, r, world) for r in range(world)]

@@ -8,7 +8,7 @@ points = 4
 @test_case(points=None, hidden=False)
 def test_two_ranks_equal_whole_batch(average_gradients):
     import torch
-    from course_lib.grading import assert_close, run_ranks
+    from course_lib.exercises.grading import assert_close, run_ranks
 
     def make_model():
         torch.manual_seed(5)

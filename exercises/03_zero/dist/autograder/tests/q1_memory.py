@@ -14,7 +14,7 @@ def test_figure_1(model_state_gb):
 
 @test_case(points=None, hidden=True)
 def test_against_memory_model(model_state_gb):
-    from course_lib.memory import GB, model_state_bytes
+    from course_lib.analysis.memory import GB, model_state_bytes
     for psi, n_d, k in [(1500000000.0, 4, 12), (128000000000.0, 1024, 12), (1000000000000.0, 1024, 12), (300000000.0, 7, 8), (7500000000.0, 1, 12)]:
         for stage in range(4):
             want = model_state_bytes(psi, n_d, stage, k=k).total / GB

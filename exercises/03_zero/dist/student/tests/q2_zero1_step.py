@@ -8,7 +8,7 @@ points = 5
 @test_case(points=None, hidden=False)
 def test_two_ranks_match_adamw(Zero1AdamW):
     import torch
-    from course_lib.grading import assert_close, run_ranks
+    from course_lib.exercises.grading import assert_close, run_ranks
 
     def make_model():
         torch.manual_seed(0)

@@ -19,7 +19,7 @@ def test_t4_fp16_single_gpu(mfu_from_metrics):
     import pandas as pd
     import torch
     from course_lib.hardware import PROFILES
-    from course_lib.model import GPT, GPTConfig
+    from course_lib.gpt.model import GPT, GPTConfig
     run = dict(hardware='t4', dtype='float16', world_size=1, batch_size=64, block_size=256, gradient_accumulation_steps=1, vocab_size=65, n_layer=6, n_head=6, n_embd=384)
     metrics = pd.DataFrame({'iter': [0, 5, 10, 15, 20], 'step_ms': [900.0, 310.0, 290.0, 305.0, 2000.0]})
     cfg = GPTConfig(block_size=256, vocab_size=65, n_layer=6, n_head=6, n_embd=384)

@@ -1,0 +1,10 @@
+"""Closed-form models the course teaches, checked against measurements in tests (no torch.distributed).
+
+    comm_cost       alpha-beta cost of collectives and the bytes each rank moves
+    memory          per-device training memory: model states (DP, ZeRO 1-3) and activations
+    activations     activation memory of a transformer layer (Korthikanti et al. 2022)
+    memory_cli      ``course memory``
+    scaling_laws    Amdahl and Gustafson, and fitting a serial fraction
+    dp_recipes      global batch, learning-rate scaling, data per rank
+    strategy_guide  choosing a parallelism strategy from the models above
+"""

@@ -1,0 +1,257 @@
+"""Alpha-beta cost model of collective communication, and the bytes each rank moves.
+
+A message of n bytes between two ranks takes alpha + n * beta seconds: alpha is the latency
+(start-up) and beta = 1 / bandwidth the time per byte; gamma is the time per byte of a reduction
+(an addition), 0 by default. p is the number of ranks. Formulas from Thakur, Rabenseifner and
+Gropp, "Optimization of Collective Communication Operations in MPICH", IJHPCA 19(1), 2005,
+Sections 4.1-4.5 (lg p = log2 p, taken as ceil(log2 p) when p is not a power of two); the ring
+all-reduce from Patarasuk and Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
+workstations", JPDC 69(2), 2009:
+
+    broadcast       linear              (p-1)(alpha + n beta)        root sends p-1 copies
+                    binomial            lg p (alpha + n beta)
+                    scatter_allgather   (lg p + p - 1) alpha + 2 (p-1)/p n beta   (van de Geijn)
+    reduce          linear              (p-1)(alpha + n beta + n gamma)   everyone sends to root
+                    binomial            lg p (alpha + n beta + n gamma)
+                    rabenseifner        2 lg p alpha + 2 (p-1)/p n beta + (p-1)/p n gamma
+    all_reduce      naive               linear reduce + linear broadcast through one root
+                    tree                binomial reduce + binomial broadcast
+                    recursive_doubling  lg p (alpha + n beta + n gamma)
+                    ring                2 (p-1) alpha + 2 (p-1)/p n beta + (p-1)/p n gamma
+                    rabenseifner        2 lg p alpha + 2 (p-1)/p n beta + (p-1)/p n gamma
+    reduce_scatter  ring (pairwise)     (p-1) alpha + (p-1)/p n beta + (p-1)/p n gamma
+                    recursive_halving   lg p alpha + (p-1)/p n beta + (p-1)/p n gamma
+    all_gather      ring                (p-1) alpha + (p-1)/p n beta
+                    recursive_doubling  lg p alpha + (p-1)/p n beta
+                    bruck               lg p alpha + (p-1)/p n beta
+
+For reduce_scatter n is the size of the whole input (p pieces) and for all_gather the size of the
+whole output, as in nccl-tests. 2 (p-1)/p n beta is the least any all-reduce can take (Patarasuk
+and Yuan, Section 3): it does not grow with p, while the naive reduce makes the root receive
+(p-1) n bytes through one link -- the congestion of :func:`congestion_example`.
+
+Units: n in bytes, bandwidth in bytes per second, alpha in seconds (any consistent units work:
+bits and bits per second give the same seconds).
+"""
+
+from __future__ import annotations
+
+import math
+
+ALGORITHMS: dict[str, tuple[str, ...]] = {
+    "broadcast": ("binomial", "linear", "scatter_allgather"),
+    "reduce": ("binomial", "linear", "rabenseifner"),
+    "all_reduce": ("ring", "naive", "tree", "recursive_doubling", "rabenseifner"),
+    "reduce_scatter": ("ring", "recursive_halving"),
+    "all_gather": ("ring", "recursive_doubling", "bruck"),
+}
+OPS = tuple(ALGORITHMS)
+
+
+def _lg(p: int) -> int:
+    return math.ceil(math.log2(p)) if p > 1 else 0
+
+
+def _check(op: str, nbytes: float, p: int, bandwidth: float, alpha: float, gamma: float,
+           algorithm: str | None) -> str:
+    if op not in ALGORITHMS:
+        raise ValueError(f"collective must be one of {OPS}, got {op!r}")
+    algorithm = algorithm or ALGORITHMS[op][0]
+    if algorithm not in ALGORITHMS[op]:
+        raise ValueError(f"{op} algorithm must be one of {ALGORITHMS[op]}, got {algorithm!r}")
+    if isinstance(p, bool) or not isinstance(p, int) or p < 1:
+        raise ValueError(f"p (number of ranks) must be a whole number >= 1, got {p!r}")
+    if not nbytes >= 0:
+        raise ValueError(f"message size must be >= 0, got {nbytes!r}")
+    if not bandwidth > 0:
+        raise ValueError(f"bandwidth must be > 0 (bytes/s), got {bandwidth!r}")
+    if not (alpha >= 0 and gamma >= 0):
+        raise ValueError(f"alpha and gamma must be >= 0, got alpha={alpha!r}, gamma={gamma!r}")
+    return algorithm
+
+
+def collective_time(op: str, nbytes: float, p: int, *, bandwidth: float, alpha: float = 0.0,
+                    gamma: float = 0.0, algorithm: str | None = None) -> float:
+    """Seconds for collective ``op`` on ``nbytes`` among ``p`` ranks (table in the module doc).
+
+    ``algorithm`` defaults to the first of ``ALGORITHMS[op]`` (ring for all_reduce).
+    """
+    algo = _check(op, nbytes, p, bandwidth, alpha, gamma, algorithm)
+    if p == 1:
+        return 0.0
+    n, a, b, g, lg = float(nbytes), alpha, 1.0 / bandwidth, gamma, _lg(p)
+    frac = (p - 1) / p
+    if op == "broadcast":
+        return {"linear": (p - 1) * (a + n * b), "binomial": lg * (a + n * b),
+                "scatter_allgather": (lg + p - 1) * a + 2 * frac * n * b}[algo]
+    if op == "reduce":
+        return {"linear": (p - 1) * (a + n * b + n * g), "binomial": lg * (a + n * b + n * g),
+                "rabenseifner": 2 * lg * a + 2 * frac * n * b + frac * n * g}[algo]
+    if op == "all_reduce":
+        if algo == "naive":
+            return (collective_time("reduce", n, p, bandwidth=bandwidth, alpha=a, gamma=g,
+                                    algorithm="linear")
+                    + collective_time("broadcast", n, p, bandwidth=bandwidth, alpha=a,
+                                      algorithm="linear"))
+        if algo == "tree":
+            return (collective_time("reduce", n, p, bandwidth=bandwidth, alpha=a, gamma=g,
+                                    algorithm="binomial")
+                    + collective_time("broadcast", n, p, bandwidth=bandwidth, alpha=a,
+                                      algorithm="binomial"))
+        return {"recursive_doubling": lg * (a + n * b + n * g),
+                "ring": 2 * (p - 1) * a + 2 * frac * n * b + frac * n * g,
+                "rabenseifner": 2 * lg * a + 2 * frac * n * b + frac * n * g}[algo]
+    if op == "reduce_scatter":
+        steps = {"ring": p - 1, "recursive_halving": lg}[algo]
+        return steps * a + frac * n * b + frac * n * g
+    steps = {"ring": p - 1, "recursive_doubling": lg, "bruck": lg}[algo]  # all_gather
+    return steps * a + frac * n * b
+
+
+def _binomial_children(rank: int, p: int) -> list[int]:
+    """Children of ``rank`` in a binomial tree rooted at 0 (rank r's parent clears its top bit)."""
+    children, bit = [], 1
+    while bit < p:
+        if rank & bit:
+            break  # bits below the lowest set bit of rank are where its children hang
+        if rank + bit < p:
+            children.append(rank + bit)
+        bit <<= 1
+    return children
+
+
+def traffic(op: str, nbytes: float, p: int, algorithm: str | None = None) -> list[tuple[float, float]]:
+    """(bytes sent, bytes received) by each rank 0..p-1 (rank 0 is the root) for one call.
+
+    Covered: the linear/naive, binomial/tree and ring algorithms, and recursive doubling for
+    all_reduce when p is a power of two.
+    """
+    algo = _check(op, nbytes, p, 1.0, 0.0, 0.0, algorithm)
+    n, frac = float(nbytes), (p - 1) / p
+    if p == 1:
+        return [(0.0, 0.0)]
+    if algo == "ring":
+        per = {"all_reduce": 2 * frac * n, "reduce_scatter": frac * n, "all_gather": frac * n}[op]
+        return [(per, per)] * p
+    if algo in ("linear", "naive"):
+        root_out = (p - 1) * n if op in ("broadcast", "all_reduce") else 0.0
+        root_in = (p - 1) * n if op in ("reduce", "all_reduce") else 0.0
+        leaf_out = n if op in ("reduce", "all_reduce") else 0.0
+        leaf_in = n if op in ("broadcast", "all_reduce") else 0.0
+        return [(root_out, root_in)] + [(leaf_out, leaf_in)] * (p - 1)
+    if algo in ("binomial", "tree"):
+        # reduce: each rank receives from its children and sends once to its parent;
+        # broadcast: the same edges the other way; the tree all-reduce does both.
+        up = [(0.0 if r == 0 else n, len(_binomial_children(r, p)) * n) for r in range(p)]
+        down = [(rv, sd) for sd, rv in up]
+        if op == "reduce":
+            return up
+        if op == "broadcast":
+            return down
+        return [(u[0] + d[0], u[1] + d[1]) for u, d in zip(up, down)]
+    if algo == "recursive_doubling" and op == "all_reduce" and p & (p - 1) == 0:
+        return [(_lg(p) * n, _lg(p) * n)] * p
+    raise ValueError(f"traffic() does not model {op} with {algo!r} for p={p}; use ring, "
+                     "linear/naive or binomial/tree")
+
+
+def bytes_per_rank(op: str, nbytes: float, p: int) -> float:
+    """Bytes each rank sends in a bandwidth-optimal ``op`` (what nccl-tests' bus bandwidth and the
+    ZeRO paper count): all_reduce 2 (p-1)/p n; reduce_scatter and all_gather (p-1)/p n (n the
+    whole array); broadcast and reduce n (all of it leaves the root / arrives at the root)."""
+    _check(op, nbytes, p, 1.0, 0.0, 0.0, None)
+    return busbw_factor(op, p) * float(nbytes)
+
+
+def zero_comm_volume(num_params: float, stage: int, dp: int, bytes_per_elem: float = 2,
+                     exact: bool = True) -> dict[str, float]:
+    """Bytes each data-parallel rank sends per training step, by collective (ZeRO paper, Sec. 7).
+
+    Stage 0 all-reduces the gradients (2 Psi). Stages 1 and 2 reduce-scatter the gradients and
+    all-gather the updated parameters (Psi + Psi = 2 Psi, no more than DP). Stage 3 all-gathers
+    the parameters for the forward and again for the backward and reduce-scatters the gradients
+    (3 Psi, 1.5x DP). ``exact`` keeps the (N-1)/N of a ring; False gives the paper's 2 Psi / 3 Psi.
+    """
+    from course_lib.analysis.memory import model_state_bytes  # validates num_params, dp and stage
+
+    model_state_bytes(num_params, dp, stage)
+    size = float(num_params) * bytes_per_elem
+    frac = (dp - 1) / dp if exact else 1.0
+    if stage == 0:
+        return {"all_reduce grads": 2 * frac * size}
+    if stage in (1, 2):
+        return {"reduce_scatter grads": frac * size, "all_gather params": frac * size}
+    return {"all_gather params (forward)": frac * size,
+            "all_gather params (backward)": frac * size, "reduce_scatter grads": frac * size}
+
+
+def fit_alpha_beta(op: str, p: int, sizes, seconds, algorithm: str | None = None) -> tuple[float, float]:
+    """(alpha, bandwidth) that make the model's ``op`` times match measured ones.
+
+    The model time is linear in alpha and beta = 1/bandwidth (gamma taken as 0): a two-column
+    least-squares fit, each row weighted by 1/time so that small (latency-bound) and large
+    (bandwidth-bound) messages count alike; alpha is kept >= 0.
+    """
+    import numpy as np
+
+    if len(sizes) != len(seconds) or len(sizes) < 2:
+        raise ValueError("fit_alpha_beta needs at least two (size, seconds) pairs")
+    t = np.asarray(seconds, dtype=float)
+    if not (t > 0).all():
+        raise ValueError("measured times must be > 0")
+    c_alpha = collective_time(op, 0, p, bandwidth=1.0, alpha=1.0, algorithm=algorithm)
+    c_beta = np.array([collective_time(op, n, p, bandwidth=1.0, algorithm=algorithm)
+                       for n in sizes])
+    design = np.column_stack([np.full(len(t), c_alpha), c_beta]) / t[:, None]
+    (alpha, beta), *_ = np.linalg.lstsq(design, np.ones(len(t)), rcond=None)
+    if alpha < 0:  # refit with no latency
+        alpha, beta = 0.0, float(np.sum(c_beta / t) / np.sum((c_beta / t) ** 2))
+    if not beta > 0:
+        raise ValueError("the measured times do not grow with size; include larger messages")
+    return float(alpha), float(1.0 / beta)
+
+
+# nccl-tests, doc/PERFORMANCE.md: busbw = algbw x factor, so busbw compares with the link speed.
+def busbw_factor(op: str, n: int) -> float:
+    """The nccl-tests correction factor: all_reduce 2(n-1)/n; reduce_scatter, all_gather
+    (n-1)/n; broadcast, reduce 1."""
+    if op not in OPS:
+        raise ValueError(f"collective must be one of {OPS}, got {op!r}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"number of ranks must be a whole number >= 1, got {n!r}")
+    return {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
+            "all_gather": (n - 1) / n, "broadcast": 1.0, "reduce": 1.0}[op]
+
+
+def algbw(size_bytes: float, seconds: float) -> float:
+    """Algorithm bandwidth S / t in bytes per second (nccl-tests)."""
+    if not seconds > 0:
+        raise ValueError(f"time must be > 0 s, got {seconds!r}")
+    return size_bytes / seconds
+
+
+def busbw(op: str, size_bytes: float, seconds: float, n: int) -> float:
+    """Bus bandwidth algbw x factor in bytes per second (nccl-tests)."""
+    return algbw(size_bytes, seconds) * busbw_factor(op, n)
+
+
+def congestion_example(n_senders: int = 4, message: float = 1e9, link: float = 10e9,
+                       alpha: float = 0.0) -> dict[str, float]:
+    """Seconds for n_senders nodes each sending ``message`` (1 Gb of gradients) to one node
+    through its ``link`` (10 Gb/s), against the collectives that avoid the hot spot.
+
+    With the defaults the naive reduce takes 4 x 1 Gb / 10 Gb/s = 0.4 s at the receiving node
+    (the update-phase bottleneck of the distributed GPT-2 wiki); a ring all-reduce among the
+    p = 5 nodes takes 2 (p-1)/p x 0.1 s = 0.16 s and leaves every node with the sum.
+    """
+    p = n_senders + 1
+    kw = {"bandwidth": link, "alpha": alpha}
+    return {
+        "p": p,
+        "naive_reduce": collective_time("reduce", message, p, algorithm="linear", **kw),
+        "naive_all_reduce": collective_time("all_reduce", message, p, algorithm="naive", **kw),
+        "tree_all_reduce": collective_time("all_reduce", message, p, algorithm="tree", **kw),
+        "ring_reduce_scatter": collective_time("reduce_scatter", message, p, **kw),
+        "ring_all_reduce": collective_time("all_reduce", message, p, algorithm="ring", **kw),
+        "lower_bound_all_reduce": 2 * (p - 1) / p * message / link,
+    }

@@ -1,0 +1,281 @@
+"""Per-device training memory: model states for DP and ZeRO stages 1-3, plus activations.
+
+    course memory --params 7.5e9 --dp 64            # the ZeRO paper's Figure 1 example
+    course memory --preset gpt2 --dp 4 --gpu t4     # does GPT-2 small fit on a T4?
+
+Model states follow Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models" (arXiv:1910.02054), Sections 3.1 and 5. With mixed-precision Adam every
+parameter costs 2 bytes of fp16/bf16 weights, 2 bytes of fp16/bf16 gradients and K = 12 bytes of
+optimizer state (fp32 master weights, momentum and variance). With Psi parameters and a
+data-parallel degree N the bytes per device are
+
+    stage 0, DP      (2 + 2 + K) Psi                 = 16 Psi
+    stage 1, P_os    2 Psi + 2 Psi + K Psi / N       = 4 Psi + 12 Psi / N
+    stage 2, P_os+g  2 Psi + (2 + K) Psi / N         = 2 Psi + 14 Psi / N
+    stage 3, P_os+g+p (2 + 2 + K) Psi / N            = 16 Psi / N
+
+The paper counts 1 GB as 1e9 bytes (Figure 1: 7.5e9 x 16 bytes = 120 GB), so :data:`GB` is 1e9.
+Plain fp32 training keeps 4-byte weights and gradients and K = 8 (Adam's two moments; the
+weights themselves are the master copy).
+
+Not modelled (the paper's "residual states" besides activations): temporary buffers, memory
+fragmentation, ZeRO-3's gathered copy of the layer being computed and the CUDA context (a few
+hundred MB), so a "fits" with little to spare may still run out of memory on a real GPU.
+
+Everything is in bytes (floats: a shard of Psi / N need not be whole). :func:`breakdown` is the
+one call a notebook calculator needs: model states plus activations (Korthikanti et al. 2022, see
+:mod:`course_lib.analysis.activations`) for a parameter count or a model preset. ``course memory``
+is in :mod:`course_lib.analysis.memory_cli`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from course_lib.analysis.activations import RECOMPUTE, activation_bytes
+
+GB = 1e9  # the ZeRO paper's gigabyte
+GiB = 2**30  # what nvidia-smi and torch.cuda report
+
+# dtype name -> (bytes per parameter, bytes per gradient, default K)
+DTYPES: dict[str, tuple[int, int, int]] = {
+    "mixed": (2, 2, 12),  # fp16/bf16 weights and gradients, fp32 master + Adam m, v
+    "fp16": (2, 2, 12),
+    "bf16": (2, 2, 12),
+    "fp32": (4, 4, 8),  # fp32 weights and gradients, Adam m, v
+}
+STAGES = (0, 1, 2, 3)
+STAGE_NAMES = {0: "DP", 1: "ZeRO-1 (P_os)", 2: "ZeRO-2 (P_os+g)", 3: "ZeRO-3 (P_os+g+p)"}
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Bytes of model states held by one device."""
+
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    def to_gb(self, unit: float = GB) -> dict[str, float]:
+        return {"params": self.params / unit, "grads": self.grads / unit,
+                "optimizer": self.optimizer / unit, "total": self.total / unit}
+
+
+def _check_positive_int(name: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) and not (
+        isinstance(value, float) and value.is_integer()
+    ):
+        raise ValueError(f"{name} must be a whole number >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def dtype_bytes(dtype: str, k: float | None = None) -> tuple[int, int, float]:
+    """(bytes per parameter, bytes per gradient, K) for a dtype name; ``k`` overrides K."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    p, g, default_k = DTYPES[dtype]
+    if k is None:
+        k = default_k
+    if not k >= 0:
+        raise ValueError(f"k (optimizer bytes per parameter) must be >= 0, got {k!r}")
+    return p, g, float(k)
+
+
+def model_state_bytes(num_params: float, dp: int = 1, stage: int = 0, k: float | None = None,
+                      dtype: str = "mixed", tp: int = 1) -> ModelStates:
+    """Model-state bytes per device for ZeRO ``stage`` (0 = plain data parallel).
+
+    num_params: Psi, the parameter count (float allowed, e.g. 7.5e9).
+    dp: data-parallel degree N_d, the number of shards for the partitioned states.
+    k: optimizer-state bytes per parameter (default 12 for "mixed", 8 for "fp32").
+    tp: tensor-parallel degree; each device holds Psi / tp parameters before ZeRO sharding
+        (Megatron splits the large matrices; the small replicated LayerNorm vectors are ignored).
+    """
+    if not num_params > 0:
+        raise ValueError(f"num_params must be > 0, got {num_params!r}")
+    dp = _check_positive_int("dp (data-parallel degree)", dp)
+    tp = _check_positive_int("tp (tensor-parallel degree)", tp)
+    if stage not in STAGES:
+        raise ValueError(f"ZeRO stage must be 0 (plain DP), 1, 2 or 3, got {stage!r}")
+    p_bytes, g_bytes, k = dtype_bytes(dtype, k)
+    psi = float(num_params) / tp
+    return ModelStates(
+        params=p_bytes * psi / (dp if stage >= 3 else 1),
+        grads=g_bytes * psi / (dp if stage >= 2 else 1),
+        optimizer=k * psi / (dp if stage >= 1 else 1),
+    )
+
+
+def zero_stages(num_params: float, dp: int = 1, k: float | None = None, dtype: str = "mixed",
+                tp: int = 1) -> dict[int, ModelStates]:
+    """Model states per device for every stage 0-3: one row of the ZeRO paper's Table 1."""
+    return {s: model_state_bytes(num_params, dp, s, k, dtype, tp) for s in STAGES}
+
+
+def max_params(memory_bytes: float, dp: int = 1, stage: int = 0, k: float | None = None,
+               dtype: str = "mixed", tp: int = 1) -> float:
+    """The largest Psi whose model states fit in ``memory_bytes`` per device (states only)."""
+    per_param = model_state_bytes(1.0, dp, stage, k, dtype, tp).total
+    return memory_bytes / per_param
+
+
+def shard_numel(numel: int, world_size: int) -> int:
+    """Elements per rank when ``numel`` is padded to a multiple of ``world_size`` (as ZeRO does)."""
+    numel = _check_positive_int("numel", numel, minimum=0)
+    world_size = _check_positive_int("world_size", world_size)
+    return -(-numel // world_size)
+
+
+def resolve_gpu(gpu) -> tuple[str, float]:
+    """(name, memory bytes) for a profile name ('t4', 'a100-80gb', ...), a HardwareProfile, or a
+    number of bytes."""
+    if isinstance(gpu, (int, float)) and not isinstance(gpu, bool):
+        if gpu <= 0:
+            raise ValueError(f"GPU memory must be > 0 bytes, got {gpu!r}")
+        return f"{gpu / GB:g} GB", float(gpu)
+    if isinstance(gpu, str):
+        from course_lib.hardware import PROFILES
+
+        key = gpu.lower()
+        if key not in PROFILES or PROFILES[key].memory_bytes <= 0:
+            names = ", ".join(n for n, p in PROFILES.items() if p.memory_bytes > 0)
+            raise ValueError(f"unknown GPU {gpu!r}; choose one of: {names}")
+        return key, float(PROFILES[key].memory_bytes)
+    if hasattr(gpu, "memory_bytes") and hasattr(gpu, "name"):
+        return gpu.name, float(gpu.memory_bytes)
+    raise TypeError(f"gpu must be a profile name, a HardwareProfile or bytes, got {type(gpu).__name__}")
+
+
+def fits(nbytes: float, gpu) -> bool:
+    """Whether ``nbytes`` fit in the memory of ``gpu`` (see :func:`resolve_gpu`)."""
+    return nbytes <= resolve_gpu(gpu)[1]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A GPT's shape (names as in :class:`course_lib.gpt.model.GPTConfig`) and a typical micro-batch."""
+
+    name: str
+    n_layer: int
+    n_head: int
+    n_embd: int
+    block_size: int
+    vocab_size: int
+    batch_size: int  # the micro-batch its recipe trains with
+    bias: bool = True
+    dropout: float = 0.0
+
+    def num_params(self) -> int:
+        """Parameters of :class:`course_lib.gpt.model.GPT` with this shape (lm_head tied to wte):
+        embeddings V h + T h, per layer 12 h^2 (+ 13 h with biases, 2 h LayerNorm gains without),
+        final LayerNorm h (+ h bias)."""
+        h, ln = self.n_embd, (2 if self.bias else 1)
+        per_layer = 12 * h * h + (9 * h if self.bias else 0) + 2 * ln * h
+        return (self.vocab_size + self.block_size) * h + self.n_layer * per_layer + ln * h
+
+    def gpt_config(self):
+        from course_lib.gpt.model import GPTConfig
+
+        return GPTConfig(block_size=self.block_size, vocab_size=self.vocab_size,
+                         n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd,
+                         dropout=self.dropout, bias=self.bias)
+
+
+# GPT-2 (Radford et al. 2019; shapes of the released checkpoints, vocabulary 50257, context 1024)
+# with nanoGPT's micro-batch of 12; the course's Shakespeare character models (vocabulary 65).
+PRESETS: dict[str, ModelShape] = {p.name: p for p in (
+    ModelShape("gpt2", 12, 12, 768, 1024, 50257, 12),  # 124M
+    ModelShape("gpt2-medium", 24, 16, 1024, 1024, 50257, 12),  # 350M
+    ModelShape("gpt2-large", 36, 20, 1280, 1024, 50257, 12),  # 774M
+    ModelShape("gpt2-xl", 48, 25, 1600, 1024, 50257, 12),  # 1558M
+    ModelShape("shakespeare_char", 6, 6, 384, 256, 65, 64, dropout=0.2),
+    ModelShape("shakespeare_char_cpu", 4, 4, 128, 64, 65, 16),
+)}
+
+
+def get_preset(name: str | ModelShape) -> ModelShape:
+    if isinstance(name, ModelShape):
+        return name
+    key = {"gpt2-small": "gpt2", "gpt2-124m": "gpt2"}.get(name, name)
+    if key not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    return PRESETS[key]
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per device: model states (for one ZeRO stage) and activations."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float = 0.0
+    stage: int = 0
+    num_params: float = 0.0
+
+    @property
+    def model_states(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.model_states + self.activations
+
+    def to_gb(self, unit: float = GB) -> dict[str, float]:
+        """The four parts and the total in GB (1e9 bytes; pass unit=GiB for 2**30)."""
+        return {"params": self.params / unit, "grads": self.grads / unit,
+                "optimizer": self.optimizer / unit, "activations": self.activations / unit,
+                "total": self.total / unit}
+
+    def fits(self, gpu) -> bool:
+        return fits(self.total, gpu)
+
+
+def breakdown(num_params: float | None = None, *, preset: str | ModelShape | None = None,
+              dp: int = 1, stage: int = 0, k: float | None = None, dtype: str = "mixed",
+              tp: int = 1, sequence_parallel: bool = False, recompute: str = "none",
+              batch_size: int | None = None, seq_len: int | None = None,
+              flash_attention: bool = False, dropout: bool | None = None) -> MemoryBreakdown:
+    """Per-device memory of training a model: model states for ZeRO ``stage`` plus activations.
+
+    Give ``num_params`` (model states only) or a ``preset`` (name from :data:`PRESETS` or a
+    :class:`ModelShape`: parameter count from its shape, and activations for ``batch_size``
+    sequences of ``seq_len`` tokens, defaulting to the preset's micro-batch and block size).
+    Activations are 2-byte in mixed precision and 4-byte in fp32; ``dropout`` defaults to whether
+    the preset uses dropout (masks cost 1 byte per element).
+    """
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+    shape = get_preset(preset) if preset is not None else None
+    if num_params is None:
+        if shape is None:
+            raise ValueError("give num_params (e.g. 7.5e9) or a preset (e.g. 'gpt2')")
+        num_params = shape.num_params()
+    states = model_state_bytes(num_params, dp, stage, k, dtype, tp)
+    acts = 0.0
+    if shape is not None:
+        if seq_len is not None and seq_len > shape.block_size:
+            raise ValueError(f"seq_len {seq_len} exceeds the {shape.name} block size "
+                             f"{shape.block_size}; use seq_len <= {shape.block_size}")
+        acts = activation_bytes(
+            shape.n_layer, seq_len or shape.block_size, batch_size or shape.batch_size,
+            shape.n_embd, shape.n_head, shape.vocab_size, tp, sequence_parallel, recompute,
+            bytes_per_value=DTYPES[dtype][0], flash_attention=flash_attention,
+            dropout=(shape.dropout > 0) if dropout is None else dropout)
+    elif batch_size is not None or seq_len is not None:
+        raise ValueError("activations need a model shape: pass preset=... as well")
+    return MemoryBreakdown(states.params, states.grads, states.optimizer, acts, stage,
+                           float(num_params))
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """``course memory``: see :mod:`course_lib.analysis.memory_cli`."""
+    from course_lib.analysis.memory_cli import main
+
+    return main(argv)

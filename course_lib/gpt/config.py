@@ -1,0 +1,254 @@
+"""The trainer's configuration: one frozen, typed dataclass, named presets and ``--field=value``.
+
+    course train --config=shakespeare_char_cpu --max_iters=500 --nproc=2
+
+Field names follow nanoGPT's ``train.py`` where it has one; the presets are nanoGPT's
+``config/train_shakespeare_char.py`` (the GPU recipe) and the CPU variant from nanoGPT's README
+(``--device=cpu --compile=False --eval_iters=20 --block_size=64 --batch_size=12 --n_layer=4
+--n_head=4 --n_embd=128 --max_iters=2000 --lr_decay_iters=2000 --dropout=0.0``). A run writes
+its config into the run directory as ``config.json``; every worker loads it from there.
+"""
+
+import dataclasses
+import difflib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+# Every strategy name the trainer knows, ours and PyTorch's (see course_lib.parallel.strategy).
+STRATEGY_NAMES = ("single", "ddp", "ddp_naive", "zero1", "zero2", "zero3", "torch_ddp", "torch_zero1",
+                  "fsdp_grad_op", "fsdp_full")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+INIT_FROM = ("scratch", "resume")
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the field and says what is allowed."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    # I/O
+    out_dir: str = "out"  # the run directory: config.json, metrics.csv, checkpoints
+    eval_interval: int = 250  # evaluate (and checkpoint) every this many iterations
+    log_interval: int = 10  # one metrics.csv row every this many iterations
+    eval_iters: int = 20  # batches per split in each evaluation
+    init_from: str = "scratch"  # 'scratch' or 'resume' (continue the run in out_dir)
+    # data
+    data_dir: str = ""  # '' = the default data folder (course_lib.utils.default_data_dir)
+    dataset: str = "shakespeare_char"
+    gradient_accumulation_steps: int = 1
+    batch_size: int = 12  # micro-batch per rank; global batch = batch_size * accum * world size
+    block_size: int = 64
+    # model
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = False
+    # AdamW
+    learning_rate: float = 1e-3
+    max_iters: int = 2000
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0  # clip the global gradient norm to this; 0 disables
+    # learning-rate schedule: linear warmup, then cosine decay to min_lr
+    decay_lr: bool = True
+    warmup_iters: int = 100
+    lr_decay_iters: int = 2000
+    min_lr: float = 1e-4
+    # system
+    device: str = "auto"  # 'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:N'
+    dtype: str = "auto"  # 'auto' = from the hardware profile (bf16 / fp16 + scaler / fp32)
+    compile: bool = False  # torch.compile the model
+    seed: int = 1337
+    # distributed (ours)
+    nproc: int = 1  # worker processes on this host; > 1 launches them through torchrun
+    strategy: str = "auto"  # 'auto' = 'single' for one process, else data parallel
+    threads: int = 0  # intra-op threads per CPU worker; 0 = cores // workers on this host
+    timeout_s: float = 600.0  # how long a collective may wait before the run fails
+    run_name: str = ""  # a label for progress bars and plots; '' = the out_dir's name
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type is float and type(value) is int:
+                object.__setattr__(self, f.name, float(value))  # JSON writes 1.0 as 1
+            elif type(value) is not f.type:
+                raise ConfigError(f"{f.name}: expected {f.type.__name__}, got {type(value).__name__} {value!r}")
+        positive = ("eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size",
+                    "block_size", "n_layer", "n_head", "n_embd", "nproc")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_iters", "warmup_iters", "lr_decay_iters", "threads", "seed"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("learning_rate", "min_lr", "weight_decay", "grad_clip"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            raise ConfigError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if not self.out_dir:
+            raise ConfigError("out_dir must not be empty")
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("init_from", self.init_from, INIT_FROM)
+        _choice("strategy", self.strategy, ("auto",) + STRATEGY_NAMES)
+        from course_lib.gpt.data import DATASETS
+        _choice("dataset", self.dataset, DATASETS)
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:") and self.device[5:].isdigit()):
+            raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.strategy == "single" and self.nproc > 1:
+            raise ConfigError(f"strategy 'single' runs one process but nproc={self.nproc}; "
+                              "use --strategy=ddp (or auto) or --nproc=1")
+
+    # --- derived values -------------------------------------------------------------------------
+    def resolved_strategy(self, world_size: int) -> str:
+        """'auto' -> 'single' for one process, else our DDP (PyTorch's until ours is registered)."""
+        if self.strategy != "auto":
+            return self.strategy
+        if world_size == 1:
+            return "single"
+        from course_lib.parallel.strategy import STRATEGIES
+        return "ddp" if "ddp" in STRATEGIES else "torch_ddp"
+
+    @property
+    def name(self) -> str:
+        return self.run_name or Path(self.out_dir).name
+
+    # --- serialisation --------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1) + "\n"
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "config") -> "TrainConfig":
+        unknown = sorted(set(d) - FIELDS.keys())
+        if unknown:
+            raise ConfigError(f"{source}: unknown field(s) {', '.join(unknown)}")
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "config.json") -> "TrainConfig":
+        try:
+            d = json.loads(text)
+        except ValueError as e:
+            raise ConfigError(f"{source} is not valid JSON: {e}") from e
+        if not isinstance(d, dict):
+            raise ConfigError(f"{source} must hold a JSON object")
+        return cls.from_dict(d, source)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "TrainConfig":
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
+        return cls.from_json(text, str(path))
+
+    def replace(self, **changes) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+# nanoGPT's config/train_shakespeare_char.py (a baby GPT on one GPU).
+_SHAKESPEARE_CHAR = dict(
+    out_dir="out-shakespeare-char", eval_interval=250, eval_iters=200, log_interval=10,
+    dataset="shakespeare_char", gradient_accumulation_steps=1, batch_size=64, block_size=256,
+    n_layer=6, n_head=6, n_embd=384, dropout=0.2, learning_rate=1e-3, max_iters=5000,
+    lr_decay_iters=5000, min_lr=1e-4, beta2=0.99, warmup_iters=100,
+)
+PRESETS: dict[str, dict] = {
+    "shakespeare_char": _SHAKESPEARE_CHAR,
+    # the same on a CPU, as nanoGPT's README runs it
+    "shakespeare_char_cpu": {**_SHAKESPEARE_CHAR, "out_dir": "out-shakespeare-char-cpu", "eval_iters": 20,
+                             "block_size": 64, "batch_size": 12, "n_layer": 4, "n_head": 4, "n_embd": 128,
+                             "max_iters": 2000, "lr_decay_iters": 2000, "dropout": 0.0},
+}
+
+
+def _choice(name: str, value: str, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def parse_value(name: str, text: str):
+    """Convert ``--name=text`` to the field's type; a ConfigError names the field if it cannot."""
+    if name not in FIELDS:
+        close = difflib.get_close_matches(name, FIELDS, n=1)
+        hint = f" (did you mean --{close[0]}?)" if close else ""
+        raise ConfigError(f"unknown option --{name}{hint}")
+    typ = FIELDS[name].type
+    if typ is bool:
+        low = text.lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"--{name}: expected true or false, got {text!r}")
+    if typ is int and name == "nproc" and text == "auto":
+        return auto_nproc()
+    try:
+        return typ(text)
+    except ValueError:
+        kind = {int: "an integer", float: "a number"}[typ]
+        raise ConfigError(f"--{name}: expected {kind}, got {text!r}") from None
+
+
+def auto_nproc() -> int:
+    """Workers for ``--nproc=auto``: one per GPU; on a CPU-only host 2 (1 with a single core)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return 2 if len(os.sched_getaffinity(0)) >= 2 else 1
+
+
+def parse_overrides(args: list[str]) -> dict:
+    """``['--max_iters=100', '--compile', '--bias=false']`` -> typed dict (bare flag = True for bools).
+
+    ``--name value`` is accepted too, except after a bool field (it would be ambiguous).
+    """
+    out, i = {}, 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or arg == "--":
+            raise ConfigError(f"expected --field=value, got {arg!r}")
+        name, eq, text = arg[2:].partition("=")
+        name = name.replace("-", "_")
+        if not eq:
+            if name in FIELDS and FIELDS[name].type is bool:
+                text = "true"
+            elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+                i, text = i + 1, args[i + 1]
+            else:
+                if name in FIELDS:
+                    raise ConfigError(f"--{name} needs a value (--{name}=VALUE)")
+                parse_value(name, "")  # raises: unknown option (with a suggestion)
+        out[name] = parse_value(name, text)
+        i += 1
+    return out
+
+
+def make_config(preset: str | None = None, overrides: dict | None = None, base: TrainConfig | None = None) -> TrainConfig:
+    """Defaults (or ``base``), then the preset, then the overrides; validated once at the end."""
+    d = (base or TrainConfig()).to_dict()
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ConfigError(f"unknown --config {preset!r}; choose one of {', '.join(PRESETS)}")
+        d.update(PRESETS[preset])
+    d.update(overrides or {})
+    return TrainConfig.from_dict(d)

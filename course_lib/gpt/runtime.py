@@ -1,0 +1,62 @@
+"""Where a training process runs: its rank, device, dtype and threads, resolved from the config.
+
+Imported by :mod:`course_lib.gpt.train`; under torchrun it joins the process group (gloo on CPUs,
+NCCL on GPUs) with the config's timeout.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from course_lib.gpt.config import TrainConfig
+
+
+@dataclass
+class Runtime:
+    """Where this process runs: rank, device, dtype, threads (resolved from the config)."""
+    rank: int
+    world_size: int
+    local_world_size: int
+    device: str
+    dtype: str
+    threads: int
+    distributed: bool
+
+    @property
+    def device_type(self) -> str:
+        return "cuda" if self.device.startswith("cuda") else "cpu"
+
+
+def setup_runtime(cfg: TrainConfig) -> Runtime:
+    """Join the process group when launched by torchrun; pick device, threads and dtype."""
+    from course_lib.hardware import detect, pick_dtype
+
+    env = os.environ
+    distributed = "RANK" in env and "WORLD_SIZE" in env
+    rank, world = (int(env["RANK"]), int(env["WORLD_SIZE"])) if distributed else (0, 1)
+    local_rank, local_world = int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", 1))
+    device = cfg.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise RuntimeError("device cuda requested but torch.cuda.is_available() is False; use --device=cpu")
+        device = f"cuda:{local_rank}" if distributed else (device if ":" in device else "cuda:0")
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores (as nanoGPT)
+        torch.backends.cudnn.allow_tf32 = True
+        threads = torch.get_num_threads()
+    else:  # N workers share the cores: cores // N threads each, so they do not oversubscribe
+        threads = cfg.threads or max(1, len(os.sched_getaffinity(0)) // local_world)
+        torch.set_num_threads(threads)
+    if distributed and not dist.is_initialized():
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s),
+                                device_id=torch.device(device) if backend == "nccl" else None)
+    dtype = pick_dtype(detect(device), cfg.dtype)
+    return Runtime(rank, world, local_world, device, dtype, threads, distributed)

@@ -1,0 +1,76 @@
+"""Generate text from a run directory's checkpoint.
+
+    course sample --out_dir=out-shakespeare-char-cpu --num_samples=2 --max_new_tokens=300
+    course sample --out_dir=runs/demo --start="ROMEO:" --temperature=0.9 --ckpt=last
+
+Defaults follow nanoGPT's sample.py (start "\\n", temperature 0.8, top_k 200, seed 1337). The
+checkpoint carries the model's shape and the dataset's tokenizer, so no data folder is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from course_lib.gpt import checkpoint as ckpt_io
+from course_lib.gpt.data import tokenizer
+from course_lib.gpt.model import GPT, GPTConfig
+
+
+def load_model(out_dir: str | Path, which: str = "best", device: str = "cpu"):
+    """(model in eval mode, dataset meta, checkpoint iteration) from OUT_DIR/{best,last}.pt."""
+    if which not in ("best", "last"):
+        raise ValueError(f"which must be 'best' or 'last', got {which!r}")
+    ck = ckpt_io.load_checkpoint(Path(out_dir) / f"{which}.pt", map_location=device)
+    model = GPT(GPTConfig(**ck["model_args"]))
+    model.load_state_dict(ck["model"])
+    return model.to(device).eval(), ck["meta"], ck["iter_num"]
+
+
+def sample(out_dir: str | Path, start: str = "\n", num_samples: int = 1, max_new_tokens: int = 500,
+           temperature: float = 0.8, top_k: int | None = 200, seed: int = 1337, which: str = "best",
+           device: str = "auto") -> list[str]:
+    """``num_samples`` continuations of ``start`` (``FILE:path`` reads the prompt from a file)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if max_new_tokens < 1 or num_samples < 1:
+        raise ValueError("num_samples and max_new_tokens must be >= 1")
+    if start.startswith("FILE:"):
+        start = Path(start[5:]).read_text()
+    model, meta, _ = load_model(out_dir, which, device)
+    encode, decode = tokenizer(meta)
+    ids = encode(start)
+    if not ids:
+        raise ValueError("the start text encodes to no tokens; give at least one character")
+    idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)  # (num_samples, T)
+    generator = torch.Generator(device).manual_seed(seed)
+    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator)
+    return [decode(row.tolist()) for row in out]
+
+
+def cli(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="course sample", description="Generate text from a trained run.")
+    p.add_argument("--out_dir", "--out-dir", required=True, help="the run directory (holds best.pt / last.pt)")
+    p.add_argument("--ckpt", choices=("best", "last"), default="best")
+    p.add_argument("--start", default="\n", help='prompt text, or FILE:path (default "\\n")')
+    p.add_argument("--num_samples", type=int, default=1)
+    p.add_argument("--max_new_tokens", type=int, default=500)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top_k", type=int, default=200, help="keep the k likeliest tokens; 0 = all")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--device", default="auto")
+    args = p.parse_args(argv)
+    try:
+        texts = sample(args.out_dir, args.start, args.num_samples, args.max_new_tokens, args.temperature,
+                       args.top_k or None, args.seed, args.ckpt, args.device)
+    except (ckpt_io.CheckpointError, ValueError, OSError) as e:
+        print(f"course sample: error: {e}", file=sys.stderr)
+        return 1
+    for i, text in enumerate(texts):
+        if i:
+            print("-" * 40)
+        print(text)
+    return 0

@@ -1,0 +1,220 @@
+"""The course's Mermaid diagrams in notebooks, and the ``course images`` command.
+
+    course images build [NAME ...] [--force]   # `make images` installs mermaid-cli first
+    course images check                         # are the committed renderings up to date?
+    course images list
+
+Each diagram is a Mermaid source ``images/diagrams/NAME.mmd``, rendered to
+``images/diagrams/rendered/NAME.svg`` and ``.png`` by :mod:`course_lib.notebook.diagrams_build`. The
+renderings are committed, so a notebook shows them offline, on Colab and on GitHub::
+
+    from course_lib.notebook import diagrams
+    diagrams.show("dp_step")                       # the committed rendering
+    src = diagrams.mermaid_source("broadcast")     # edit it ...
+    diagrams.show("broadcast", source=src.replace("rank 3", "rank 7"))   # ... rendered live
+
+Live rendering goes through mermaid-py (the mermaid.ink web service, or $MERMAID_INK_SERVER).
+When that fails (offline, say) the committed image is shown instead, or, for an edited source
+that has no rendering, the source itself, each time with a note saying why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import os
+import re
+import socket
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
+from dataclasses import dataclass
+from html import escape
+from pathlib import Path
+from urllib.parse import urlparse
+
+from course_lib import GITHUB_BRANCH, GITHUB_REPO
+from course_lib.utils import repo_root
+
+SOURCES = Path("images") / "diagrams"  # relative to the repository root
+RENDERED = SOURCES / "rendered"
+CONFIG = "mermaid-config.json"
+MANIFEST = "manifest.json"
+
+
+def _root(root: Path | None) -> Path:
+    root = root or repo_root()
+    if root is None:
+        raise FileNotFoundError("the diagram sources are in the course repository: run this from a clone")
+    return Path(root)
+
+
+def names(root: Path | None = None) -> list[str]:
+    """The diagram names: the stems of ``images/diagrams/*.mmd``."""
+    return sorted(p.stem for p in (_root(root) / SOURCES).glob("*.mmd"))
+
+
+def _check_name(name: str, root: Path) -> None:
+    known = names(root)
+    if name not in known:
+        raise ValueError(f"no diagram named {name!r}; the diagrams are: {', '.join(known)}")
+
+
+def mermaid_source(name: str, root: Path | None = None) -> str:
+    """The Mermaid text of diagram ``name``: copy it, edit it, pass it to ``show(name, source=...)``."""
+    root = _root(root)
+    _check_name(name, root)
+    return (root / SOURCES / f"{name}.mmd").read_text(encoding="utf-8")
+
+
+# ---------------------------------------------------------------- showing in notebooks
+
+class LiveRenderError(RuntimeError):
+    """mermaid-py could not render a diagram (offline, server error, bad syntax)."""
+
+
+@dataclass(frozen=True, repr=False)
+class Figure:
+    """What ``show`` displays: an SVG/PNG, an image on GitHub, or the Mermaid source, plus a note."""
+
+    name: str
+    how: str  # "committed", "live", "github" or "source"
+    svg: str | None = None
+    png: bytes | None = None
+    url: str | None = None
+    source: str | None = None
+    note: str = ""
+
+    def __repr__(self) -> str:
+        return f"[diagram {self.name}: {self.how}] {self.note}".strip()
+
+    def _repr_html_(self) -> str:
+        alt = f'alt="diagram: {escape(self.name)}"'
+        if self.svg is not None:
+            m = re.search(r'viewBox="[-\d.]+ [-\d.]+ ([\d.]+)', self.svg)
+            width = f' width="{round(float(m.group(1)))}"' if m else ""
+            data = base64.b64encode(self.svg.encode()).decode()
+            body = f'<img {alt}{width} style="max-width:100%;height:auto" src="data:image/svg+xml;base64,{data}"/>'
+        elif self.png is not None:
+            data = base64.b64encode(self.png).decode()
+            body = f'<img {alt} style="max-width:100%" src="data:image/png;base64,{data}"/>'
+        elif self.url is not None:
+            body = f'<img {alt} style="max-width:100%" src="{escape(self.url)}"/>'
+        else:
+            body = f'<pre class="diagram-source">{escape(self.source or "")}</pre>'
+        note = f'<div class="diagram-note" style="font-size:90%;color:#8a4b08">{escape(self.note)}</div>' if self.note else ""
+        return f'<figure class="course-diagram" data-how="{self.how}" style="margin:0">{note}{body}</figure>'
+
+    def _repr_mimebundle_(self, include=None, exclude=None) -> dict:
+        bundle = {"text/html": self._repr_html_(), "text/plain": repr(self)}
+        if self.png is not None:
+            bundle["image/png"] = base64.b64encode(self.png).decode()
+        return bundle
+
+
+def _render_live(text: str, timeout: float) -> tuple[str, bytes]:
+    """(svg, png) of ``text`` from mermaid.ink through mermaid-py; LiveRenderError on any failure."""
+    server = os.environ.get("MERMAID_INK_SERVER", "https://mermaid.ink")
+
+    def work() -> tuple[str, bytes]:
+        import mermaid  # mermaid-py, imported here: it talks to the network
+
+        url = urlparse(server)
+        # fail fast when offline: mermaid-py's own requests have no timeout
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()
+        try:
+            m = mermaid.Mermaid(text)
+        except mermaid.MermaidError as e:  # the service answered, but rejected the diagram
+            raise LiveRenderError(str(e).splitlines()[0]) from None
+        return m.svg_response.text, m.img_response.content
+
+    pool = ThreadPoolExecutor(1)
+    try:
+        return pool.submit(work).result(timeout=timeout)
+    except LiveRenderError:
+        raise
+    except FuturesTimeout:
+        raise LiveRenderError(f"no answer from {server} within {timeout:g} s") from None
+    except ImportError:
+        raise LiveRenderError("mermaid-py is not installed (pip install mermaid-py)") from None
+    except OSError as e:  # DNS, refused connection, and every requests error
+        raise LiveRenderError(f"cannot reach {server} ({type(e).__name__}: {e}); are you offline?") from None
+    finally:
+        pool.shutdown(wait=False)
+
+
+def _committed(name: str, root: Path | None, note: str = "") -> Figure:
+    if root is not None:
+        svg, png = (root / RENDERED / f"{name}.svg"), (root / RENDERED / f"{name}.png")
+        if svg.is_file() and png.is_file():
+            return Figure(name, "committed", svg=svg.read_text(encoding="utf-8"), png=png.read_bytes(), note=note)
+    url = f"https://raw.githubusercontent.com/{GITHUB_REPO}/{GITHUB_BRANCH}/{RENDERED.as_posix()}/{name}.svg"
+    extra = "No local rendering found (no clone of the course here): showing the copy on GitHub, which needs a network."
+    return Figure(name, "github", url=url, note=f"{note} {extra}".strip())
+
+
+def diagram(name: str, source: str | None = None, live: bool = False, timeout: float = 10.0,
+            root: Path | None = None) -> Figure:
+    """The Figure :func:`show` displays: ``.how`` says which way it was made, ``.note`` why."""
+    root = root or repo_root()
+    committed_src = None
+    if root is not None:
+        _check_name(name, root)
+        committed_src = (root / SOURCES / f"{name}.mmd").read_text(encoding="utf-8")
+    edited = source is not None and source.strip() != (committed_src or "").strip()
+    text = source if source is not None else committed_src
+    if not (live or edited) or text is None:
+        return _committed(name, root)
+    try:
+        svg, png = _render_live(text, timeout)
+        return Figure(name, "live", svg=svg, png=png, note="Rendered live by mermaid.ink through mermaid-py.")
+    except LiveRenderError as e:
+        reason = str(e)
+    if edited:
+        return Figure(name, "source", source=source, note=(
+            f"Live rendering failed: {reason} Your edited source is shown instead: paste it into "
+            f"https://mermaid.live, or save it as images/diagrams/{name}.mmd and run `make images`."))
+    return _committed(name, root, note=f"Live rendering failed: {reason} Showing the committed rendering instead.")
+
+
+def show(name: str, source: str | None = None, live: bool = False, timeout: float = 10.0) -> None:
+    """Display diagram ``name`` in a notebook (:func:`diagram` gives the object instead).
+
+    By default the committed rendering (no network needed). ``live=True`` renders the committed
+    source through mermaid-py instead; ``source=`` renders your edited Mermaid text. When live
+    rendering fails (offline, or the service rejects the text) the committed image is shown, or
+    for an edited source the source itself, with a note saying what happened.
+    """
+    from IPython.display import display
+
+    display(diagram(name, source=source, live=live, timeout=timeout))
+
+
+def cli(argv: list[str]) -> int:
+    from course_lib.notebook import diagrams_build
+
+    p = argparse.ArgumentParser(prog="course images", description="Render and check the Mermaid diagrams.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="render stale diagrams to SVG and PNG (needs mermaid-cli and Chromium)")
+    b.add_argument("names", nargs="*", help="render only these (default: every stale one)")
+    b.add_argument("--force", action="store_true", help="re-render every diagram")
+    b.add_argument("--jobs", type=int, default=2, help="diagrams rendered at once (default 2)")
+    sub.add_parser("check", help="exit 1 when a rendering is missing or older than its source")
+    sub.add_parser("list", help="list the diagrams")
+    args = p.parse_args(argv)
+    if args.cmd == "list":
+        print("\n".join(names()))
+        return 0
+    if args.cmd == "build":
+        try:
+            done = diagrams_build.build(args.names or None, force=args.force, jobs=args.jobs)
+        except (FileNotFoundError, RuntimeError, ValueError) as e:
+            print(f"course images: {e}", file=sys.stderr)
+            return 1
+        print(f"rendered {len(done)} diagram(s) into {RENDERED}/" if done else "all diagrams are up to date")
+    problems = diagrams_build.check()
+    for line in problems:
+        print(line, file=sys.stderr)
+    if args.cmd == "check" and not problems:
+        print(f"{len(names())} diagrams, all renderings up to date")
+    return 1 if problems else 0

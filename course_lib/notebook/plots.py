@@ -1,0 +1,150 @@
+"""Plots for the course's models and benchmarks. Each function returns a matplotlib Figure and
+keeps no global state (no pyplot): display it in a notebook, or ``fig.savefig(path)``.
+
+Pass ``ax`` to draw into an existing Axes (the Figure returned is then ``ax.figure``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+GB = 1e9
+_PART_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868",
+                "activations": "#c44e52"}
+
+
+def _axes(ax, figsize=(7, 4)):
+    if ax is not None:
+        return ax.figure, ax
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=figsize, layout="constrained")
+    return fig, fig.add_subplot()
+
+
+def plot_memory(items: Mapping[str, object], memory_bytes: float | None = None,
+                memory_label: str | None = None, title: str | None = None, ax=None, unit=GB):
+    """Stacked bars of per-device memory (params, grads, optimizer, activations) per label.
+
+    items: label -> :class:`course_lib.analysis.memory.MemoryBreakdown` (or anything with those four
+    attributes, in bytes). memory_bytes: draw the device's memory as a horizontal line.
+    """
+    if not items:
+        raise ValueError("plot_memory needs at least one breakdown to draw")
+    fig, ax = _axes(ax)
+    labels = list(items)
+    bottom = [0.0] * len(labels)
+    for part, color in _PART_COLORS.items():
+        values = [getattr(items[k], part, 0.0) / unit for k in labels]
+        if not any(values):
+            continue
+        ax.bar(labels, values, bottom=bottom, color=color, label=part)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    for x, total in enumerate(bottom):
+        ax.annotate(f"{total:.3g}", (x, total), ha="center", va="bottom", fontsize=8)
+    if memory_bytes:
+        ax.axhline(memory_bytes / unit, color="black", linestyle="--", linewidth=1,
+                   label=memory_label or f"device memory ({memory_bytes / unit:g})")
+    ax.set_ylabel("GB per device" if unit == GB else f"bytes / {unit:g} per device")
+    ax.set_title(title or "Memory per device")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def plot_zero_memory(num_params: float | None = None, dp: int = 1, *, gpu=None, ax=None,
+                     **breakdown_kwargs):
+    """The four ZeRO stages side by side for one model (the ZeRO paper's Figure 1 as bars).
+
+    Arguments as :func:`course_lib.analysis.memory.breakdown` (num_params or preset=..., k, dtype, ...);
+    ``gpu``: a profile name such as "t4" to draw its memory.
+    """
+    from course_lib.analysis.memory import STAGE_NAMES, STAGES, breakdown, resolve_gpu
+
+    items = {STAGE_NAMES[s]: breakdown(num_params, dp=dp, stage=s, **breakdown_kwargs)
+             for s in STAGES}
+    psi = next(iter(items.values())).num_params
+    mem = resolve_gpu(gpu) if gpu is not None else None
+    return plot_memory(items, mem[1] if mem else None, mem and f"{mem[0]} ({mem[1] / GB:g} GB)",
+                       f"Psi = {psi:.3g} parameters, N_d = {dp}", ax=ax)
+
+
+def plot_comm_bench(rows: Sequence[Mapping], metric: str = "busbw_GBps", ax=None):
+    """Bandwidth (or time) against message size, one line per (backend, collective, nproc).
+
+    rows: result rows of :func:`course_lib.experiments.comm_bench.run_benchmark`. metric: "busbw_GBps",
+    "algbw_GBps" or "time_us".
+    """
+    if not rows:
+        raise ValueError("plot_comm_bench needs benchmark rows to draw")
+    if metric not in ("busbw_GBps", "algbw_GBps", "time_us"):
+        raise ValueError(f"metric must be busbw_GBps, algbw_GBps or time_us, got {metric!r}")
+    fig, ax = _axes(ax)
+    series: dict[tuple, list] = {}
+    for r in rows:
+        series.setdefault((r["backend"], r["op"], r["nproc"]), []).append(r)
+    for (backend, op, nproc), rs in sorted(series.items()):
+        rs = sorted(rs, key=lambda r: r["size_bytes"])
+        ax.plot([r["size_bytes"] for r in rs], [r[metric] for r in rs], marker="o",
+                markersize=3, label=f"{op} ({backend}, {nproc} ranks)")
+    ax.set_xscale("log", base=2)
+    if metric == "time_us":
+        ax.set_yscale("log")
+    ax.set_xlabel("message size S (bytes)")
+    ax.set_ylabel({"busbw_GBps": "bus bandwidth (GB/s)", "algbw_GBps": "algorithm bandwidth (GB/s)",
+                   "time_us": "time per call (us)"}[metric])
+    ax.set_title("Collectives (nccl-tests definitions)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    return fig
+
+
+def plot_collective_model(nbytes: Sequence[float], p: int, alpha: float, bandwidth: float,
+                          op: str = "all_reduce", algorithms: Sequence[str] | None = None, ax=None):
+    """Alpha-beta model time against message size for each algorithm of ``op``
+    (see :mod:`course_lib.analysis.comm_cost`)."""
+    from course_lib.analysis.comm_cost import ALGORITHMS, collective_time
+
+    fig, ax = _axes(ax)
+    for algo in algorithms or ALGORITHMS[op]:
+        times = [collective_time(op, n, p, alpha=alpha, bandwidth=bandwidth, algorithm=algo)
+                 for n in nbytes]
+        ax.plot(nbytes, times, label=algo)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("message size n (bytes)")
+    ax.set_ylabel("time (s)")
+    ax.set_title(f"{op}, p = {p}, alpha = {alpha:g} s, bandwidth = {bandwidth:g} B/s")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def plot_loss_curve(rows: Sequence[Mapping] | str, title: str | None = None, ax=None):
+    """Train loss per logged step and val loss at each evaluation against the iteration.
+
+    rows: the rows of a run's ``metrics.csv`` (:func:`course_lib.gpt.metrics.read_metrics`), or the
+    path of that file.
+    """
+    import math
+
+    if isinstance(rows, str) or hasattr(rows, "__fspath__"):
+        from course_lib.gpt.metrics import read_metrics
+
+        rows = read_metrics(rows)
+    train = [(r["iter"], r["train_loss"]) for r in rows if not math.isnan(r.get("train_loss", math.nan))]
+    val = [(r["iter"], r["val_loss"]) for r in rows if not math.isnan(r.get("val_loss", math.nan))]
+    if not train and not val:
+        raise ValueError("plot_loss_curve needs metrics rows with train_loss or val_loss")
+    fig, ax = _axes(ax)
+    if train:
+        ax.plot(*zip(*train), linewidth=1, alpha=0.8, label="train loss (logged steps)")
+    if val:
+        ax.plot(*zip(*val), marker="o", markersize=4, label="val loss (evaluations)")
+        best = min(val, key=lambda p: p[1])
+        ax.annotate(f"{best[1]:.4f}", best, textcoords="offset points", xytext=(0, 8), ha="center", fontsize=8)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("cross-entropy loss")
+    ax.set_title(title or "Training loss")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
