@@ -100,3 +100,37 @@ def test_train_live_in_process(tmp_path):
     assert "iter 12 / 12" in plot.status.value
     with pytest.raises(ConfigError, match="already holds a run"):  # refused before anything runs
         train_live(cfg, plot=plot, progress=False)
+
+
+@pytest.mark.slow  # a Jupyter kernel: ~5 s alone, ~20 s on a busy machine
+@pytest.mark.timeout(240)
+def test_a_saved_notebook_keeps_the_final_plot_and_progress_line(tmp_path, monkeypatch):
+    """Run train_live in a real Jupyter kernel and read the outputs it leaves in the notebook:
+    the last plot and status (not the first) as static HTML, and the finished progress line."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    from course_lib.notebook.static import WIDGET_VIEW
+    from course_lib.utils import repo_root
+
+    monkeypatch.setenv("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+    out = tmp_path / "run"
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(
+        "from course_lib.gpt.config import make_config\n"
+        "from course_lib.notebook.live_plot import train_live\n"
+        f"cfg = make_config('shakespeare_char_cpu', {{'out_dir': {str(out)!r}, 'max_iters': 12, 'eval_interval': 6,\n"
+        "    'eval_iters': 2, 'log_interval': 1, 'n_layer': 1, 'n_head': 2, 'n_embd': 32, 'block_size': 32,\n"
+        "    'batch_size': 4, 'warmup_iters': 2, 'lr_decay_iters': 12, 'threads': 1})\n"
+        "summary = train_live(cfg, interval_s=0.05)")]
+    NotebookClient(nb, timeout=120, kernel_name="python3",
+                   resources={"metadata": {"path": str(repo_root())}}).execute()
+    outputs = [o for o in nb.cells[0].outputs if o.output_type == "display_data"]
+    plots = [o for o in outputs if "course-live-loss-status" in o.data.get("text/html", "")]
+    bars = [o for o in outputs if o is not plots[0] and WIDGET_VIEW in o.data]
+    assert len(plots) == 1 and len(bars) == 1, [list(o.data) for o in outputs]
+    html = plots[0].data["text/html"]
+    assert WIDGET_VIEW in plots[0].data and "iter 12 / 12" in html and 'src="data:image/png;base64,' in html
+    assert "VBox(" not in plots[0].data["text/plain"]
+    line = bars[0].data["text/plain"]
+    assert "100%" in line and "12/12" in line, line  # the finished bar, not "0%| 0/12"

@@ -207,15 +207,21 @@ def test_trace_render_and_slider():
     assert t0.writes == {0: (0,), 2: (1,), 4: (2,), 6: (3,)}
     assert t0.reads[1] == (0,) and t0.memory[:2] == [1, 1]
     html = pram.render_step(r, 2)
-    assert "step 2 of 3 (EREW)" in html and "A[4] read by [0]" in html and ">28<" in html
+    assert "after step 3 of 3 (EREW)" in html and "A[4] read by [0]" in html and ">28<" in html
     assert "initial memory" in pram.render_step(r, -1)
     with pytest.raises(IndexError):
         pram.render_step(r, 3)
     slider = pram.step_slider(r)
-    s, view = slider.children
-    assert (s.min, s.max) == (-1, 2)
-    s.value = 2
-    assert "step 2 of 3" in view.value
+    s, view = slider.widget.children
+    assert (s.min, s.max) == (0, 3)  # 0: the initial memory, 3: after the last step
+    s.value = 3
+    assert "after step 3 of 3" in view.value
+    s.value = 0
+    assert "initial memory" in view.value
+    saved = slider._repr_mimebundle_()  # what a notebook keeps: the widget and every step as HTML
+    assert "application/vnd.jupyter.widget-view+json" in saved
+    assert "initial memory" in saved["text/html"] and saved["text/html"].count("after step") == 3
+    assert "VBox(" not in saved["text/plain"] and "after step 3 of 3" in saved["text/plain"]
     with pytest.raises(ValueError, match="no trace"):
         pram.render_step(run(pram.tree_sum(8), trace=False), 0)
 

@@ -134,3 +134,32 @@ def test_import_has_no_side_effects():
             "print('ipywidgets' in sys.modules, 'matplotlib' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_custom_size_is_exact_and_a_preset_shows_its_own():
+    calc = memory_calculator(model=CUSTOM, params_b=7.5, dp=1, stage=0, plot=False)
+    assert calc.settings().params_b == 7.5 and calc.result.total == 16 * 7.5e9  # no slider grid
+    calc.controls["model"].value = "gpt2-xl"
+    assert calc.controls["params_b"].disabled
+    assert calc.controls["params_b"].value == round(PRESETS["gpt2-xl"].num_params() / 1e9, 4)
+
+
+def test_saved_output_shows_the_calculator_without_a_kernel():
+    from course_lib.notebook.static import WIDGET_VIEW
+
+    calc = memory_calculator(model="gpt2-xl", dp=8, gpu="a100-40gb")
+    bundle = calc._repr_mimebundle_()
+    assert WIDGET_VIEW in bundle  # the live widget for a running kernel
+    html, text = bundle["text/html"], bundle["text/plain"]  # and its state for every other viewer
+    assert 'data-part="total"' in html and 'src="data:image/png;base64,' in html
+    assert "model: <b>gpt2-xl" in html and "GPU to fit on: <b>a100-40gb</b>" in html
+    assert "<i>(fixed)</i>" in html  # the preset's size cannot be changed
+    assert "HBox(" not in text and "total" in text and "does not fit" in text
+
+
+def test_memory_axis_names_its_unit():
+    from course_lib.notebook.plots import plot_memory
+
+    b = breakdown(num_params=1e6)
+    assert plot_memory({"a": b}, unit=1e6).axes[0].get_ylabel() == "MB per device"
+    assert plot_memory({"a": b}).axes[0].get_ylabel() == "GB per device"

@@ -96,9 +96,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
 
 
 def _train(cfg: TrainConfig, rt: Runtime, progress: bool) -> dict:
-    from tqdm.auto import tqdm
-
     from course_lib.hardware import detect
+    from course_lib.notebook.progress import progress_bar
     from course_lib.parallel.strategy import build_strategy
 
     master = rt.rank == 0
@@ -180,8 +179,8 @@ def _train(cfg: TrainConfig, rt: Runtime, progress: bool) -> dict:
             if is_best:
                 ckpt_io.copy_checkpoint(out_dir / ckpt_io.LAST, out_dir / ckpt_io.BEST)
 
-    bar = tqdm(total=cfg.max_iters, initial=start_iter, desc=cfg.name, unit="it", dynamic_ncols=True,
-               disable=not (master and progress))
+    bar = progress_bar(total=cfg.max_iters, initial=start_iter, desc=cfg.name, unit="it", dynamic_ncols=True,
+                       disable=not (master and progress))
     compute, comm_start, compute_comm = SpanTimer(rt.device_type), strategy.comm_s, 0.0
     t_last, steps, run_steps, run_s = time.perf_counter(), 0, 0, 0.0
     evals, last_eval, loss_sum, grad_norm = None, {}, None, None

@@ -208,10 +208,10 @@ class MetricsProgress:
     STEP_COLUMNS = ("iter", "step", "iteration")
 
     def __init__(self, path: str, total: int | None, desc: str = "train", file=None):
-        from tqdm.auto import tqdm
+        from course_lib.notebook.progress import progress_bar  # here: tqdm and IPython only when a run is followed
 
         self.path, self.size = path, -1
-        self.bar = tqdm(total=total, desc=desc, unit="it", dynamic_ncols=True, file=file)
+        self.bar = progress_bar(total=total, desc=desc, unit="it", dynamic_ncols=True, file=file)
 
     def poll(self) -> None:
         try:

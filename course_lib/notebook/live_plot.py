@@ -13,6 +13,9 @@ process, or on N ranks under torchrun, where only rank 0 writes. The plot polls 
 background thread while the training runs in the foreground, so the stop button still
 interrupts the training, and it redraws only when a new row has arrived.
 
+A saved notebook keeps the final plot: the output carries a static copy of the widget
+(:mod:`course_lib.notebook.static`), and :func:`train_live` refreshes it when the run ends.
+
 The widget (CSS class ``course-live-loss``) has a *smoothing* slider: an exponential moving
 average of the logged train loss, debiased at the start as TensorBoard does, drawn over the raw
 curve. Logged losses are noisy (one batch each); the average shows the trend, the evaluations
@@ -199,7 +202,11 @@ class LiveLossPlot:
                 raise RuntimeError(f"the live plot stopped updating: {errors[0]!r}") from errors[0]
 
     def _repr_mimebundle_(self, **kwargs):
-        return self.widget._repr_mimebundle_(**kwargs)
+        """The widget, plus its current status and plot as static HTML (what a saved notebook shows)."""
+        from course_lib.notebook.static import snapshot_bundle
+
+        with self._lock:
+            return snapshot_bundle(self.widget)
 
 
 def train_live(cfg, *, overwrite: bool = False, interval_s: float = 1.0, plot: LiveLossPlot | None = None,
@@ -217,12 +224,17 @@ def train_live(cfg, *, overwrite: bool = False, interval_s: float = 1.0, plot: L
     from course_lib.launch import train_cli as train_launch
 
     train_launch.prepare_run_dir(cfg, overwrite)  # clear errors before anything is shown or started
+    handle = None
     if plot is None:
         plot = LiveLossPlot(Path(cfg.out_dir) / "metrics.csv", cfg.max_iters, cfg.name, interval_s=interval_s)
-        display(plot)
-    if not train_launch.needs_launch(cfg):
-        return plot.follow(train_launch.run, cfg, overwrite=True, progress=progress)  # checked above
-    from course_lib.launch import launch_training
+        handle = display(plot, display_id=True)
+    try:
+        if not train_launch.needs_launch(cfg):
+            return plot.follow(train_launch.run, cfg, overwrite=True, progress=progress)  # checked above
+        from course_lib.launch import launch_training
 
-    plot.follow(launch_training, cfg, progress=progress, check=True, **launch_kwargs)
-    return json.loads((Path(cfg.out_dir) / "summary.json").read_text())
+        plot.follow(launch_training, cfg, progress=progress, check=True, **launch_kwargs)
+        return json.loads((Path(cfg.out_dir) / "summary.json").read_text())
+    finally:
+        if handle is not None:  # the saved output: the last plot and status, not the first
+            handle.update(plot)

@@ -22,6 +22,9 @@ def _axes(ax, figsize=(7, 4)):
     return fig, fig.add_subplot()
 
 
+_UNIT_NAMES = {GB: "GB", 1e6: "MB", 1e3: "kB", 1.0: "bytes", 2**30: "GiB", 2**20: "MiB"}
+
+
 def plot_memory(items: Mapping[str, object], memory_bytes: float | None = None,
                 memory_label: str | None = None, title: str | None = None, ax=None, unit=GB):
     """Stacked bars of per-device memory (params, grads, optimizer, activations) per label.
@@ -45,7 +48,7 @@ def plot_memory(items: Mapping[str, object], memory_bytes: float | None = None,
     if memory_bytes:
         ax.axhline(memory_bytes / unit, color="black", linestyle="--", linewidth=1,
                    label=memory_label or f"device memory ({memory_bytes / unit:g})")
-    ax.set_ylabel("GB per device" if unit == GB else f"bytes / {unit:g} per device")
+    ax.set_ylabel(_UNIT_NAMES.get(unit, f"units of {unit:g} bytes") + " per device")
     ax.set_title(title or "Memory per device")
     ax.legend(fontsize=8)
     return fig

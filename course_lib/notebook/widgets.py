@@ -159,10 +159,12 @@ def stages_png(result: Result) -> bytes:
              for st, b in result.stages.items()}
     fig = plot_memory(items, result.gpu_bytes, f"{result.gpu_name} ({result.gpu_bytes / GB:.0f} GB)",
                       f"N_d = {result.settings.dp}; * = the stage you chose")
-    fig.set_size_inches(6.5, 3.2)
-    fig.axes[0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # off the bars
+    fig.set_size_inches(7.0, 3.6)
+    ax = fig.axes[0]
+    ax.legend(fontsize=10, loc="upper left", bbox_to_anchor=(1.01, 1))  # off the bars; 10 pt ~ 13 px at 96 dpi
+    ax.tick_params(labelsize=10)
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=80)
+    fig.savefig(buf, format="png", dpi=96, bbox_inches="tight")
     return buf.getvalue()
 
 
@@ -187,9 +189,9 @@ class MemoryCalculator:
         self.controls = {
             "model": w.Dropdown(options=models + [("custom parameter count", CUSTOM)], value=s.model,
                                 description="model", style=style, layout=layout),
-            "params_b": w.FloatLogSlider(value=s.params_b, base=10, min=-2, max=3, step=0.01,
-                                         description="Ψ (billions)", style=style, layout=layout,
-                                         readout_format=".3g"),
+            # a text box, not a log slider: a slider snaps 7.5 to its grid (10**0.88 = 7.586)
+            "params_b": w.BoundedFloatText(value=s.params_b, min=0.001, max=10_000, step=0.1,
+                                           description="Ψ (billions)", style=style, layout=layout),
             "dp": w.SelectionSlider(options=list(DP_CHOICES), value=s.dp, description="DP ranks N_d",
                                     style=style, layout=layout),
             "stage": w.ToggleButtons(options=[(STAGE_NAMES[st].split(" ")[0], st) for st in STAGES],
@@ -212,7 +214,9 @@ class MemoryCalculator:
         self.result: Result | None = None
         for control in self.controls.values():
             control.observe(self._changed, names="value")
-        self._last_model = s.model
+        self._last_model, self._syncing = s.model, True
+        self._sync_size()
+        self._syncing = False
         self.update()
 
     def settings(self) -> Settings:
@@ -220,14 +224,24 @@ class MemoryCalculator:
         return Settings(**c)
 
     def _changed(self, change) -> None:
+        if self._syncing:  # one of our own changes below
+            return
         model = self.controls["model"].value
-        if model != self._last_model and model in PRESETS:  # a new preset: its own micro-batch
-            self._last_model = model
-            if self.controls["batch_size"].value != PRESETS[model].batch_size:
-                self.controls["batch_size"].value = PRESETS[model].batch_size  # calls us again
-                return
+        self._syncing = True
+        try:
+            if model != self._last_model and model in PRESETS:  # a new preset: its own micro-batch
+                self.controls["batch_size"].value = PRESETS[model].batch_size
+            self._sync_size()
+        finally:
+            self._syncing = False
         self._last_model = model
         self.update()
+
+    def _sync_size(self) -> None:
+        """A preset's parameter count is shown (greyed out) in the Ψ box: its exact size."""
+        model = self.controls["model"].value
+        if model in PRESETS:
+            self.controls["params_b"].value = round(PRESETS[model].num_params() / 1e9, 4)
 
     def update(self) -> Result:
         """Recompute from the controls and redraw; returns the new result."""
@@ -242,7 +256,10 @@ class MemoryCalculator:
         return self.result
 
     def _repr_mimebundle_(self, **kwargs):
-        return self.widget._repr_mimebundle_(**kwargs)
+        """The widget, plus its controls, table and chart as static HTML (what a saved notebook shows)."""
+        from course_lib.notebook.static import snapshot_bundle
+
+        return snapshot_bundle(self.widget)
 
 
 def memory_calculator(model: str = "gpt2", params_b: float = 7.5, dp: int = 1, stage: int = 0,

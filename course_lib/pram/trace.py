@@ -10,7 +10,7 @@ import html
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["format_table", "render_step", "step_slider", "work_time_table"]
+__all__ = ["all_steps_html", "format_table", "render_step", "step_slider", "work_time_table"]
 
 _READ, _WRITE, _BOTH = "#cfe2ff", "#ffd8a8", "#e5c7ff"
 
@@ -65,8 +65,10 @@ def render_step(result, step: int, arrays: Sequence[str] | None = None) -> str:
     else:
         t = result.trace[step]
         cells, reads, writes = t.memory, t.reads, t.writes
-        title = f"step {step} of {len(result.trace)} ({result.model})"
+        title = f"after step {step + 1} of {len(result.trace)} ({result.model})"  # counted from 1
+    # a long row (ring all-reduce: 32 values) scrolls inside the output instead of being cut off
     parts = [f"<div><b>{html.escape(result.program)}</b>: {title}</div>",
+             "<div style='overflow-x:auto;max-width:100%'>",
              "<table style='border-collapse:collapse;font-family:monospace'>"]
     for name in arrays or list(mem):
         base, size = mem.bases[name], mem.size(name)
@@ -79,20 +81,31 @@ def render_step(result, step: int, arrays: Sequence[str] | None = None) -> str:
             row.append(f"<td title='{html.escape(mem.location(a))} {tip}' style='border:1px "
                        f"solid #999;padding:2px 6px;background:{color}'>{_fmt(cells[a])}</td>")
         parts.append("<tr>" + "".join(row) + "</tr>")
-    parts.append("</table>")
+    parts.append("</table></div>")
     return "\n".join(parts)
 
 
+def all_steps_html(result, arrays: Sequence[str] | None = None) -> str:
+    """Every step of a traced run one below the other: what the slider shows, without a kernel."""
+    return "\n".join(render_step(result, step, arrays) for step in range(-1, len(result.trace or [])))
+
+
 def step_slider(result, arrays: Sequence[str] | None = None):
-    """An ipywidgets ``VBox``: a slider over steps (-1 = initial memory) above the rendering."""
+    """A slider over the steps (0 = initial memory, k = after step k) above the rendering.
+
+    Returns :func:`course_lib.notebook.static.with_snapshot` of the ipywidgets ``VBox``
+    (``.widget``): a saved notebook shows every step as static HTML instead of the widget's repr.
+    """
     import ipywidgets as widgets  # only here: the package must import without ipywidgets
 
-    slider = widgets.IntSlider(value=-1, min=-1, max=max(len(result.trace or []) - 1, -1),
+    from course_lib.notebook.static import with_snapshot
+
+    slider = widgets.IntSlider(value=0, min=0, max=len(result.trace or []),
                                description="step", continuous_update=True)
     view = widgets.HTML(render_step(result, -1, arrays))
 
     def show(change):
-        view.value = render_step(result, change["new"], arrays)
+        view.value = render_step(result, change["new"] - 1, arrays)
 
     slider.observe(show, names="value")
-    return widgets.VBox([slider, view])
+    return with_snapshot(widgets.VBox([slider, view]), html=all_steps_html(result, arrays))
