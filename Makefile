@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 NPROC   ?= auto
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-.PHONY: demo test test-fast install images images-check notebooks-clear exercises bench browser-deps clean
+.PHONY: demo test test-fast install images images-check notebooks-clear exercises bench browser-deps book clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -58,6 +58,13 @@ notebooks-clear: $(STAMP)
 
 exercises: $(STAMP)
 	$(VENV)/bin/course exercises build
+
+# The course website in build/book/html (README, "The course website"). BOOK_ARGS=--smoke: shrunk
+# runs; BOOK_ARGS=--force: re-execute every notebook. Executed notebooks are cached in build/book/executed.
+BOOK_ARGS ?=
+book: $(STAMP)
+	$(VENV)/bin/course data prepare shakespeare_char
+	$(VPY) -m course_lib.notebook.book $(BOOK_ARGS)
 
 bench: $(STAMP)
 	$(VPY) benchmarks/train_throughput.py

@@ -89,11 +89,13 @@ def _settings(settings_dir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    """(base URL, token) of a JupyterLab serving a copy of notebooks/ and images/."""
+    """(base URL, token) of a JupyterLab serving a copy of notebooks/ and images/, and in
+    reopened/ the notebooks as executed in smoke mode (outputs saved, no kernel behind them)."""
     tmp = tmp_path_factory.mktemp("lab")
     served = tmp / "course"
     shutil.copytree(ROOT / "notebooks", served / "notebooks", ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
     shutil.copytree(ROOT / "images", served / "images")
+    (served / "reopened").mkdir()
     _settings(tmp / "settings")
     port, token = free_port(), secrets.token_hex(16)
     env = {**os.environ, "COURSE_SMOKE": "1", "JUPYTER_CONFIG_DIR": str(tmp / "config"),
@@ -121,7 +123,7 @@ def lab(tmp_path_factory):
                 if time.monotonic() > deadline:
                     pytest.fail(f"JupyterLab did not answer within 60 s:\n{(tmp / 'jupyterlab.log').read_text()[-3000:]}")
                 time.sleep(0.3)
-        yield base, token
+        yield base, token, served
     finally:
         _stop(proc, base, token)
         log.close()
@@ -221,7 +223,7 @@ def _check_slider(page, check: SliderCheck, shot: Path) -> None:
 def test_notebook_runs_and_widgets_respond(name, lab, browser):
     from playwright.sync_api import Error as PlaywrightError
 
-    base, token = lab
+    base, token, _ = lab
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     stem = Path(name).stem
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
@@ -243,3 +245,75 @@ def test_notebook_runs_and_widgets_respond(name, lab, browser):
         except PlaywrightError:
             pass  # the page is broken; the server's shutdown stops the kernel
         page.close()
+
+
+# ------------------------------------------------------------------ reopened executed notebooks
+
+LESSONS = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
+RAW_REPRS = ("VBox(children=", "HBox(children=", "FloatSlider(", "IntSlider(", "interactive(children=",
+             "Error displaying widget", "Loading widget...")
+
+# What a reader of a saved notebook would find wrong, per output: widget reprs instead of widgets,
+# content cut off by a box that does not scroll, images that did not load, and progress bars
+# saved before they started.
+JS_SAVED_OUTPUTS = """(raw) => {
+  const outputs = Array.from(document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-OutputArea-output'));
+  const problems = [];
+  const where = (el) => {
+    const cell = el.closest('.jp-Cell');
+    const cells = Array.from(document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell'));
+    return 'cell ' + cells.indexOf(cell);
+  };
+  for (const out of outputs) {
+    const text = out.innerText || '';
+    for (const r of raw) if (text.includes(r)) problems.push(where(out) + ': raw widget text ' + JSON.stringify(r));
+    if (/(^|\s)0%\|[^\n]*\| 0\/\d/.test(text)) problems.push(where(out) + ': a progress bar saved at 0%');
+    for (const img of out.querySelectorAll('img')) {
+      if (!img.complete || img.naturalWidth === 0) problems.push(where(out) + ': empty image ' + img.src.slice(0, 60));
+    }
+    for (const el of [out, ...out.querySelectorAll('*')]) {
+      if (el.clientWidth === 0 || el.scrollWidth <= el.clientWidth + 2) continue;
+      let box = el;  // the nearest box (itself or up to the output) that decides the overflow
+      while (box !== out.parentElement && getComputedStyle(box).overflowX === 'visible') box = box.parentElement;
+      const mode = box === out.parentElement ? 'visible' : getComputedStyle(box).overflowX;
+      if (mode === 'hidden' || mode === 'clip') {
+        problems.push(where(out) + ': clipped <' + el.tagName.toLowerCase() + ' class=' + el.className + '> ' +
+                      el.scrollWidth + ' px wide in ' + el.clientWidth + ' px without a scroll bar');
+        break;
+      }
+    }
+  }
+  return {outputs: outputs.length, images: outputs.reduce((n, o) => n + o.querySelectorAll('img').length, 0),
+          problems: problems};
+}"""
+
+
+@pytest.mark.timeout(600)
+def test_reopened_notebooks_show_their_saved_outputs(lab, browser, smoke_executed):
+    """Open each executed notebook as a student reopening it would (outputs saved, the kernel
+    that made them gone) and look at every output."""
+    base, token, served = lab
+    out_dir = ARTIFACTS / "reopened"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    found, counts = {}, {}
+    for name in LESSONS:
+        shutil.copy(smoke_executed / name, served / "reopened" / name)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            page.goto(f"{base}/lab/tree/reopened/{name}?token={token}&reset", wait_until="domcontentloaded")
+            page.wait_for_selector(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-OutputArea-output", timeout=60_000)
+            page.wait_for_function("() => !document.body.innerText.includes('Loading widget...')", timeout=30_000)
+            page.wait_for_timeout(1500)  # images decode
+            result = page.evaluate(JS_SAVED_OUTPUTS, list(RAW_REPRS))
+            counts[name] = (result["outputs"], result["images"])
+            found[name] = result["problems"]
+            shots = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-OutputArea-output:has(img, .course-widget-snapshot)")
+            for i in range(min(shots.count(), 8)):  # the figures and widgets, for a person to look at
+                shots.nth(i).scroll_into_view_if_needed()
+                shots.nth(i).screenshot(path=str(out_dir / f"{Path(name).stem}-{i}.png"))
+        finally:
+            page.screenshot(path=str(out_dir / f"{Path(name).stem}.png"))
+            page.close()
+    assert all(n > 0 for n, _ in counts.values()), f"a notebook shows no outputs: {counts}"
+    bad = {name: problems for name, problems in found.items() if problems}
+    assert not bad, "saved outputs that a reader cannot use:\n" + json.dumps(bad, indent=1)

@@ -5,7 +5,8 @@ and every lesson run top to bottom in smoke mode.
     python -m pytest tests/test_notebooks.py -m "not slow"   # the static checks only (seconds)
 
 The execution test runs each notebooks/*.ipynb with nbclient (cwd notebooks/, COURSE_SMOKE=1,
-a per-cell timeout) and writes the seconds each took to test-artifacts/notebook_times.json;
+a per-cell timeout) and writes the seconds each took to test-artifacts/notebook_times.json and
+the executed notebook to test-artifacts/executed-smoke/ (the browser and book tests reuse it);
 a failing notebook is saved with its outputs in test-artifacts/executed/ for reading.
 """
 
@@ -26,12 +27,13 @@ from urllib.parse import unquote, urlparse
 import nbformat
 import pytest
 
-from course_lib.notebook import smoke
+from course_lib.notebook import book, smoke
 from course_lib.utils import repo_root
 
 ROOT = repo_root()
 NOTEBOOKS_DIR = ROOT / "notebooks"
 ARTIFACTS = ROOT / "test-artifacts"
+SMOKE_EXECUTED = ARTIFACTS / "executed-smoke"  # the executed notebooks, for test_browser.py and test_book.py
 CELL_TIMEOUT = 180  # s per cell in smoke mode: a guard against hangs, not a speed target
 
 _spec = importlib.util.spec_from_file_location("course_notebook_tools", ROOT / "tools" / "notebooks.py")
@@ -326,5 +328,6 @@ def test_runs_in_smoke_mode(path, monkeypatch):
         raise
     seconds = time.perf_counter() - t0
     _record_time(path.name, seconds, True)
+    book.store(nb, path, SMOKE_EXECUTED, smoke=True, seconds=seconds)  # reused by the browser and book tests
     print(f"{path.name}: {seconds:.1f} s in smoke mode")
     assert all(c.get("execution_count") for c in nb.cells if c.cell_type == "code"), "every code cell ran"

@@ -163,3 +163,15 @@ def test_memory_axis_names_its_unit():
     b = breakdown(num_params=1e6)
     assert plot_memory({"a": b}, unit=1e6).axes[0].get_ylabel() == "MB per device"
     assert plot_memory({"a": b}).axes[0].get_ylabel() == "GB per device"
+
+
+def test_speedup_plot_labels_its_reference_lines_and_marks_slower_bars():
+    from course_lib.notebook.plots import plot_speedup
+
+    ax = plot_speedup({"single": 1.0, "ddp": 1.2, "zero3": 0.6}, ranks=2).axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["1× = one process (below: slower than one process)", "2× = ideal for 2 ranks"]
+    assert [line.get_ydata()[0] for line in ax.lines] == [1.0, 2]
+    red = [p.get_facecolor()[:3] for p in ax.patches]
+    assert red[2] != red[1] and red[0] == red[1]  # only the bar below 1 is drawn in the warning colour
+    assert [t.get_text() for t in ax.texts] == ["1.00×", "1.20×", "0.60×"]

@@ -151,3 +151,26 @@ def plot_loss_curve(rows: Sequence[Mapping] | str, title: str | None = None, ax=
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     return fig
+
+
+def plot_speedup(speedup: Mapping[str, float], ranks: int, title: str | None = None, ax=None):
+    """Bars of speedup over one process per strategy, with the two reference lines labelled.
+
+    speedup: strategy -> tokens/s over the one-process baseline's (weak scaling). The line at 1x
+    is "as fast as one process": a bar below it is *slower* than one process (drawn in red). The
+    line at ``ranks``x is the ideal when every rank brings its own device (Gustafson 1988).
+    """
+    fig, ax = _axes(ax)
+    names, values = list(speedup), [float(v) for v in speedup.values()]
+    colors = ["#c0392b" if v < 1 else "#2e86c1" for v in values]
+    ax.bar(names, values, color=colors)
+    for x, v in enumerate(values):
+        ax.annotate(f"{v:.2f}×", (x, v), ha="center", va="bottom", fontsize=8)
+    ax.axhline(1.0, color="black", linewidth=1, label="1× = one process (below: slower than one process)")
+    ax.axhline(ranks, color="grey", linewidth=1, linestyle="--", label=f"{ranks}× = ideal for {ranks} ranks")
+    ax.set_ylim(0, max(ranks, *values) * 1.25)
+    ax.set_ylabel("speedup over one process (×)")
+    ax.set_title(title or f"Speedup over one process ({ranks} ranks)")
+    ax.tick_params(axis="x", labelrotation=30)
+    ax.legend(fontsize=8, loc="upper right")
+    return fig
