@@ -168,7 +168,10 @@ def test_memory_axis_names_its_unit():
 def test_speedup_plot_labels_its_reference_lines_and_marks_slower_bars():
     from course_lib.notebook.plots import plot_speedup
 
-    ax = plot_speedup({"single": 1.0, "ddp": 1.2, "zero3": 0.6}, ranks=2).axes[0]
+    import pandas as pd
+
+    ax = plot_speedup(pd.Series({"single": 1.0, "ddp": 1.2, "zero3": 0.6}), ranks=2).axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["single", "ddp", "zero3"]
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
     assert labels == ["1× = one process (below: slower than one process)", "2× = ideal for 2 ranks"]
     assert [line.get_ydata()[0] for line in ax.lines] == [1.0, 2]

@@ -156,12 +156,13 @@ def plot_loss_curve(rows: Sequence[Mapping] | str, title: str | None = None, ax=
 def plot_speedup(speedup: Mapping[str, float], ranks: int, title: str | None = None, ax=None):
     """Bars of speedup over one process per strategy, with the two reference lines labelled.
 
-    speedup: strategy -> tokens/s over the one-process baseline's (weak scaling). The line at 1x
+    speedup: strategy -> tokens/s over the one-process baseline's (weak scaling), a dict or Series. The line at 1x
     is "as fast as one process": a bar below it is *slower* than one process (drawn in red). The
     line at ``ranks``x is the ideal when every rank brings its own device (Gustafson 1988).
     """
     fig, ax = _axes(ax)
-    names, values = list(speedup), [float(v) for v in speedup.values()]
+    pairs = dict(speedup.items())  # a dict or a pandas Series (index = strategy)
+    names, values = list(pairs), [float(v) for v in pairs.values()]
     colors = ["#c0392b" if v < 1 else "#2e86c1" for v in values]
     ax.bar(names, values, color=colors)
     for x, v in enumerate(values):
