@@ -178,3 +178,19 @@ def test_speedup_plot_labels_its_reference_lines_and_marks_slower_bars():
     red = [p.get_facecolor()[:3] for p in ax.patches]
     assert red[2] != red[1] and red[0] == red[1]  # only the bar below 1 is drawn in the warning colour
     assert [t.get_text() for t in ax.texts] == ["1.00×", "1.20×", "0.60×"]
+
+
+def test_snapshot_of_an_interactive_explorer_shows_what_it_prints():
+    import ipywidgets as widgets
+
+    from course_lib.notebook.static import with_snapshot
+
+    def explain(gpu, params_billion):
+        print(f"{params_billion:.3g} B parameters on {gpu}")
+
+    explorer = widgets.interactive(explain, gpu=widgets.Dropdown(options=["t4", "a100"], value="t4", description="GPU"),
+                                   params_billion=widgets.FloatSlider(value=1.5, min=0.1, max=10, description="params (B)"))
+    explorer.children[1].value = 7.0
+    bundle = with_snapshot(explorer)._repr_mimebundle_()
+    assert "GPU: <b>t4</b>" in bundle["text/html"] and "params (B): <b>7.00</b>" in bundle["text/html"]
+    assert "7 B parameters on t4" in bundle["text/plain"] and "interactive(" not in bundle["text/plain"]

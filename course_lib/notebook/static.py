@@ -86,11 +86,31 @@ def _output_html(outputs) -> str:
     return "".join(parts)
 
 
+def _call_html(widget) -> str:
+    """What ``interactive``'s function prints and displays for the current controls.
+
+    Its Output widget is filled in the browser, so the kernel's copy is empty: the function is
+    called once more here, with its output captured (the explorers of the notebooks only print).
+    """
+    from IPython.utils.capture import capture_output
+
+    with capture_output() as captured:
+        value = widget.f(**widget.kwargs)
+    outputs = [{"output_type": "stream", "text": captured.stdout}] if captured.stdout else []
+    outputs += [{"output_type": "display_data", "data": o.data} for o in captured.outputs]
+    if value is not None:
+        outputs.append({"output_type": "display_data", "data": {"text/plain": repr(value)}})
+    return _output_html(outputs)
+
+
 def snapshot_html(widget) -> str:
     """The widget tree as static HTML (boxes as flex rows or columns, controls as text)."""
     import ipywidgets as w  # only here: importing course_lib must not import ipywidgets
 
-    if isinstance(widget, w.Box):  # HBox, VBox, interactive (its last child is its Output)
+    if isinstance(widget, w.interactive):  # controls, then what the function shows for them
+        controls = "".join(snapshot_html(child) for child in widget.children if child is not widget.out)
+        return f'<div style="display:flex;flex-direction:column;gap:4px">{controls}{_call_html(widget)}</div>'
+    if isinstance(widget, w.Box):  # HBox, VBox
         row = isinstance(widget, w.HBox)
         style = "display:flex;gap:12px;align-items:flex-start;flex-wrap:wrap" if row else \
             "display:flex;flex-direction:column;gap:4px"
