@@ -72,5 +72,9 @@ exercises: $(STAMP)
 bench: $(STAMP)
 	$(VPY) benchmarks/train_throughput.py
 
+# On a machine with one CUDA GPU (< 10 min): appends its report to benchmarks/RESULTS.md.
+check-gpu: $(STAMP)
+	$(VPY) benchmarks/gpu_check.py
+
 clean:
 	rm -rf runs/ .pytest_cache build *.egg-info

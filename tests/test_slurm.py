@@ -23,6 +23,7 @@ from course_lib.launch import cluster, slurm_local
 from course_lib.utils import free_port
 
 pytestmark = [
+    pytest.mark.slow,  # a cluster and three training runs: ~30 s
     pytest.mark.skipif(bool(slurm_local.missing_programs()),
                        reason=f"SLURM not installed ({', '.join(slurm_local.missing_programs())} missing): "
                               "make slurm-deps (as root) installs Debian's slurm-wlm and munge"),
