@@ -120,3 +120,18 @@ def test_sbatch_test_only_checks_the_directives(slurm, tmp_path):
     assert rc != 0 and "invalid partition" in out.lower(), out
     rc, out = test_only(cluster.slurm_script(1, 1, [], activate=None))  # no GPUs (gres) on these nodes
     assert rc != 0 and "Invalid generic resource (gres) specification" in out, out
+
+
+def test_daemons_left_by_a_killed_starter_are_stopped(tmp_path):
+    """The starter exits without stopping its cluster; ``--stop`` finds the daemons by their pids."""
+    root = tmp_path / "cluster"
+    subprocess.run([sys.executable, "-c", f"from course_lib.launch import slurm_local; slurm_local.start({str(root)!r})"],
+                   check=True, timeout=60)
+    pids = [int(line.split()[1]) for line in (root / "pids").read_text().splitlines()]
+    assert len(pids) == 4 and all(slurm_local._alive(pid) for pid in pids)  # munged, slurmctld, 2 slurmd
+    done = subprocess.run([sys.executable, "-m", "course_lib.launch.slurm_local", "--stop", "--dir", str(root)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and f"stopped pids {sorted(pids)}" in done.stdout, done.stderr
+    assert not any(slurm_local._alive(pid) for pid in pids)
+    (root / "pids").write_text(f"pytest {os.getpid()}\n")  # a pid that is no longer a daemon of this cluster
+    assert slurm_local.stop_leftovers(root) == []

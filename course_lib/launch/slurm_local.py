@@ -1,4 +1,4 @@
-"""python -m course_lib.launch.slurm_local [--dir runs/slurm-local] [--keep-running]   (make slurm-local)
+"""python -m course_lib.launch.slurm_local [--dir runs/slurm-local] [--stop]   (make slurm-local)
 
 A real two-node SLURM cluster on this one machine, to try ``course submit --scheduler slurm``
 without a cluster. It runs ``munged`` (authentication), ``slurmctld`` (the controller) and two
@@ -163,9 +163,14 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     try:  # a zombie child of ours counts as gone
-        return os.waitpid(pid, os.WNOHANG) == (0, 0)
+        if os.waitpid(pid, os.WNOHANG) != (0, 0):
+            return False
     except ChildProcessError:
-        return True
+        pass
+    try:  # and so does anyone's zombie (state Z), e.g. a daemon whose starter died
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _pid_from(path: Path, timeout: float) -> int:
@@ -239,11 +244,34 @@ def _wait_for(ready, timeout: float, what: str, root: Path) -> None:
         time.sleep(0.2)
 
 
+def stop_leftovers(root: str | os.PathLike) -> list[int]:
+    """Stop the daemons of a cluster whose starter died (pids from ROOT/pids); a pid is signalled
+    only while its command line still names ROOT, so a reused pid is left alone."""
+    root = Path(root).resolve()
+    pids = {}
+    if (root / "pids").exists():
+        for line in (root / "pids").read_text().splitlines():
+            name, pid = line.split()
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if str(root) in cmdline:
+                pids[name] = int(pid)
+    found = sorted(pids.values())
+    LocalSlurm(root, (), pids).stop()
+    return found
+
+
 def cli(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m course_lib.launch.slurm_local",
                                 description="Start a two-node SLURM cluster on this machine; Ctrl-C stops it.")
     p.add_argument("--dir", default="runs/slurm-local", help="where its config, state and logs go")
+    p.add_argument("--stop", action="store_true", help="stop the daemons a killed session left running in --dir")
     a = p.parse_args(argv)
+    if a.stop:
+        print(f"slurm-local: stopped pids {stop_leftovers(a.dir) or 'none'}")
+        return 0
     try:
         cluster = start(a.dir)
     except SlurmUnavailable as e:
