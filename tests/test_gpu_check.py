@@ -28,8 +28,9 @@ GOOD = {
                 "fp16": {"best_val_loss": 1.4755, "dtype": "float16", "iters": 5000, "ms_per_iter": 24.0}},
     "nccl": {"run": {"backend": "nccl", "world_size": 1, "torchrun": True}, "bench_backend": "nccl",
              "bench_all_correct": True, "bench": [{"op": "all_reduce"}]},
-    "memory": {"measured_bytes": 9.5 * 2**30, "model_bytes": 8.4 * 2**30, "model_states_bytes": 2.0 * 2**30,
-               "activation_bytes": 6.4 * 2**30, "ratio": 9.5 / 8.4},
+    "memory": {"states_measured_bytes": 1.391 * 2**30, "states_model_bytes": 1.390 * 2**30, "states_ratio": 1.001,
+               "measured_bytes": 13.1 * 2**30, "model_bytes": 8.4 * 2**30, "model_states_bytes": 2.0 * 2**30,
+               "activation_bytes": 6.4 * 2**30, "ratio": 13.1 / 8.4},
     "mfu": {"eager": {"mfu": 0.31, "ms_per_step": 90.0}, "compiled": {"mfu": 0.45, "ms_per_step": 62.0},
             "compile_speedup": 90 / 62},
 }
@@ -88,8 +89,9 @@ def test_judge_passes_good_figures_and_fails_each_fault():
     assert _status(judge(_with("nccl.run.backend", "gloo"), {}, 1), nccl) == "fail"
     assert _status(judge(_with("nccl.run.torchrun", False), {}, 1), nccl) == "fail"
     assert _status(judge(_with("nccl.bench_all_correct", False), {}, 1), nccl) == "fail"
-    assert _status(judge(_with("memory.ratio", 1.5), {}, 1), "GPT-2 small memory vs model") == "fail"
-    assert _status(judge(_with("memory.ratio", 0.5), {}, 1), "GPT-2 small memory vs model") == "fail"
+    assert _status(judge(_with("memory.ratio", 2.1), {}, 1), "GPT-2 small memory vs model") == "fail"
+    assert _status(judge(_with("memory.ratio", 0.8), {}, 1), "GPT-2 small memory vs model") == "fail"
+    assert _status(judge(_with("memory.states_ratio", 1.03), {}, 1), "GPT-2 small memory vs model") == "fail"
     assert _status(judge(_with("mfu.compiled.mfu", math.nan), {}, 1), "GPT-2 small MFU") == "fail"  # no peak known
     assert _status(judge(_with("mfu.eager.mfu", 1.2), {}, 1), "GPT-2 small MFU") == "fail"  # a wrong peak
     assert _status(judge(_with("profile.known_profile", False), {}, 1), "profile and dtype") == "fail"

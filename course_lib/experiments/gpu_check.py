@@ -10,8 +10,9 @@ One command that checks the course on one CUDA GPU in under 10 minutes, with a v
    with (2): the same loss within :data:`FP16_MATCH`;
 4. a 1-rank NCCL process group through torchrun (the trainer with ``--nproc=1 --strategy=ddp``)
    and the collectives benchmark (``course bench comm --backend nccl --nproc 1``);
-5. ``torch.cuda.max_memory_allocated`` of a GPT-2-small training step against the memory model
-   (:mod:`course_lib.analysis.memory`), within :data:`MEMORY_BAND`;
+5. the memory of a GPT-2-small training step against the memory model
+   (:mod:`course_lib.analysis.memory`): weights + Adam moments within :data:`STATES_TOLERANCE`,
+   ``torch.cuda.max_memory_allocated`` within :data:`MEMORY_BAND` of the modelled total;
 6. the MFU of a GPT-2-small-shaped bf16 step, eager and with ``torch.compile``.
 
 It writes ``gpu_check.json`` (after every step, so a crash loses nothing) and ``gpu_check.md`` in
@@ -39,10 +40,14 @@ NANOGPT_VAL_LOSS = 1.4697  # nanoGPT README, shakespeare_char, best val loss on 
 # (the loss is ~1.6 after half the iterations, ~2.5 at the character-frequency level).
 LOSS_MARGIN = 0.05
 FP16_MATCH = 0.03  # |fp16 - bf16| best val loss: both round to 16 bits; loss scaling keeps the small grads
-# max_memory_allocated / the model's total. The model leaves out temporaries (the fp32 logits'
-# gradient, 4sbv bytes at the start of backward, the fused optimizer's workspace) and splits the
-# 16 bytes/parameter differently (fp32 weights and grads here), so measured above model is expected.
-MEMORY_BAND = (0.75, 1.35)
+# Weights + Adam moments after a step: exact up to the allocator's 512-byte rounding.
+STATES_TOLERANCE = 0.02
+# Peak / modelled total. The model counts what is kept for backward; the peak also holds
+# temporaries it leaves out: the cross-entropy's fp32 copy of the logits and its gradient (2 x 4sbv
+# bytes = 4.9 GB for GPT-2 small at b = 12, s = 1024, next to the modelled 8.1 GB), the bf16
+# logits, and LayerNorm inputs kept in fp32 under autocast. So 1.3-1.8 is expected; below 0.9 the
+# model over-counts, above 2 something unmodelled is large. A first band, not yet calibrated on a GPU.
+MEMORY_BAND = (0.9, 2.0)
 TIME_LIMIT_S = 600.0
 STATUSES = ("pass", "fail", "error")
 
@@ -73,7 +78,8 @@ def plan_text() -> str:
     lines += [f"  {i}. {s.name:<8} ~{s.budget_s:>3} s  {s.does}" for i, s in enumerate(PLAN, 1)]
     lines += ["pass if:", f"  bf16 best val loss within {LOSS_MARGIN} of nanoGPT's {NANOGPT_VAL_LOSS}",
               f"  fp16 (loss scaling) best val loss within {FP16_MATCH} of bf16's",
-              f"  measured / modelled memory in [{MEMORY_BAND[0]}, {MEMORY_BAND[1]}]",
+              f"  weights + Adam moments within {STATES_TOLERANCE:.0%} of the memory model; "
+              f"peak / modelled total in [{MEMORY_BAND[0]}, {MEMORY_BAND[1]}]",
               "  NCCL: 1 rank under torchrun, every benchmarked collective correct; 0 < MFU <= 1",
               f"  the whole check within {TIME_LIMIT_S:.0f} s"]
     return "\n".join(lines)
@@ -123,10 +129,13 @@ def judge(figures: dict, errors: dict[str, str], wall_s: float) -> list[Verdict]
                             f"{'all correct' if n['bench_all_correct'] else 'WRONG RESULTS'}"))
     if m := need("memory", "GPT-2 small memory vs model"):
         lo, hi = MEMORY_BAND
-        out.append(_verdict("GPT-2 small memory vs model", lo <= m["ratio"] <= hi,
-                            f"measured {m['measured_bytes'] / 2**30:.2f} GiB, model {m['model_bytes'] / 2**30:.2f} "
-                            f"GiB (states {m['model_states_bytes'] / 2**30:.2f} + activations "
-                            f"{m['activation_bytes'] / 2**30:.2f}), ratio {m['ratio']:.2f} in [{lo}, {hi}]"))
+        ok = abs(m["states_ratio"] - 1) <= STATES_TOLERANCE and lo <= m["ratio"] <= hi
+        out.append(_verdict("GPT-2 small memory vs model", ok,
+                            f"weights + Adam {m['states_measured_bytes'] / 2**30:.3f} GiB vs model "
+                            f"{m['states_model_bytes'] / 2**30:.3f} (x{m['states_ratio']:.3f}); peak "
+                            f"{m['measured_bytes'] / 2**30:.2f} GiB vs model {m['model_bytes'] / 2**30:.2f} "
+                            f"(states {m['model_states_bytes'] / 2**30:.2f} + activations "
+                            f"{m['activation_bytes'] / 2**30:.2f}), x{m['ratio']:.2f} in [{lo}, {hi}]"))
     if f := need("mfu", "GPT-2 small MFU"):
         modes = [k for k in ("eager", "compiled") if k in f]
         ok = len(modes) == 2 and all(0 < f[k]["mfu"] <= 1 for k in modes)  # NaN fails: no known peak
@@ -174,7 +183,7 @@ def run_check(out: str | Path, steps: dict[str, Callable[[Path], dict]] | None =
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "figures": {}, "errors": {},
               "steps": [], "verdicts": [], "wall_s": 0.0,
               "thresholds": {"nanogpt_val_loss": NANOGPT_VAL_LOSS, "loss_margin": LOSS_MARGIN,
-                             "fp16_match": FP16_MATCH, "memory_band": MEMORY_BAND, "time_limit_s": TIME_LIMIT_S}}
+                             "fp16_match": FP16_MATCH, "states_tolerance": STATES_TOLERANCE, "memory_band": MEMORY_BAND, "time_limit_s": TIME_LIMIT_S}}
     t_start = time.perf_counter()
     for i, step in enumerate(plan, 1):
         log(f"[{i}/{len(plan)}] {step.title}: {step.does}")

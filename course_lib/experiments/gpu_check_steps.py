@@ -145,24 +145,33 @@ def _setup(shape: ModelShape, device: str, dtype: str):
 
 
 def memory_step(out: Path, preset: str = "gpt2", batch_size: int = 12, device: str = "cuda") -> dict:
-    """Peak ``torch.cuda.max_memory_allocated`` of a bf16 training step (the second one: the
-    optimizer's moments exist) against :func:`course_lib.analysis.memory.breakdown` (mixed
-    precision, fused attention: SDPA keeps no s x s scores)."""
+    """A bf16-autocast training step against :func:`course_lib.analysis.memory.breakdown`:
+
+    * after one step (gradients freed), ``memory_allocated`` holds the weights and Adam's two
+      moments: 4 + 8 bytes per parameter, since the trainer keeps them in fp32 (the "fp32" split of
+      the same 16 bytes/parameter the ZeRO paper counts for mixed precision);
+    * ``max_memory_allocated`` of the second step against the whole model: 16 bytes/parameter plus
+      16-bit activations with fused attention (SDPA stores no s x s scores)."""
     shape = get_preset(preset)
     model, optimizer, autocast = _setup(shape, device, "bfloat16")
     x, y = _batch(shape, batch_size, device)
-    _train_step(model, optimizer, x, y, autocast)
+    _train_step(model, optimizer, x, y, autocast)  # creates the moments; zero_grad frees the grads
     torch.cuda.synchronize(device)
+    kept = torch.cuda.memory_allocated(device) - x.nbytes - y.nbytes
     torch.cuda.reset_peak_memory_stats(device)
     _train_step(model, optimizer, x, y, autocast)
-    measured = torch.cuda.max_memory_allocated(device)
-    model_ = breakdown(preset=shape, batch_size=batch_size, dtype="mixed", flash_attention=True, dropout=False)
+    peak = torch.cuda.max_memory_allocated(device)
+    states = breakdown(preset=shape, dtype="fp32")
+    acts = breakdown(preset=shape, batch_size=batch_size, dtype="mixed", flash_attention=True, dropout=False)
     del model, optimizer
     torch.cuda.empty_cache()
+    total = states.model_states + acts.activations
     return {"preset": shape.name, "batch_size": batch_size, "seq_len": shape.block_size,
-            "num_params": shape.num_params(), "measured_bytes": measured, "model_bytes": model_.total,
-            "model_states_bytes": model_.model_states, "activation_bytes": model_.activations,
-            "ratio": measured / model_.total}
+            "num_params": shape.num_params(), "states_measured_bytes": kept,
+            "states_model_bytes": states.params + states.optimizer,
+            "states_ratio": kept / (states.params + states.optimizer),
+            "measured_bytes": peak, "model_bytes": total, "model_states_bytes": states.model_states,
+            "activation_bytes": acts.activations, "ratio": peak / total}
 
 
 def _time_steps(model, optimizer, x, y, autocast, steps: int, warmup: int, device: str) -> float:
