@@ -25,7 +25,8 @@ GOOD = {
                 "expected_dtype": "bfloat16", "grad_scaler": False, "torch": "2.x", "cuda": "12.x"},
     "data": {"data_dir": "data/shakespeare_char", "seconds": 0.1},
     "recipes": {"bf16": {"best_val_loss": 1.4702, "dtype": "bfloat16", "iters": 5000, "ms_per_iter": 20.0},
-                "fp16": {"best_val_loss": 1.4755, "dtype": "float16", "iters": 5000, "ms_per_iter": 24.0}},
+                "fp16": {"best_val_loss": 1.4755, "dtype": "float16", "iters": 5000, "ms_per_iter": 24.0,
+                         "loss_scale": 32768.0}},
     "nccl": {"run": {"backend": "nccl", "world_size": 1, "torchrun": True}, "bench_backend": "nccl",
              "bench_all_correct": True, "bench": [{"op": "all_reduce"}]},
     "memory": {"states_measured_bytes": 1.391 * 2**30, "states_model_bytes": 1.390 * 2**30, "states_ratio": 1.001,
@@ -85,6 +86,7 @@ def test_judge_passes_good_figures_and_fails_each_fault():
     fp16 = "fp16 + loss scaling (T4 path)"
     assert _status(judge(_with("recipes.fp16.best_val_loss", 1.4702 + FP16_MATCH + 1e-3), {}, 1), fp16) == "fail"
     assert _status(judge(_with("recipes.fp16.dtype", "bfloat16"), {}, 1), fp16) == "fail"
+    assert _status(judge(_with("recipes.fp16.loss_scale", None), {}, 1), fp16) == "fail"  # no GradScaler ran
     nccl = "NCCL through torchrun"
     assert _status(judge(_with("nccl.run.backend", "gloo"), {}, 1), nccl) == "fail"
     assert _status(judge(_with("nccl.run.torchrun", False), {}, 1), nccl) == "fail"

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 import traceback
@@ -117,8 +118,11 @@ def judge(figures: dict, errors: dict[str, str], wall_s: float) -> list[Verdict]
                             f"best val {bf['best_val_loss']:.4f} vs {NANOGPT_VAL_LOSS} ({gap:+.4f}, margin "
                             f"{LOSS_MARGIN}), {bf['iters']} iters, {bf['ms_per_iter']:.1f} ms/iter"))
         diff = fp["best_val_loss"] - bf["best_val_loss"]
-        out.append(_verdict("fp16 + loss scaling (T4 path)", fp["dtype"] == "float16" and abs(diff) <= FP16_MATCH,
-                            f"best val {fp['best_val_loss']:.4f}, {diff:+.4f} from bf16 (margin {FP16_MATCH})"))
+        scale = fp.get("loss_scale")
+        ok = fp["dtype"] == "float16" and bool(scale) and math.isfinite(scale) and abs(diff) <= FP16_MATCH
+        out.append(_verdict("fp16 + loss scaling (T4 path)", ok,
+                            f"best val {fp['best_val_loss']:.4f}, {diff:+.4f} from bf16 (margin {FP16_MATCH}), "
+                            f"final loss scale {scale}"))
     if n := need("nccl", "NCCL through torchrun"):
         run = n["run"]
         ok = (run["backend"] == "nccl" and run["world_size"] == 1 and run["torchrun"]

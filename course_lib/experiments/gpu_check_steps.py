@@ -103,6 +103,11 @@ def train_runs(out: Path, runs: dict[str, Sequence[str]], timeout_s: float = 900
                         "dtype": info["dtype"], "device": info["device"], "world_size": info["world_size"],
                         "backend": info.get("backend"), "torchrun": "torchrun_run_id" in info.get("launcher", {}),
                         "wall_s": round(walls[name], 1)}
+        if info["dtype"] == "float16":  # evidence of loss scaling: the GradScaler's scale at the end
+            from course_lib.gpt.checkpoint import load_checkpoint
+
+            scaler = load_checkpoint(out / name / "last.pt", mmap=True)["scaler"]
+            result[name]["loss_scale"] = scaler["state"]["scale"] if scaler else None
     return result
 
 
