@@ -49,7 +49,7 @@ def slurm(tmp_path_factory):
 def _submit(slurm, cwd, argv):
     env = slurm.env({**os.environ, "LOGLEVEL": "INFO"})  # torchrun logs its rendezvous
     return subprocess.run([sys.executable, "-m", "course_lib.cli", "submit", "--scheduler", "slurm", *argv],
-                          env=env, cwd=cwd, capture_output=True, text=True, timeout=60)
+                          env=env, cwd=cwd, capture_output=True, text=True, timeout=60, check=False)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def runs(slurm, tmp_path_factory):
         jobs[name] = re.search(r"Submitted batch job (\d+)", done.stdout).group(1)
     local = subprocess.run([sys.executable, "-m", "course_lib.cli", "train", *TINY, "--nproc=2", "--no-progress",
                             f"--data_dir={data}", f"--out_dir={root / 'local'}"],
-                           capture_output=True, text=True, timeout=120)
+                           capture_output=True, text=True, timeout=120, check=False)
     assert local.returncode == 0, local.stderr
     states = {name: slurm.wait_job(job, timeout=120) for name, job in jobs.items()}
     return root, jobs, states
@@ -85,8 +85,8 @@ def test_submitted_job_trains_like_a_local_run(runs, layout):
 
     # srun started one torchrun per node, which met in a c10d rendezvous named after the job
     script = (root / f"{layout}.sbatch").read_text()
-    assert re.search(r"^srun .*torchrun --nnodes=%d --nproc-per-node=%d --rdzv-backend=c10d" % (nodes, nproc),
-                     script, re.M)
+    assert re.search(rf"^srun .*torchrun --nnodes={nodes} --nproc-per-node={nproc} --rdzv-backend=c10d",
+                     script, re.MULTILINE)
     assert len(re.findall(r"rdzv_backend\s*:\s*c10d", log)) == nodes
     assert len(re.findall(rf"run_id\s*:\s*{job}\b", log)) == nodes
     launcher = json.loads((root / layout / "run.json").read_text())["launcher"]
@@ -108,7 +108,7 @@ def test_sbatch_test_only_checks_the_directives(slurm, tmp_path):
         path = tmp_path / "job.sbatch"
         path.write_text(text)
         done = subprocess.run(["sbatch", "--test-only", str(path)], env=slurm.env(), cwd=tmp_path,
-                              capture_output=True, text=True, timeout=30)
+                              capture_output=True, text=True, timeout=30, check=False)
         return done.returncode, done.stdout + done.stderr
 
     rc, out = test_only(cluster.slurm_script(2, 0, ["--max_iters=1"], nproc_per_node=2, cpus_per_node=2,
@@ -130,7 +130,7 @@ def test_daemons_left_by_a_killed_starter_are_stopped(tmp_path):
     pids = [int(line.split()[1]) for line in (root / "pids").read_text().splitlines()]
     assert len(pids) == 4 and all(slurm_local._alive(pid) for pid in pids)  # munged, slurmctld, 2 slurmd
     done = subprocess.run([sys.executable, "-m", "course_lib.launch.slurm_local", "--stop", "--dir", str(root)],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0 and f"stopped pids {sorted(pids)}" in done.stdout, done.stderr
     assert not any(slurm_local._alive(pid) for pid in pids)
     (root / "pids").write_text(f"pytest {os.getpid()}\n")  # a pid that is no longer a daemon of this cluster

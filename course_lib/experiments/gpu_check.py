@@ -74,13 +74,13 @@ PLAN = (
 
 
 def plan_text() -> str:
-    lines = [f"course check-gpu: {len(PLAN)} steps, about {sum(s.budget_s for s in PLAN)} s "
-             f"(limit {TIME_LIMIT_S:.0f} s) on one A100/H100-class GPU"]
+    lines = [(f"course check-gpu: {len(PLAN)} steps, about {sum(s.budget_s for s in PLAN)} s "
+              f"(limit {TIME_LIMIT_S:.0f} s) on one A100/H100-class GPU")]
     lines += [f"  {i}. {s.name:<8} ~{s.budget_s:>3} s  {s.does}" for i, s in enumerate(PLAN, 1)]
     lines += ["pass if:", f"  bf16 best val loss within {LOSS_MARGIN} of nanoGPT's {NANOGPT_VAL_LOSS}",
               f"  fp16 (loss scaling) best val loss within {FP16_MATCH} of bf16's",
-              f"  weights + Adam moments within {STATES_TOLERANCE:.0%} of the memory model; "
-              f"peak / modelled total in [{MEMORY_BAND[0]}, {MEMORY_BAND[1]}]",
+              (f"  weights + Adam moments within {STATES_TOLERANCE:.0%} of the memory model; "
+               f"peak / modelled total in [{MEMORY_BAND[0]}, {MEMORY_BAND[1]}]"),
               "  NCCL: 1 rank under torchrun, every benchmarked collective correct; 0 < MFU <= 1",
               f"  the whole check within {TIME_LIMIT_S:.0f} s"]
     return "\n".join(lines)

@@ -75,24 +75,23 @@ def train_runs(out: Path, runs: dict[str, Sequence[str]], timeout_s: float = 900
     for name, args in runs.items():
         argv = [*args, f"--out_dir={out / name}", "--overwrite", "--no-progress"]
         totals[name] = build_config(argv)[0].max_iters
-        log = open(out / f"{name}.log", "w")
-        procs[name] = (subprocess.Popen([sys.executable, "-m", "course_lib.cli", "train", *argv],
-                                        stdout=log, stderr=subprocess.STDOUT), log, time.perf_counter())
+        with open(out / f"{name}.log", "w") as log:  # the child keeps its own descriptor
+            procs[name] = (subprocess.Popen([sys.executable, "-m", "course_lib.cli", "train", *argv],
+                                            stdout=log, stderr=subprocess.STDOUT), time.perf_counter())
     walls = {}
     with tqdm(total=sum(totals.values()), desc=" + ".join(runs), unit="it") as bar:
         while len(walls) < len(procs):
-            for name, (proc, log, start) in procs.items():
+            for name, (proc, start) in procs.items():
                 if name not in walls and proc.poll() is not None:
                     walls[name] = time.perf_counter() - start
-                    log.close()
             bar.update(sum(_last_iter(out / n / "metrics.csv") for n in runs) - bar.n)
             if time.perf_counter() - t0 > timeout_s:
-                for proc, _, _ in procs.values():
+                for proc, _ in procs.values():
                     proc.kill()
                 raise TimeoutError(f"training did not finish in {timeout_s:.0f} s (logs in {out})")
             time.sleep(1.0)
     result = {}
-    for name, (proc, _, _) in procs.items():
+    for name, (proc, _) in procs.items():
         if proc.returncode != 0:
             tail = (out / f"{name}.log").read_text()[-1500:]
             raise RuntimeError(f"course train ({name}) exited with {proc.returncode}:\n{tail}")

@@ -112,7 +112,8 @@ class LocalSlurm:
         return env
 
     def run(self, *argv: str, check: bool = True, timeout: float = 30) -> str:
-        done = subprocess.run(list(argv), env=self.env(), capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(list(argv), env=self.env(), capture_output=True, text=True, timeout=timeout,
+                              check=False)
         if check and done.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): {(done.stderr or done.stdout).strip()}")
         return done.stdout + done.stderr
@@ -205,10 +206,11 @@ def start(root: str | os.PathLike, timeout: float = 20.0) -> LocalSlurm:
                                                 max(1, os.cpu_count() or 1)))
     cluster = LocalSlurm(root, nodes)
     env = cluster.env()
-    logs = open(root / "daemons.out", "ab")
+    logs = root / "daemons.out"
 
     def spawn(name: str, argv: list[str]) -> None:
-        proc = subprocess.Popen(argv, env=env, stdout=logs, stderr=subprocess.STDOUT, start_new_session=True)
+        with open(logs, "ab") as log:  # the daemon keeps its own copy of the descriptor
+            proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         cluster.pids[name] = proc.pid
 
     try:
