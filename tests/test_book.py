@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import http.server
+import json
 import re
 import threading
 from html.parser import HTMLParser
@@ -79,6 +80,34 @@ def test_broken_links_are_found(tmp_path):
                                      '<a href="https://example.org/z">z</a>')
     (tmp_path / "b.html").write_text('<h1 id="x">b</h1>')
     assert broken_links(tmp_path) == ["a.html: c.html (no such file)", "a.html: b.html#y (no such anchor)"]
+
+
+def test_cache_key_follows_code_not_prose_and_outputs_are_merged():
+    import nbformat
+
+    from course_lib.notebook import book
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# 1. X"), nbformat.v4.new_code_cell("print(1)")]
+    ran = nbformat.from_dict(json.loads(json.dumps(nb)))
+    ran.cells[1].outputs = [nbformat.v4.new_output("stream", name="stdout", text="1\n")]
+    edited = nbformat.from_dict(json.loads(json.dumps(nb)))
+    edited.cells[0].source = "# 1. X, reworded"
+    assert book.source_key(edited, smoke=False) == book.source_key(nb, smoke=False)
+    assert book.source_key(nb, smoke=True) != book.source_key(nb, smoke=False)
+    merged = book.with_outputs(edited, ran)
+    assert merged.cells[0].source == "# 1. X, reworded" and merged.cells[1].outputs[0].text == "1\n"
+    edited.cells[1].source = "print(2)"
+    assert book.source_key(edited, smoke=False) != book.source_key(nb, smoke=False)
+
+
+def test_front_page_is_the_readme_course_table():
+    from course_lib.notebook import book
+
+    page = book.front_page((ROOT / "README.md").read_text(), [f"{s}.ipynb" for s in LESSONS])
+    for stem in LESSONS:
+        assert f"| [{stem}](notebooks/{stem}.ipynb) |" in page and f"\nnotebooks/{stem}\n" in page
+    assert page.startswith("# ") and "```{toctree}" in page
 
 
 @pytest.fixture(scope="module")

@@ -55,6 +55,8 @@ def library_digest() -> str:
     h = hashlib.sha256()
     package = Path(__file__).resolve().parents[1]
     for path in sorted(package.rglob("*.py")):
+        if path == Path(__file__).resolve():  # the site builder does not change what notebooks show
+            continue
         h.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes())
     return h.hexdigest()
 
@@ -204,12 +206,25 @@ def build(smoke: bool = False, force: bool = False, out: Path | None = None,
     return html
 
 
+def times_table(cache_dir: Path) -> str:
+    """The execution times kept in ``cache_dir/times.json`` as a Markdown table (for RESULTS.md)."""
+    times = json.loads((Path(cache_dir) / "times.json").read_text())
+    rows = [f"| `{name}` | {t['seconds'] / 60:.1f} | {t['when']} |" for name, t in sorted(times.items())]
+    total = sum(t["seconds"] for t in times.values()) / 60
+    return "\n".join(["| notebook | minutes | executed at |", "|---|---:|---|", *rows, f"| all | {total:.1f} | |"])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m course_lib.notebook.book", description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="execute the notebooks in smoke mode (seconds, not minutes)")
     p.add_argument("--force", action="store_true", help="re-execute every notebook, cached or not")
     p.add_argument("--out", type=Path, help="output folder (default build/book)")
+    p.add_argument("--times", action="store_true", help="print the cached execution times as a table, build nothing")
     args = p.parse_args(argv)
+    if args.times:
+        out = args.out or repo_root() / "build" / "book"
+        print(times_table(out / "executed" / ("smoke" if args.smoke else "full")))
+        return 0
     html = build(args.smoke, args.force, args.out)
     print(f"site: {html / 'index.html'}  (publish the folder {html} as static files)")
     return 0
