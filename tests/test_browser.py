@@ -256,7 +256,7 @@ RAW_REPRS = ("VBox(children=", "HBox(children=", "FloatSlider(", "IntSlider(", "
 # What a reader of a saved notebook would find wrong, per output: widget reprs instead of widgets,
 # content cut off by a box that does not scroll, images that did not load, and progress bars
 # saved before they started.
-JS_SAVED_OUTPUTS = """(raw) => {
+JS_SAVED_OUTPUTS = r"""(raw) => {
   const outputs = Array.from(document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-OutputArea-output'));
   const problems = [];
   const where = (el) => {
