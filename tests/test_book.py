@@ -133,7 +133,7 @@ JS_PAGE = """(raw) => ({
   raw: raw.filter(r => document.body.innerText.includes(r)),
   images: Array.from(document.querySelectorAll('article img, main img'))
     .filter(img => img.src.startsWith(location.origin) || img.src.startsWith('data:'))
-    .map(img => ({src: img.src.slice(0, 80), ok: img.complete && img.naturalWidth > 0})),
+    .map(img => ({src: img.src.slice(0, 80), alt: img.alt, ok: img.complete && img.naturalWidth > 0})),
   search: !!document.querySelector('form[action*="search"], input[name="q"]'),
 })"""
 
@@ -145,7 +145,7 @@ def test_course_website(site):
     html, base = site
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     assert broken_links(html) == []
-    problems, figures = [], {}
+    problems, figures, diagrams = [], {}, 0
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         try:
@@ -154,8 +154,9 @@ def test_course_website(site):
                 response = page.goto(f"{base}/{stem}.html", wait_until="load")
                 assert response is not None and response.ok, f"{stem}.html: HTTP {response and response.status}"
                 info = page.evaluate(JS_PAGE, list(RAW_REPRS))
-                page.screenshot(path=str(ARTIFACTS / f"{stem.replace('/', '-')}.png"))
+                page.screenshot(path=str(ARTIFACTS / f"{stem.replace('/', '-')}.png"), full_page=True)
                 figures[stem] = len(info["images"])
+                diagrams += sum(i["alt"].startswith("diagram: ") for i in info["images"])
                 problems += [f"{stem}: raw widget text {r!r}" for r in info["raw"]]
                 problems += [f"{stem}: figure did not render {i['src']}" for i in info["images"] if not i["ok"]]
                 if not info["search"]:
@@ -175,3 +176,4 @@ def test_course_website(site):
     assert not problems, "\n".join(problems)
     assert hits >= 2, "the search box found fewer than 2 pages about all-reduce"
     assert sum(figures.values()) >= 2 * len(LESSONS), f"too few figures on the pages: {figures}"
+    assert diagrams >= 5, f"only {diagrams} Mermaid diagrams rendered on the site"
