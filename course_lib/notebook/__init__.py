@@ -4,6 +4,9 @@
     plots           matplotlib figures of the course's models and benchmarks
     widgets         the memory calculator of notebook 4
     live_plot       a loss plot that redraws while the model trains
+    static          a static copy of a widget's state in its output (for a reopened notebook or a website)
+    progress        progress bars whose saved output is their finished line
+    book            the course website (``make book``): executed notebooks, cached, through Sphinx + MyST-NB
     diagrams        Mermaid diagrams in notebooks and ``course images``
     diagrams_build  rendering them with mermaid-cli, and the staleness check
 """
