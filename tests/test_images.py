@@ -144,9 +144,9 @@ def test_build_renders_only_stale_diagrams_and_records_hashes(tmp_repo, tmp_path
 
 def test_build_says_how_to_get_mermaid_cli(monkeypatch, capsys):
     monkeypatch.setenv("COURSE_MMDC", "/nonexistent/mmdc")
-    assert diagrams.cli(["build"]) == 1
+    assert diagrams_build.cli(["build"]) == 1
     assert "make images" in capsys.readouterr().err
-    assert diagrams.cli(["check"]) == 0
+    assert diagrams_build.cli(["check"]) == 0
 
 
 # ------------------------------------------------------------------ the diagrams say what the course teaches

@@ -272,10 +272,3 @@ def breakdown(num_params: float | None = None, *, preset: str | ModelShape | Non
         raise ValueError("activations need a model shape: pass preset=... as well")
     return MemoryBreakdown(states.params, states.grads, states.optimizer, acts, stage,
                            float(num_params))
-
-
-def cli(argv: list[str] | None = None) -> int:
-    """``course memory``: see :mod:`course_lib.analysis.memory_cli`."""
-    from course_lib.analysis.memory_cli import main
-
-    return main(argv)

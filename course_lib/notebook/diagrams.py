@@ -1,8 +1,4 @@
-"""The course's Mermaid diagrams in notebooks, and the ``course images`` command.
-
-    course images build [NAME ...] [--force]   # `make images` installs mermaid-cli first
-    course images check                         # are the committed renderings up to date?
-    course images list
+"""The course's Mermaid diagrams in notebooks: the committed renderings, or rendered live.
 
 Each diagram is a Mermaid source ``images/diagrams/NAME.mmd``, rendered to
 ``images/diagrams/rendered/NAME.svg`` and ``.png`` by :mod:`course_lib.notebook.diagrams_build`. The
@@ -20,12 +16,10 @@ that has no rendering, the source itself, each time with a note saying why.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import os
 import re
 import socket
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass
@@ -189,32 +183,3 @@ def show(name: str, source: str | None = None, live: bool = False, timeout: floa
 
     display(diagram(name, source=source, live=live, timeout=timeout))
 
-
-def cli(argv: list[str]) -> int:
-    from course_lib.notebook import diagrams_build
-
-    p = argparse.ArgumentParser(prog="course images", description="Render and check the Mermaid diagrams.")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build", help="render stale diagrams to SVG and PNG (needs mermaid-cli and Chromium)")
-    b.add_argument("names", nargs="*", help="render only these (default: every stale one)")
-    b.add_argument("--force", action="store_true", help="re-render every diagram")
-    b.add_argument("--jobs", type=int, default=2, help="diagrams rendered at once (default 2)")
-    sub.add_parser("check", help="exit 1 when a rendering is missing or older than its source")
-    sub.add_parser("list", help="list the diagrams")
-    args = p.parse_args(argv)
-    if args.cmd == "list":
-        print("\n".join(names()))
-        return 0
-    if args.cmd == "build":
-        try:
-            done = diagrams_build.build(args.names or None, force=args.force, jobs=args.jobs)
-        except (FileNotFoundError, RuntimeError, ValueError) as e:
-            print(f"course images: {e}", file=sys.stderr)
-            return 1
-        print(f"rendered {len(done)} diagram(s) into {RENDERED}/" if done else "all diagrams are up to date")
-    problems = diagrams_build.check()
-    for line in problems:
-        print(line, file=sys.stderr)
-    if args.cmd == "check" and not problems:
-        print(f"{len(names())} diagrams, all renderings up to date")
-    return 1 if problems else 0

@@ -1,10 +1,11 @@
 """Rendering the Mermaid diagrams with mermaid-cli, and checking the committed renderings.
 
     course images build [NAME ...] [--force]   # `make images` installs mermaid-cli first
-    course images check
+    course images check                         # are the committed renderings up to date?
+    course images list
 
-The command line and the notebook side live in :mod:`course_lib.notebook.diagrams`; this module owns the
-files: ``images/diagrams/NAME.mmd`` is rendered by mermaid-cli (``mmdc``, driving a headless
+The notebook side (showing a diagram) lives in :mod:`course_lib.notebook.diagrams`; this module owns
+the files and the command: ``images/diagrams/NAME.mmd`` is rendered by mermaid-cli (``mmdc``, driving a headless
 Chromium) to ``rendered/NAME.svg`` and ``rendered/NAME.png``, and ``rendered/manifest.json``
 records the SHA-256 of each source, of the shared ``mermaid-config.json`` and of both outputs.
 :func:`check` compares those hashes with the files, so a source edited without re-rendering is
@@ -13,11 +14,13 @@ noticed without a browser.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -179,3 +182,31 @@ def build(only: list[str] | None = None, force: bool = False, root: Path | None 
             (out_dir / f"{name}.{ext}").unlink(missing_ok=True)
     atomic_write_bytes(out_dir / MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
     return todo
+
+
+def cli(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="course images", description="Render and check the Mermaid diagrams.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="render stale diagrams to SVG and PNG (needs mermaid-cli and Chromium)")
+    b.add_argument("names", nargs="*", help="render only these (default: every stale one)")
+    b.add_argument("--force", action="store_true", help="re-render every diagram")
+    b.add_argument("--jobs", type=int, default=2, help="diagrams rendered at once (default 2)")
+    sub.add_parser("check", help="exit 1 when a rendering is missing or older than its source")
+    sub.add_parser("list", help="list the diagrams")
+    args = p.parse_args(argv)
+    if args.cmd == "list":
+        print("\n".join(names()))
+        return 0
+    if args.cmd == "build":
+        try:
+            done = build(args.names or None, force=args.force, jobs=args.jobs)
+        except (FileNotFoundError, RuntimeError, ValueError) as e:
+            print(f"course images: {e}", file=sys.stderr)
+            return 1
+        print(f"rendered {len(done)} diagram(s) into {RENDERED}/" if done else "all diagrams are up to date")
+    problems = check()
+    for line in problems:
+        print(line, file=sys.stderr)
+    if args.cmd == "check" and not problems:
+        print(f"{len(names())} diagrams, all renderings up to date")
+    return 1 if problems else 0
