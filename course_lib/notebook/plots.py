@@ -6,7 +6,16 @@ Pass ``ax`` to draw into an existing Axes (the Figure returned is then ``ax.figu
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections.abc import Mapping, Sequence
+
+from matplotlib.figure import Figure  # no pyplot: no global figure state
+
+from course_lib.analysis.comm_cost import ALGORITHMS, collective_time
+from course_lib.analysis.memory import STAGE_NAMES, STAGES, breakdown, resolve_gpu
+from course_lib.analysis.scaling_laws import amdahl_speedup, gustafson_speedup
+from course_lib.gpt.metrics import read_metrics
 
 GB = 1e9
 _PART_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868",
@@ -16,8 +25,6 @@ _PART_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868",
 def _axes(ax, figsize=(7, 4)):
     if ax is not None:
         return ax.figure, ax
-    from matplotlib.figure import Figure
-
     fig = Figure(figsize=figsize, layout="constrained")
     return fig, fig.add_subplot()
 
@@ -58,8 +65,6 @@ def plot_zero_memory(num_params: float | None = None, dp: int = 1, *, gpu=None, 
     Arguments as :func:`course_lib.analysis.memory.breakdown` (num_params or preset=..., k, dtype, ...);
     ``gpu``: a profile name such as "t4" to draw its memory.
     """
-    from course_lib.analysis.memory import STAGE_NAMES, STAGES, breakdown, resolve_gpu
-
     items = {STAGE_NAMES[s]: breakdown(num_params, dp=dp, stage=s, **breakdown_kwargs)
              for s in STAGES}
     psi = next(iter(items.values())).num_params
@@ -102,8 +107,6 @@ def plot_collective_model(nbytes: Sequence[float], p: int, alpha: float, bandwid
                           op: str = "all_reduce", algorithms: Sequence[str] | None = None, ax=None):
     """Alpha-beta model time against message size for each algorithm of ``op``
     (see :mod:`course_lib.analysis.comm_cost`)."""
-    from course_lib.analysis.comm_cost import ALGORITHMS, collective_time
-
     fig, ax = _axes(ax)
     for algo in algorithms or ALGORITHMS[op]:
         times = [collective_time(op, n, p, alpha=alpha, bandwidth=bandwidth, algorithm=algo)
@@ -125,11 +128,7 @@ def plot_loss_curve(rows: Sequence[Mapping] | str, title: str | None = None, ax=
     rows: the rows of a run's ``metrics.csv`` (:func:`course_lib.gpt.metrics.read_metrics`), or the
     path of that file.
     """
-    import math
-
     if isinstance(rows, str) or hasattr(rows, "__fspath__"):
-        from course_lib.gpt.metrics import read_metrics
-
         rows = read_metrics(rows)
     train = [(r["iter"], r["train_loss"]) for r in rows if not math.isnan(r.get("train_loss", math.nan))]
     val = [(r["iter"], r["val_loss"]) for r in rows if not math.isnan(r.get("val_loss", math.nan))]
@@ -147,4 +146,56 @@ def plot_loss_curve(rows: Sequence[Mapping] | str, title: str | None = None, ax=
     ax.set_title(title or "Training loss")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
+    return fig
+
+
+def plot_scaling(strong: Sequence[dict], s_fit: float, weak: Sequence[dict] | None = None,
+                 s_written: float | None = None, p_max: int = 1024):
+    """Two panels: measured strong-scaling speedups with Amdahl's curve for ``s_fit``; and the
+    laws extrapolated to ``p_max`` processors (Amdahl's ceiling 1/s vs Gustafson's line), with the
+    measured weak-scaling points. Returns a matplotlib Figure.
+
+    Rows as :func:`course_lib.experiments.scaling_measure.measure_strong` and ``measure_weak``
+    return them; the laws are :mod:`course_lib.analysis.scaling_laws`."""
+    if not strong:
+        raise ValueError("plot_scaling needs strong-scaling rows (measure_strong)")
+    amdahl_speedup(s_fit, 1)  # checks 0 <= s_fit <= 1 before anything is drawn
+    fig = Figure(figsize=(11, 4), layout="constrained")
+    ax1, ax2 = fig.subplots(1, 2)
+    ps = [r["p"] for r in strong]
+    grid = [1 + i * (max(ps) - 1) / 50 for i in range(51)]
+    ax1.plot(grid, grid, "k:", label="ideal: S = p")
+    ax1.plot(grid, [amdahl_speedup(s_fit, p) for p in grid], label=f"Amdahl, fitted s = {s_fit:.3f}")
+    if s_written is not None:
+        ax1.plot(grid, [amdahl_speedup(s_written, p) for p in grid], "--",
+                 label=f"Amdahl, serial part written in s = {s_written:.3f}")
+    ax1.plot(ps, [r["speedup"] for r in strong], "o", color="C3", label="measured")
+    ax1.set_xlabel("processes p")
+    ax1.set_ylabel("speedup T(1) / T(p)")
+    ax1.set_title("Strong scaling on this machine")
+    ax1.legend(fontsize=8)
+    ax1.grid(alpha=0.3)
+
+    big = [2 ** k for k in range(max(1, p_max).bit_length())]
+    ax2.plot(big, big, "k:", label="ideal")
+    ax2.plot(big, [amdahl_speedup(s_fit, p) for p in big], marker=".",
+             label=f"Amdahl (fixed job), fitted s = {s_fit:.3f}, ceiling {1 / s_fit:.0f}" if s_fit
+             else "Amdahl (fixed job), fitted s = 0")
+    if s_written is not None:
+        ax2.plot(big, [amdahl_speedup(s_written, p) for p in big], "--",
+                 label=f"Amdahl, s = {s_written:.3f} as written, ceiling {1 / s_written:.0f}" if s_written
+                 else "Amdahl, s = 0 as written")
+    s_weak = statistics.mean(r["serial_share"] for r in weak) if weak else s_fit
+    ax2.plot(big, [gustafson_speedup(s_weak, p) for p in big], marker=".",
+             label=f"Gustafson (growing job), s' = {s_weak:.3f}")
+    if weak:
+        ax2.plot([r["p"] for r in weak], [r["scaled_speedup"] for r in weak], "o", color="C3",
+                 label="measured scaled speedup")
+    ax2.set_xscale("log", base=2)
+    ax2.set_yscale("log", base=2)
+    ax2.set_xlabel("processes p")
+    ax2.set_ylabel("speedup")
+    ax2.set_title("Extrapolated: fixed vs growing job")
+    ax2.legend(fontsize=8)
+    ax2.grid(alpha=0.3, which="both")
     return fig
