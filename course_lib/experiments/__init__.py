@@ -4,7 +4,8 @@
     model_parallel_check   tensor and pipeline parallel vs one process, bubble (notebook 5)
     memory_measure         saved activations and model states of real processes (notebook 4)
     scaling_measure        strong and weak scaling of a job with a known serial part (notebook 2)
-    profiling              compute vs communication per rank of a profiled step (notebook 8)
+    profiling              one training step per rank under torch.profiler, its Chrome trace (notebook 8)
+    step_intervals         a profiled step as compute, communication, overlap and exposed time
     comm_bench             the collectives benchmark, ``course bench comm`` (notebook 2)
     comm_bench_workers     what each rank of that benchmark runs (torch.distributed or MPI)
     hang                   a deliberate hang turned into an error (notebook 2)

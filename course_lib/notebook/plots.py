@@ -199,3 +199,33 @@ def plot_scaling(strong: Sequence[dict], s_fit: float, weak: Sequence[dict] | No
     ax2.legend(fontsize=8)
     ax2.grid(alpha=0.3, which="both")
     return fig
+
+
+def plot_step_timeline(results: list[dict], title: str | None = None, ax=None):
+    """The profiled step of every rank: a lane of phases, one of compute, one of communication.
+
+    results: :func:`course_lib.experiments.profiling.profile_step`'s, one dict per rank."""
+    if ax is None:
+        ax = Figure(figsize=(9, 0.6 + 1.2 * len(results)), layout="constrained").add_subplot()
+    colors = {"compute": "#4c72b0", "comm": "#dd8452"}
+    shades = ("#e0e0e0", "#c8c8c8")
+    ticks, labels = [], []
+    for k, r in enumerate(results):
+        base = 4 * (len(results) - 1 - k)  # rank 0 on top
+        width = max(r["step_ms"], 1e-9)
+        for i, (name, (s, e)) in enumerate(sorted(r["phases"].items(), key=lambda p: p[1][0])):
+            ax.broken_barh([(s, e - s)], (base + 2 - 0.4, 0.8), color=shades[i % 2])
+            if e - s > 0.06 * width:  # a label only where it fits
+                ax.text((s + e) / 2, base + 2, name, ha="center", va="center", fontsize=7)
+        for lane, kind in enumerate(("compute", "comm")):
+            y = base + 1 - lane
+            ax.broken_barh([(s, e - s) for s, e in r[kind]], (y - 0.4, 0.8), color=colors[kind],
+                           label=kind if k == 0 else None)
+        ticks += [base + 2, base + 1, base]
+        labels += [f"rank {r['rank']} phases", "compute", "comm"]
+    ax.set_yticks(ticks, labels, fontsize=8)
+    ax.set_xlabel("ms since the step started (each rank's own clock)")
+    ax.set_title(title or f"one step of {results[0]['strategy']} on {len(results)} ranks")
+    ax.legend(fontsize=8, loc="upper right", bbox_to_anchor=(1.0, -0.12), ncol=2)
+    ax.set_ylim(-0.7, 4 * len(results) - 1.3)
+    return ax.figure
