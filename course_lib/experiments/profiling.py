@@ -34,7 +34,6 @@ from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.parallel.spawn import run_ranks
 from course_lib.parallel.strategy import STRATEGIES, build_strategy
 
-
 # ------------------------------------------------------------------ the profiled step (one rank)
 
 def _events(prof) -> list[dict]:
@@ -111,10 +110,9 @@ def profile_step(strategy: str = "ddp", world_size: int = 2, gpt: dict | None = 
         raise ValueError("strategy 'single' runs on one rank: use world_size=1")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    if device == "cuda":
-        if torch.cuda.device_count() < world_size:
-            raise ValueError(f"{world_size} ranks need {world_size} GPUs; "
-                             f"{torch.cuda.device_count()} visible (use device='cpu')")
+    if device == "cuda" and torch.cuda.device_count() < world_size:
+        raise ValueError(f"{world_size} ranks need {world_size} GPUs; "
+                         f"{torch.cuda.device_count()} visible (use device='cpu')")
     if world_size < 1 or batch_size < 1 or grad_accum < 1 or warmup < 0:
         raise ValueError("world_size, batch_size and grad_accum must be >= 1, warmup >= 0")
     gpt = {"block_size": 64, "vocab_size": 65, "n_layer": 2, "n_head": 4, "n_embd": 128, "dropout": 0.0,
