@@ -12,7 +12,8 @@ import argparse
 import json
 import sys
 
-from .algorithms import ALGORITHMS, check_n, get_algorithm
+from .algorithms import check_n
+from .catalog import ALGORITHMS, get_algorithm
 from .machine import MAX_PROCESSORS, run
 from .models import MODELS, AccessViolation, ProcessorLimitError, get_model
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 import random
 
-from .shared_memory import Array, filled
 from .program import Program, coords, phases
+from .shared_memory import Array, filled
 
 __all__ = ["encoder_forward", "matmul_forward", "layernorm_forward", "attention_forward",
            "residual_forward", "gelu_forward", "softmax_crossentropy_forward", "randn",

@@ -15,8 +15,8 @@ import math
 import random
 
 from .kernels import GELU_SCALE, _program, randn, to_torch, tokens
-from .shared_memory import Array, filled
 from .program import Program, coords, phases
+from .shared_memory import Array, filled
 
 __all__ = ["crossentropy_backward", "matmul_backward", "matmul_backward_tree",
            "grad_accumulate", "gelu_backward", "encoder_backward", "adamw_update"]

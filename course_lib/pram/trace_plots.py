@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from .algorithms import check_n, get_algorithm
+from .algorithms import check_n
+from .catalog import get_algorithm
 from .machine import run
 
 __all__ = ["measure", "plot_kernel_scaling", "plot_lost_updates", "plot_work_time"]
