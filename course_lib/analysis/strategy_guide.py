@@ -28,7 +28,9 @@ from html import escape
 
 from course_lib.analysis.memory import GB, breakdown, get_preset, resolve_gpu
 
-STRATEGIES = {
+# The guide's outcomes -> what to do. Not trainer strategies: ``"tp_pp"`` or ``"does_not_fit"`` name
+# an answer of the diagram, not a :data:`course_lib.parallel.strategy.STRATEGIES` entry.
+RECOMMENDATIONS = {
     "single": "one GPU: mixed precision, gradient accumulation for a larger batch",
     "single_memory": "one GPU, with less memory: activation recomputation, a smaller micro-batch, "
                      "CPU offload of the optimizer (ZeRO-Offload), or more GPUs",
@@ -44,7 +46,7 @@ STRATEGIES = {
 
 @dataclass
 class Advice:
-    """The guide's answer: a strategy key of :data:`STRATEGIES`, and why."""
+    """The guide's answer: a key of :data:`RECOMMENDATIONS`, and why."""
 
     strategy: str
     path: list[tuple[str, str]] = field(default_factory=list)  # (question, answer)
@@ -54,7 +56,7 @@ class Advice:
 
     @property
     def description(self) -> str:
-        return STRATEGIES[self.strategy]
+        return RECOMMENDATIONS[self.strategy]
 
     def __str__(self) -> str:
         lines = [f"{q} {a}" for q, a in self.path]
