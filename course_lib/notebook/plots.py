@@ -229,3 +229,35 @@ def plot_step_timeline(results: list[dict], title: str | None = None, ax=None):
     ax.legend(fontsize=8, loc="upper right", bbox_to_anchor=(1.0, -0.12), ncol=2)
     ax.set_ylim(-0.7, 4 * len(results) - 1.3)
     return ax.figure
+
+
+def plot_pipeline_bubble(rows: list[dict], ax=None):
+    """Measured bubble against the number of micro-batches m, per schedule, with the formula
+    (p - 1) / (m + p - 1) as a line. ``rows``: the dicts of all ranks of
+    :func:`course_lib.experiments.model_parallel_check.measure_pipeline_bubble`."""
+    if not rows:
+        raise ValueError("plot_pipeline_bubble needs the rows of measure_pipeline_bubble")
+    fig, ax = _axes(ax)
+    p = rows[0]["p"]
+    ms = sorted({r["m"] for r in rows})
+    fine = [m / 4 for m in range(4, 4 * max(ms) + 1)]
+    ax.plot(fine, [(p - 1) / (m + p - 1) for m in fine], color="black", linewidth=1,
+            label="(p-1)/(m+p-1)")
+    for schedule, marker, size in (("afab", "o", 11), ("1f1b", "s", 5)):  # equal bubbles: nest them
+        for key, fill in (("bubble (ticks)", True), ("bubble (wall)", False)):
+            pts = [(m, sum(r[key] for r in rows if r["m"] == m and r["schedule"] == schedule) /
+                    max(1, sum(1 for r in rows if r["m"] == m and r["schedule"] == schedule)))
+                   for m in ms if any(r["schedule"] == schedule for r in rows)]
+            if pts:
+                ax.plot(*zip(*pts), marker=marker, linestyle="none", markersize=size,
+                        fillstyle="full" if fill else "none",
+                        label=f"{schedule}, {'logical clock' if fill else 'wall time'}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ms, labels=[str(m) for m in ms])
+    ax.set_xlabel("micro-batches per step m")
+    ax.set_ylabel("idle fraction of the step (bubble)")
+    ax.set_title(f"Pipeline bubble, p = {p} stages (mean over stages)")
+    ax.set_ylim(0, 1)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig

@@ -27,7 +27,7 @@ from multiprocessing import shared_memory
 import numpy as np
 
 __all__ = ["UpdateCount", "racy_threads", "racy_processes", "locked_threads", "tree_threads",
-           "combined_add", "fancy_index_add", "gradient_sync", "demo"]
+           "combined_add", "fancy_index_add", "gradient_sync", "compare_methods"]
 
 
 @dataclass(frozen=True)
@@ -234,8 +234,8 @@ def gradient_sync(world_size: int = 4, n: int = 8, seed: int = 0) -> dict:
             "index_add_": float((combined - exact).abs().max())}
 
 
-def demo(workers: int = 4, updates: int = 100_000) -> list[dict]:
-    """Every method side by side, as table rows."""
+def compare_methods(workers: int = 4, updates: int = 100_000) -> list[dict]:
+    """Every method side by side (racy, locked, tree, combined), as table rows."""
     runs = [racy_threads(workers, updates), racy_threads(workers, 200, lockstep=True),
             racy_processes(workers, updates), locked_threads(workers, updates),
             tree_threads(workers, updates), combined_add(workers, updates),
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--updates", type=int, default=100_000)
     args = p.parse_args(argv)
-    print(format_table(demo(args.workers, args.updates)))
+    print(format_table(compare_methods(args.workers, args.updates)))
     return 0
 
 
