@@ -15,9 +15,9 @@ from __future__ import annotations
 import pytest
 
 from course_lib.experiments.model_parallel_check import (
-    measure_pipeline_bubble,
     compare_split_weights,
     compare_tensor_parallel,
+    measure_pipeline_bubble,
 )
 from course_lib.notebook.plots import plot_pipeline_bubble
 from course_lib.parallel.spawn import run_ranks
