@@ -26,6 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from course_lib.gpt.config import STRATEGY_NAMES
+
 SCHEDULERS = ("slurm", "pbs")
 DEFAULT_PORT = 29500
 DEFAULT_MODULE = "course_lib.gpt.train"
@@ -225,8 +227,6 @@ def _check_strategy(train_args: Sequence[str]) -> None:
     """An unknown --strategy is refused here, not after the job waited in the queue.
 
     The names are the trainer's (course_lib.gpt.config, which imports no torch: this stays fast)."""
-    from course_lib.gpt.config import STRATEGY_NAMES
-
     known = ("auto", *STRATEGY_NAMES)
 
     args = list(train_args)

@@ -27,7 +27,12 @@ import traceback
 from datetime import timedelta
 from multiprocessing.connection import wait
 
+from course_lib.hardware import threads_per_rank
+from course_lib.launch.agent import loopback_store_class
+from course_lib.launch.bootstrap import diagnose
 from course_lib.launch.checks import LaunchConfigError
+from course_lib.launch.procs import set_parent_death_signal
+from course_lib.utils import free_port
 
 
 class NotebookLaunchError(RuntimeError):
@@ -69,18 +74,14 @@ class _RankWriter:
 
 
 def _child(fn, args, kwargs, rank, nproc, port, backend, timeout_s, threads, conn) -> None:
-    from course_lib.launch.procs import set_parent_death_signal
-
     set_parent_death_signal(signal.SIGKILL)  # the kernel died: nothing to report to
     code = 0
     try:
         sys.stdout, sys.stderr = _RankWriter(1, rank), _RankWriter(2, rank)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        import torch
+        import torch  # in the forked child: `from course_lib.launch import ...` stays torch-free
         import torch.distributed as dist
-
-        from course_lib.launch.agent import loopback_store_class
 
         torch.set_num_threads(threads)
         timeout = timedelta(seconds=timeout_s)
@@ -92,8 +93,6 @@ def _child(fn, args, kwargs, rank, nproc, port, backend, timeout_s, threads, con
         # memory through a file descriptor that dies with this process).
         conn.send_bytes(pickle.dumps(("ok", rank, result)))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises
-        from course_lib.launch.bootstrap import diagnose
-
         code = 1
         text = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next if e.__traceback__ else None))
         _, hint = diagnose(f"{type(e).__name__}: {e}", "run", timeout_s)
@@ -116,9 +115,6 @@ def notebook_launcher(fn, args: tuple = (), nproc: int = 2, *, kwargs: dict | No
     timeout: collective timeout of the process group, seconds. time_limit: wall clock for the
     whole call (None: none). threads: torch threads per process (default: cores // nproc).
     """
-    from course_lib.hardware import threads_per_rank
-    from course_lib.utils import free_port
-
     if not callable(fn):
         raise LaunchConfigError(f"fn must be a function, got {type(fn).__name__}")
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
