@@ -111,7 +111,7 @@ def _render_live(text: str, timeout: float) -> tuple[str, bytes]:
     server = os.environ.get("MERMAID_INK_SERVER", "https://mermaid.ink")
 
     def work() -> tuple[str, bytes]:
-        import mermaid  # mermaid-py, imported here: it talks to the network
+        import mermaid  # mermaid-py: 0.6 s of import (requests, ...), only for live rendering
 
         url = urlparse(server)
         # fail fast when offline: mermaid-py's own requests have no timeout
@@ -179,7 +179,7 @@ def show(name: str, source: str | None = None, live: bool = False, timeout: floa
     rendering fails (offline, or the service rejects the text) the committed image is shown, or
     for an edited source the source itself, with a note saying what happened.
     """
-    from IPython.display import display
+    from IPython.display import display  # IPython only when shown: `course images` imports this module
 
     display(diagram(name, source=source, live=live, timeout=timeout))
 

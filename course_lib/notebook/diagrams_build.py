@@ -22,8 +22,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import xml.etree.ElementTree as ET
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from tqdm import tqdm
 
 from course_lib.notebook.diagrams import (
     CONFIG,
@@ -65,8 +68,6 @@ def is_png(data: bytes) -> bool:
 
 def is_svg(text: str) -> bool:
     """Well-formed XML whose root element is an <svg> with a non-empty viewBox and some content."""
-    import xml.etree.ElementTree as ET
-
     try:
         root = ET.fromstring(text)
     except ET.ParseError:
@@ -124,8 +125,6 @@ def _find_tool(env: str, candidates: list[str | Path], hint: str) -> str:
 
 def build(only: list[str] | None = None, force: bool = False, root: Path | None = None, jobs: int = 2) -> list[str]:
     """Render the stale diagrams (or ``only`` those, or all with ``force``); return the names rendered."""
-    from tqdm import tqdm
-
     root = _root(root)
     for name in only or []:
         _check_name(name, root)
