@@ -35,7 +35,7 @@ from IPython.display import display
 from matplotlib.figure import Figure  # no pyplot: no global figure state
 
 from course_lib.gpt.metrics import read_metrics
-from course_lib.launch import train_cli as train_launch
+from course_lib.launch import train_cli
 from course_lib.launch.training import launch_training
 from course_lib.notebook.plots import plot_loss_curve
 
@@ -213,11 +213,11 @@ def train_live(cfg, *, overwrite: bool = False, interval_s: float = 1.0, plot: L
     directory is checked and prepared first either way (``overwrite`` restarts a run that is
     there; ``cfg.init_from == "resume"`` continues it, and the plot shows its earlier rows too).
     """
-    train_launch.prepare_run_dir(cfg, overwrite)  # clear errors before anything is shown or started
+    train_cli.prepare_run_dir(cfg, overwrite)  # clear errors before anything is shown or started
     if plot is None:
         plot = LiveLossPlot(Path(cfg.out_dir) / "metrics.csv", cfg.max_iters, cfg.name, interval_s=interval_s)
         display(plot)
-    if not train_launch.needs_launch(cfg):
-        return plot.follow(train_launch.run, cfg, overwrite=True, progress=progress)  # checked above
+    if not train_cli.needs_launch(cfg):
+        return plot.follow(train_cli.run, cfg, overwrite=True, progress=progress)  # checked above
     plot.follow(launch_training, cfg, progress=progress, check=True, **launch_kwargs)
     return json.loads((Path(cfg.out_dir) / "summary.json").read_text())
