@@ -9,18 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .algorithms import (
-    broadcast_crew,
-    broadcast_erew,
-    matmul,
-    max_crcw,
-    or_crcw,
-    or_tree,
-    prefix_blelloch,
-    prefix_hillis_steele,
-    tree_max,
-    tree_sum,
-)
+from . import algorithms as A
 from .program import Program
 
 __all__ = ["ALGORITHMS", "Algorithm", "get_algorithm"]
@@ -39,24 +28,24 @@ class Algorithm:
 
 
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in [
-    Algorithm("tree-sum", tree_sum, "EREW", lambda n: max(1, n // 2), True,
+    Algorithm("tree-sum", A.tree_sum, "EREW", lambda n: max(1, n // 2), True,
               "sum by a balanced tree: log2 n steps, n-1 additions"),
-    Algorithm("tree-max", tree_max, "EREW", lambda n: max(1, n // 2), True,
+    Algorithm("tree-max", A.tree_max, "EREW", lambda n: max(1, n // 2), True,
               "maximum by a balanced tree: log2 n steps"),
-    Algorithm("prefix-hillis-steele", prefix_hillis_steele, "CREW", lambda n: n, True,
+    Algorithm("prefix-hillis-steele", A.prefix_hillis_steele, "CREW", lambda n: n, True,
               "inclusive scan, log2 n steps, n log2 n - n + 1 additions"),
-    Algorithm("prefix-blelloch", prefix_blelloch, "EREW", lambda n: max(1, n // 2), True,
+    Algorithm("prefix-blelloch", A.prefix_blelloch, "EREW", lambda n: max(1, n // 2), True,
               "work-efficient exclusive scan: 2(n-1) additions, n-1 swaps"),
-    Algorithm("max-crcw", max_crcw, "CRCW-common", lambda n: n * n, False,
+    Algorithm("max-crcw", A.max_crcw, "CRCW-common", lambda n: n * n, False,
               "maximum in 3 steps with n^2 processors"),
-    Algorithm("or-crcw", or_crcw, "CRCW-common", lambda n: n, False, "OR of n bits in 1 step"),
-    Algorithm("or-tree", or_tree, "EREW", lambda n: max(1, n // 2), True,
+    Algorithm("or-crcw", A.or_crcw, "CRCW-common", lambda n: n, False, "OR of n bits in 1 step"),
+    Algorithm("or-tree", A.or_tree, "EREW", lambda n: max(1, n // 2), True,
               "OR of n bits by a tree: log2 n steps"),
-    Algorithm("matmul", matmul, "CREW", lambda n: n ** 3, True,
+    Algorithm("matmul", A.matmul, "CREW", lambda n: n ** 3, True,
               "n x n matrix product, n^3 processors, 1 + log2 n steps"),
-    Algorithm("broadcast-crew", broadcast_crew, "CREW", lambda n: n, False,
+    Algorithm("broadcast-crew", A.broadcast_crew, "CREW", lambda n: n, False,
               "one value to n cells in 1 step"),
-    Algorithm("broadcast-erew", broadcast_erew, "EREW", lambda n: n, True,
+    Algorithm("broadcast-erew", A.broadcast_erew, "EREW", lambda n: n, True,
               "one value to n cells by doubling: log2 n steps"),
 ]}
 
