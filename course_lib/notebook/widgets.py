@@ -19,8 +19,6 @@ import io
 from dataclasses import dataclass
 from html import escape
 
-import ipywidgets as w
-
 from course_lib.analysis.memory import (
     GB,
     PRESETS,
@@ -31,7 +29,6 @@ from course_lib.analysis.memory import (
     resolve_gpu,
 )
 from course_lib.hardware import PROFILES
-from course_lib.notebook.plots import plot_memory
 
 CUSTOM = "custom"  # the model choice "give a parameter count" (model states only)
 DP_CHOICES = tuple(2**i for i in range(11))  # 1, 2, 4, ..., 1024 data-parallel ranks
@@ -155,6 +152,8 @@ def summary_html(result: Result) -> str:
 
 def stages_png(result: Result) -> bytes:
     """The four ZeRO stages as stacked bars with the GPU's memory as a line (PNG bytes)."""
+    from course_lib.notebook.plots import plot_memory  # matplotlib only for the chart
+
     items = {STAGE_NAMES[st].split(" ")[0] + (" *" if st == result.settings.stage else ""): b
              for st, b in result.stages.items()}
     fig = plot_memory(items, result.gpu_bytes, f"{result.gpu_name} ({result.gpu_bytes / GB:.0f} GB)",
@@ -175,6 +174,8 @@ class MemoryCalculator:
     """
 
     def __init__(self, settings: Settings | None = None, plot: bool = True):
+        import ipywidgets as w  # only the widget needs it: the numbers and the table import without
+
         s = settings or Settings()
         calculate(s)  # bad settings raise here, before any widget exists
         self.plot = plot
