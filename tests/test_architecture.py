@@ -1,5 +1,5 @@
 """The architecture in the folders (issue 10): no import cycle, a small top level, package docstrings
-that name their modules, no file over 300 lines.
+that name their modules, no file over 300 lines, and entry points that start without torch.
 
 The import graph is read with ``ast`` from the source, so it sees every import, also those inside
 functions and under ``if TYPE_CHECKING``: ``import course_lib.a.b`` and ``from course_lib.a import b``
@@ -11,6 +11,8 @@ package whose ``__init__`` re-exports its modules would otherwise be a cycle wit
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -143,6 +145,29 @@ def test_no_import_cycle():
     cycles = [" -> ".join(one_cycle(graph, c)) for c in strongly_connected(graph)]
     print("\n".join(["import cycles:"] + cycles) if cycles else "no import cycle")
     assert not cycles, "import cycles (function-level imports included):\n  " + "\n  ".join(cycles)
+
+
+# What the entry points a student meets first must not load (seconds of import each): the package,
+# the launcher every rank imports, ``course --help`` and the torch-free commands.
+LIGHT_ENTRY_POINTS = {
+    "import course_lib": "import course_lib",
+    "import course_lib.launch": "import course_lib.launch",
+    "course --help": "from course_lib.cli import main; main(['--help'])",
+    "course memory": "import course_lib.analysis.memory_cli",
+    "course images": "import course_lib.notebook.diagrams_build",
+    "course pram": "import course_lib.pram.cli",
+    "course submit": "import course_lib.launch.cluster",
+    "course info": "import course_lib.hardware",
+    "course bench": "import course_lib.experiments.comm_bench",
+}
+HEAVY = ("torch", "matplotlib", "pandas", "ipywidgets")
+
+
+@pytest.mark.parametrize("entry", LIGHT_ENTRY_POINTS)
+def test_entry_point_imports_no_heavy_library(entry):
+    check = f"{LIGHT_ENTRY_POINTS[entry]}; import sys; print([m for m in {HEAVY!r} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.splitlines()[-1] == "[]", f"{entry} loads {out.stdout.splitlines()[-1]}"
 
 
 def test_top_level_is_small():
