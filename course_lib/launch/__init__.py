@@ -14,7 +14,7 @@ Modules:
     demo        ``make demo``: the instructor's end-to-end run
     checks      refusing bad launches before anything is spawned
     mpi         mpirun(): the same for MPI ranks (mpi4py)
-    notebook    notebook_launcher(): fork N processes running a notebook function
+    forked      notebook_launcher(): N processes forked from the kernel, running a notebook function
     magics      the %%torchrun and %%mpirun cell magics
     cluster     ``course submit``: SLURM and PBS batch scripts
     torchrun    the torchrun command lines
@@ -39,8 +39,8 @@ _EXPORTS = {
     "LaunchConfigError": "course_lib.launch.checks",
     "launch_training": "course_lib.launch.training",
     "mpirun": "course_lib.launch.mpi",
-    "notebook_launcher": "course_lib.launch.notebook",
-    "NotebookLaunchError": "course_lib.launch.notebook",
+    "notebook_launcher": "course_lib.launch.forked",
+    "NotebookLaunchError": "course_lib.launch.forked",
     "RankFailure": "course_lib.launch.supervise",
 }
 

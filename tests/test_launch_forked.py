@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.launch import LaunchConfigError, notebook_launcher
-from course_lib.launch.notebook import NotebookLaunchError
+from course_lib.launch.forked import NotebookLaunchError
 
 
 def allreduce_and_gather(x):
