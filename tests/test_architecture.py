@@ -198,3 +198,17 @@ def test_no_file_over_300_lines():
     long = {p: n for p, n in sorted(sizes.items()) if n > MAX_LINES}
     print("\n".join(f"{n:5d} {p}" for p, n in long.items()) or "no file over 300 lines")
     assert not long, f"files over {MAX_LINES} lines: {long}"
+
+
+def test_runnable_modules_start_with_their_command():
+    """A module with a ``__main__`` block says first how to run it: ``python -m`` (or torchrun,
+    mpiexec) naming the module, or the ``course`` command behind it."""
+    runnable = {name: path for name, path in all_modules().items()
+                if '__name__ == "__main__"' in path.read_text()}
+    assert len(runnable) >= 5
+    wrong = {}
+    for name, path in runnable.items():
+        first = (ast.get_docstring(ast.parse(path.read_text())) or "").splitlines()[:1]
+        if not first or not (name in first[0] or first[0].startswith("course ")):
+            wrong[name] = first
+    assert not wrong, f"runnable modules whose docstring does not start with their command: {wrong}"
