@@ -6,6 +6,8 @@ functions and under ``if TYPE_CHECKING``: ``import course_lib.a.b`` and ``from c
 (b a module) are edges to ``course_lib.a.b``; ``from course_lib.a import name`` is an edge to the
 package ``course_lib.a``. Importing ``a.b`` also runs ``a/__init__``, but that is not counted: a
 package whose ``__init__`` re-exports its modules would otherwise be a cycle with each of them.
+Modules named in strings and imported on demand (the strategy registry, the ``course`` command
+table, ``course_lib.launch``'s lazy names) are not import statements and are not edges.
 """
 
 from __future__ import annotations
