@@ -9,4 +9,6 @@
     comm_bench             the collectives benchmark, ``course bench comm`` (notebook 2)
     comm_bench_workers     what each rank of that benchmark runs (torch.distributed or MPI)
     hang                   a deliberate hang turned into an error (notebook 2)
+    gpu_check              ``course check-gpu``: the course on one CUDA GPU, a verdict per check
+    gpu_check_steps        the measurements behind each of those checks
 """

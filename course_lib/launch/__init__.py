@@ -17,6 +17,8 @@ Modules:
     forked      notebook_launcher(): N processes forked from the kernel, running a notebook function
     magics      the %%torchrun and %%mpirun cell magics
     cluster     ``course submit``: SLURM and PBS batch scripts
+    allocation  the SLURM or PBS job this process runs in
+    slurm_local a real two-node SLURM on this machine, to try ``course submit`` (make slurm-local)
     torchrun    the torchrun command lines
     agent       torchrun with its stores on loopback only
     bootstrap   what each rank runs first (logs, process group, the target)

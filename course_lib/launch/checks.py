@@ -11,7 +11,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from course_lib.launch.cluster import check_allocation, detect_allocation
+from course_lib.launch.allocation import check_allocation, detect_allocation
 
 
 class LaunchConfigError(ValueError):
