@@ -13,6 +13,7 @@ table, ``course_lib.launch``'s lazy names) are not import statements and are not
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -214,3 +215,29 @@ def test_runnable_modules_start_with_their_command():
         if not first or not (name in first[0] or first[0].startswith("course ")):
             wrong[name] = first
     assert not wrong, f"runnable modules whose docstring does not start with their command: {wrong}"
+
+
+def readme_tree(text: str) -> set[str]:
+    """Paths in the README's module tree: lines such as ``│   ├── model.py  what it holds``, four
+    characters of indentation per level below ``course_lib/``."""
+    section = text.split("## Module map", 1)[1]
+    block = section.split("```", 2)[1]
+    paths, stack = set(), []
+    for line in block.splitlines():
+        m = re.match(r"^((?:│   |    )*)(?:├── |└── )(\S+)", line)
+        if not m:
+            continue
+        depth, name = len(m.group(1)) // 4, m.group(2)
+        stack[depth:] = [name.rstrip("/")]
+        paths.add("/".join(stack) + ("/" if name.endswith("/") else ""))
+    return paths
+
+
+def test_readme_tree_matches_the_folders():
+    listed = readme_tree((ROOT / "README.md").read_text())
+    actual = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+              if not (p.name == "__init__.py" and p.parent != PACKAGE)}
+    actual |= {f"{p.parent.relative_to(PACKAGE)}/" for p in PACKAGE.rglob("*/__init__.py")}
+    assert len(listed) > 50
+    assert listed == actual, (f"README module tree: missing {sorted(actual - listed)}, "
+                              f"not in course_lib {sorted(listed - actual)}")
