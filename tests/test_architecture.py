@@ -211,7 +211,7 @@ def test_runnable_modules_start_with_their_command():
     assert len(runnable) >= 5
     wrong = {}
     for name, path in runnable.items():
-        first = (ast.get_docstring(ast.parse(path.read_text())) or "").splitlines()[:1]
+        first = [line.lstrip("`") for line in (ast.get_docstring(ast.parse(path.read_text())) or "").splitlines()[:1]]
         if not first or not (name in first[0] or first[0].startswith("course ")):
             wrong[name] = first
     assert not wrong, f"runnable modules whose docstring does not start with their command: {wrong}"
