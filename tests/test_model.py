@@ -67,7 +67,7 @@ def test_optimizer_groups_decay_matrices_only():
     n = sum(p.numel() for g in (decay, no_decay) for p in g["params"])
     assert n == model.num_params()  # every parameter once (the tied embedding too)
     assert any(p is model.transformer.wte.weight for p in decay["params"])
-    opt = model.configure_optimizers(0.1, 1e-3, device_type="cpu")
+    opt = model.configure_optimizers(0.1, 1e-3)
     assert isinstance(opt, torch.optim.AdamW) and [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
 
 

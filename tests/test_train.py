@@ -18,7 +18,7 @@ from course_lib.gpt.sample import cli as sample_cli
 from course_lib.gpt.sample import sample
 from course_lib.gpt.train import _fp16_step, get_lr, setup_runtime, train
 from course_lib.hardware import PROFILES, pick_dtype
-from course_lib.launch.train_cli import run
+from course_lib.launch.training import prepare_run
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=4, max_iters=8, lr_decay_iters=8,
             warmup_iters=2, learning_rate=3e-3, eval_interval=4, eval_iters=2, log_interval=1, dropout=0.0,
@@ -34,6 +34,11 @@ def data_dir(tmp_path_factory):
 
 def tiny(data_dir, out_dir, **kw) -> TrainConfig:
     return make_config("shakespeare_char_cpu", {**TINY, "data_dir": data_dir, "out_dir": str(out_dir), **kw})
+
+
+def run(cfg: TrainConfig, overwrite: bool = False, progress: bool = False) -> dict:
+    """What ``course train`` does before launching (every check, config.json), then train here."""
+    return train(prepare_run(cfg, overwrite=overwrite).config, progress=progress)
 
 
 def params(out_dir) -> dict:
@@ -147,7 +152,7 @@ def test_dtype_follows_the_hardware_profile(data_dir, tmp_path):
 
 
 def test_fp16_steps_skip_overflow_and_adapt_the_scale():
-    from course_lib.gpt.train import optimizer_factory
+    from course_lib.gpt.run import optimizer_factory
     from course_lib.parallel.strategy import build_strategy
 
     model = torch.nn.Linear(4, 1)

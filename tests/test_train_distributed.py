@@ -77,7 +77,7 @@ def test_demo_on_two_ranks_equals_one_process(reference):
 def test_interrupt_stops_every_process_and_the_run_resumes(reference):
     out = reference / "interrupted"
     base = {**TINY, "data_dir": reference / "data", "batch_size": 4, "out_dir": out}
-    cmd = [sys.executable, "-m", "course_lib.gpt.train", "--nproc=2", "--no-progress",
+    cmd = [sys.executable, "-m", "course_lib.cli", "train", "--nproc=2", "--no-progress",
            *flags({**base, "max_iters": 100_000, "eval_interval": 100_000})]
     launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -98,7 +98,7 @@ def test_interrupt_stops_every_process_and_the_run_resumes(reference):
     assert "interrupted" in launcher.stderr.read()
 
     # the checkpoint of iteration 0 resumes on 2 ranks through the CLI, to the reference's end
-    cmd = [sys.executable, "-m", "course_lib.gpt.train", "--resume", f"--out_dir={out}", f"--max_iters={ITERS}",
+    cmd = [sys.executable, "-m", "course_lib.cli", "train", "--resume", f"--out_dir={out}", f"--max_iters={ITERS}",
            "--no-progress"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
