@@ -123,8 +123,8 @@ def check_allocation(req: TrainRequest) -> None:
     checks.check_scheduler(req.nnodes, req.config.nproc, req.device)
 
 
-CHECKS: list[Callable[[TrainRequest], None]] = [check_allocation, check_strategy, check_dtype, check_data,
-                                                 check_memory, check_out_dir]
+CHECKS: list[Callable[[TrainRequest], None]] = [check_allocation, check_strategy, check_dtype, check_memory,
+                                                 check_data, check_out_dir]
 
 
 def check_request(config: TrainConfig, *, nproc=None, nnodes: int = 1, overwrite: bool = False) -> TrainRequest:
