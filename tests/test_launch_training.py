@@ -5,6 +5,8 @@ gloo workers) are in tests/test_train_distributed.py."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import psutil
@@ -109,3 +111,11 @@ def test_a_new_check_plugs_in(small_data, tmp_path, monkeypatch):
     monkeypatch.setattr(training, "CHECKS", [*training.CHECKS, check_even_ranks])
     refused(tiny(small_data, tmp_path / "run", nproc=3), ConfigError, "3 ranks: this layout needs an even number")
     assert training.check_request(tiny(small_data, tmp_path / "run", nproc=2)).world_size == 2
+
+
+def test_the_worker_imports_no_launch_code():
+    """python -m course_lib.gpt.train starts without the host side (and no import cycle through it)."""
+    code = ("import sys, course_lib.gpt.train; "
+            "print(sorted(m for m in sys.modules if m.startswith('course_lib.launch')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert proc.stdout.strip() == "[]"

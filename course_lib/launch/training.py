@@ -17,8 +17,8 @@ Either way: :func:`check_request` refuses a bad request before anything is spawn
 that says what to change; :func:`prepare_run_dir` writes ``RUN_DIR/config.json`` (RUN_DIR =
 ``config.out_dir``); then ``python -m course_lib.gpt.train --config-file RUN_DIR/config.json``
 runs on every rank under torchrun through :func:`course_lib.launch.api.launch` (its process
-handling, logs in ``RUN_DIR/logs``, failure diagnosis). Training in this process instead is
-:func:`course_lib.gpt.train.train` after :func:`prepare_run`.
+handling, logs in ``RUN_DIR/logs``, failure diagnosis). One process can also train right here,
+after the same checks: :func:`train_in_process`.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from course_lib.analysis.memory import ModelShape, breakdown
 from course_lib.gpt import checkpoint as ckpt_io
 from course_lib.gpt import data
 from course_lib.gpt.config import TrainConfig
+from course_lib.gpt.train import train
 from course_lib.hardware import detect, pick_dtype
 from course_lib.launch import checks
 from course_lib.launch.api import LaunchResult, launch
@@ -160,6 +161,16 @@ def prepare_run(config: TrainConfig, *, nproc=None, nnodes: int = 1, overwrite: 
     req = check_request(config, nproc=nproc, nnodes=nnodes, overwrite=overwrite)
     prepare_run_dir(req)
     return req
+
+
+def train_in_process(config: TrainConfig, *, overwrite: bool = False, progress: bool = True) -> dict:
+    """The same checks and run directory, then one process training right here (a notebook's
+    kernel, a test): :func:`course_lib.gpt.train.train`. Returns its summary."""
+    req = prepare_run(config, overwrite=overwrite)
+    if req.world_size > 1 or req.strategy != "single":
+        raise LaunchConfigError(f"{req.world_size} rank(s) with strategy {req.strategy} need workers: "
+                                "use launch_training (or course train)")
+    return train(req.config, progress=progress)
 
 
 def run_training(config: TrainConfig, *, display: str = "notebook", nproc=None, nnodes: int = 1,

@@ -210,19 +210,19 @@ def train_live(cfg, *, overwrite: bool = False, interval_s: float = 1.0, plot: L
     (:func:`course_lib.launch.training.prepare_run`: ``overwrite`` restarts a run that is there;
     ``cfg.init_from == "resume"`` continues it, and the plot shows its earlier rows too). One
     process (``cfg.nproc == 1``, strategy single) then trains right here
-    (:func:`course_lib.gpt.train.train`); more are launched with
+    (:func:`course_lib.launch.training.train_in_process`); more are launched with
     :func:`course_lib.launch.launch_training` (extra keyword arguments go to it).
     """
     from IPython.display import display  # why: IPython only where a plot is shown
 
-    from course_lib.gpt.train import train  # why: the trainer and the launcher import torch; the plot needs neither
-    from course_lib.launch.training import launch_training, prepare_run
+    # why: the trainer and the launcher import torch; the plot alone needs neither
+    from course_lib.launch.training import launch_training, prepare_run, train_in_process
 
     req = prepare_run(cfg, overwrite=overwrite)  # clear errors before anything is shown or started
     if plot is None:
         plot = LiveLossPlot(Path(cfg.out_dir) / "metrics.csv", cfg.max_iters, cfg.name, interval_s=interval_s)
         display(plot)
     if req.world_size == 1 and req.strategy == "single":
-        return plot.follow(train, req.config, progress=progress)
+        return plot.follow(train_in_process, req.config, overwrite=True, progress=progress)  # checked above
     plot.follow(launch_training, req.config, progress=progress, check=True, **launch_kwargs)
     return json.loads((Path(cfg.out_dir) / "summary.json").read_text())
