@@ -90,6 +90,15 @@ def check_resumable(saved: dict, cfg: TrainConfig, path: str | os.PathLike = "ch
                           f"pass {fix} to continue that run, or start a new one in another --out_dir")
 
 
+def check_resume(ck: dict, cfg: TrainConfig, path: str | os.PathLike, world_size: int) -> None:
+    """Can ``cfg`` on ``world_size`` ranks continue checkpoint ``ck``? (checked by the launcher
+    before spawning, and again by each worker, which may have been started some other way)."""
+    check_resumable(ck["config"], cfg, path, ck["iter_num"])
+    if ck["world_size"] != world_size:
+        raise CheckpointError(f"{path} was written by {ck['world_size']} ranks, this run has {world_size}; "
+                              f"resume with --nproc={ck['world_size']}")
+
+
 def rng_state(data_state: torch.Tensor) -> dict:
     """This rank's random state: torch (CPU and CUDA), Python's, and the data sampler's
     (``data_state``: the sampler generator's state that redraws the pending batch)."""

@@ -89,10 +89,7 @@ def setup_run(cfg: TrainConfig, rt: Runtime) -> Run:
 def _resume(run: Run) -> None:
     path = Path(run.cfg.out_dir) / ckpt_io.LAST
     ck = ckpt_io.load_checkpoint(path, map_location=run.rt.device)
-    ckpt_io.check_resumable(ck["config"], run.cfg, path, ck["iter_num"])
-    if ck["world_size"] != run.rt.world_size:
-        raise ckpt_io.CheckpointError(f"{path} was written by {ck['world_size']} ranks, this run has "
-                                      f"{run.rt.world_size}; resume with --nproc={ck['world_size']}")
+    ckpt_io.check_resume(ck, run.cfg, path, run.rt.world_size)
     run.strategy.load_state_dict(ck)
     if ck["scaler"] is not None and run.precision.scaler.is_enabled():
         run.precision.scaler.load_state_dict(ck["scaler"]["state"])

@@ -109,11 +109,7 @@ def check_out_dir(req: TrainRequest) -> None:
     """A resume matches its checkpoint (fields, ranks); a new run does not overwrite one unasked."""
     cfg, last = req.config, Path(req.config.out_dir) / ckpt_io.LAST
     if cfg.init_from == "resume":
-        ck = ckpt_io.load_checkpoint(last, mmap=True)
-        ckpt_io.check_resumable(ck["config"], cfg, last, ck["iter_num"])
-        if ck["world_size"] != req.world_size:
-            raise ckpt_io.CheckpointError(f"{last} was written by {ck['world_size']} ranks, this run has "
-                                          f"{req.world_size}; resume with --nproc={ck['world_size']}")
+        ckpt_io.check_resume(ckpt_io.load_checkpoint(last, mmap=True), cfg, last, req.world_size)
     elif last.exists() and not req.overwrite:
         raise LaunchConfigError(f"{cfg.out_dir} already holds a run (last.pt); pass --resume to continue it, "
                                 "--overwrite to start it again, or choose another --out_dir")
@@ -184,6 +180,7 @@ def run_training(config: TrainConfig, *, display: str = "notebook", nproc=None, 
     """
     if display not in DISPLAYS:
         raise LaunchConfigError(f"display must be one of {', '.join(DISPLAYS)}, got {display!r}")
+    checks.check_timeout("timeout", timeout)  # the rest of launch()'s own checks need no run directory
     req = prepare_run(config, nproc=nproc, nnodes=nnodes, overwrite=overwrite)
     cfg, config_file = req.config, Path(req.config.out_dir).resolve() / "config.json"
     env = dict(env or {})
