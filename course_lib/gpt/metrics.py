@@ -10,9 +10,9 @@ that do not stall the GPU.
 ``step_ms`` is wall time per iteration averaged since the previous row; ``compute_ms`` the time
 in forward/backward and the optimizer step (CUDA events on a GPU, so no host sync per step);
 ``comm_ms`` the exposed communication the Strategy measured (``comm_s``), which is not counted
-in ``compute_ms``. ``tflops`` is the
-achieved model FLOP/s of the whole job and ``mfu`` that over the peak of all its devices (PaLM,
-Chowdhery et al. 2022, App. B); on a CPU the peak is an estimate (course_lib.hardware).
+in ``compute_ms``. ``tflops`` is the achieved model FLOP/s of the whole job and ``mfu`` that over
+the peak of all its devices (PaLM, Chowdhery et al. 2022, App. B); on a CPU the peak is an
+estimate (course_lib.hardware).
 Each row is on disk (file closed) as soon as it is written: a crash loses nothing already logged.
 """
 
