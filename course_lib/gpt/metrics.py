@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from course_lib.gpt.runtime import launcher_info
 from course_lib.hardware import detect
 from course_lib.utils import atomic_write_bytes
 
@@ -166,7 +167,8 @@ class RunMeter:
                      "tokens_per_iter": self.tokens_per_iter,
                      "global_batch": cfg.batch_size * cfg.gradient_accumulation_steps * rt.world_size,
                      "hardware": profile.name, "peak_flops_per_device": peak, "peak_is_estimate": profile.estimated,
-                     "torch": torch.__version__, "start_iter": start_iter}
+                     "torch": torch.__version__, "start_iter": start_iter, "launcher": launcher_info(),
+                     "backend": dist.get_backend() if dist.is_initialized() else None}
         self.writer = None
         if self.master:
             announce_run(cfg, self.info)  # run.json, config.json and the header lines
