@@ -9,7 +9,8 @@
 Modules:
 
     api         launch(), LaunchResult: any script or module on N ranks, supervised
-    training    launch_training(): the course trainer on N ranks, with progress and metrics
+    training    the one training path: check_request, run_training behind launch_training()
+                and ``course train``
     train_cli   ``course train``
     demo        ``make demo``: the instructor's end-to-end run
     checks      refusing bad launches before anything is spawned
