@@ -241,22 +241,47 @@ def test_lesson_structure(path):
     assert nb.metadata.get("kernelspec", {}).get("name") == "python3"
 
 
-def test_setup_cell_installs_on_colab_only(monkeypatch):
-    calls = []
+def _run_setup_cell(source: str) -> list[tuple[str, str]]:
+    """Run a setup cell with a shell that records its line magics, expanding {variables} as IPython does."""
+    from IPython.utils.text import DollarFormatter
+
+    calls, namespace = [], {}
 
     class FakeShell:
         def run_line_magic(self, name, line):
-            calls.append((name, line))
+            calls.append((name, DollarFormatter().vformat(line, args=[], kwargs=namespace)))
 
-    code = compile(cell_python(smoke.colab_setup_cell()), "<setup cell>", "exec")
+    namespace["get_ipython"] = FakeShell
+    exec(compile(cell_python(source), "<setup cell>", "exec"), namespace)  # noqa: S102 - our own generated cell
+    return calls
+
+
+def test_setup_cell_installs_on_colab_only(monkeypatch):
     monkeypatch.delenv("COLAB_RELEASE_TAG", raising=False)
-    exec(code, {"get_ipython": FakeShell})  # noqa: S102 - our own generated cell
-    assert calls == []
+    monkeypatch.delenv("COURSE_INSTALL_SPEC", raising=False)
+    assert _run_setup_cell(smoke.colab_setup_cell()) == []
     monkeypatch.setenv("COLAB_RELEASE_TAG", "release-colab-test")
-    exec(code, {"get_ipython": FakeShell})  # noqa: S102
-    assert calls == [("pip", f'install --quiet "{smoke.install_spec()}"')]
-    # the mpich extra: Colab has no MPI, and %%mpirun needs the wheel's mpiexec
-    assert smoke.install_spec(repo="o/r", branch="b") == "course-lib[mpich] @ git+https://github.com/o/r@b"
+    assert _run_setup_cell(smoke.colab_setup_cell()) == [("pip", f'install --quiet "{smoke.install_spec()}"')]
+    # the colab extra: MPICH (Colab has no MPI, and %%mpirun needs the wheel's mpiexec) and otter-grader
+    assert smoke.install_spec(repo="o/r", branch="b") == "course-lib[colab] @ git+https://github.com/o/r@b"
+    # a fork or a mirror: the environment variable, or an edit of the one line that names the spec
+    mirror = "course-lib[colab] @ git+https://git.example.org/me/course.git@v2"
+    monkeypatch.setenv("COURSE_INSTALL_SPEC", mirror)
+    assert _run_setup_cell(smoke.colab_setup_cell()) == [("pip", f'install --quiet "{mirror}"')]
+    monkeypatch.delenv("COURSE_INSTALL_SPEC")
+    edited = smoke.colab_setup_cell().replace(smoke.install_spec(), "course-lib==0.1.0")
+    assert sum(smoke.install_spec() in line for line in smoke.colab_setup_cell().splitlines()) == 1
+    assert _run_setup_cell(edited) == [("pip", 'install --quiet "course-lib==0.1.0"')]
+
+
+def test_exercise_setup_cells_share_the_install_spec():
+    from course_lib import exercises
+
+    lines = smoke.colab_install_lines(then=("from course_lib.exercises import fetch_student_tests",
+                                            'fetch_student_tests("01_collectives")'))
+    assert lines in exercises.colab_setup_cell("01_collectives")
+    assert smoke.colab_install_lines() in smoke.colab_setup_cell()
+    assert exercises.install_spec() == smoke.install_spec()
 
 
 def test_sync_rewrites_badge_and_setup_cell():
