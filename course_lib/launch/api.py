@@ -133,7 +133,7 @@ def launch(target, args: Sequence[str] = (), *, nproc="auto", nnodes: int = 1,
     nccl_debug / nccl_debug_subsys / nccl_debug_file: NCCL_DEBUG, NCCL_DEBUG_SUBSYS, NCCL_DEBUG_FILE.
     progress: a callable(run_dir) -> object with poll() and close() (training progress bar).
     """
-    device = checks.resolve_device(device)
+    device = checks.resolve_device(device, nproc)
     nproc = checks.resolve_nproc(nproc, device)
     nnodes = checks.check_nnodes(nnodes)
     timeout = checks.check_timeout("timeout", timeout)

@@ -92,13 +92,14 @@ def launch_training(config, *, nproc=None, nnodes: int = 1, timeout: float | Non
     prepared, dtype, resume compatible); ``overwrite`` (default, so a re-run notebook cell starts
     afresh) clears a finished run in ``out_dir``, False refuses it. Returns a LaunchResult whose ``metrics`` is RUN_DIR/metrics.csv as a DataFrame.
     """
-    device = config.device.split(":")[0]
-    device = checks.resolve_device(device)
-    nproc = checks.resolve_nproc(config.nproc if nproc is None else nproc, device)
+    nproc = config.nproc if nproc is None else nproc
+    device = checks.resolve_device(config.device.split(":")[0], nproc)
+    nproc = checks.resolve_nproc(nproc, device)
     nnodes = checks.check_nnodes(nnodes)
     check_training(config, nproc, nnodes, device)
     if dataclasses.is_dataclass(config) and hasattr(config, "replace"):
-        config = config.replace(nproc=nproc)
+        # the workers train where the launch decided ('auto' with more ranks than GPUs: CPU)
+        config = config.replace(nproc=nproc, **({"device": "cpu"} if device == "cpu" else {}))
     from course_lib.gpt.config import ConfigError
     from course_lib.launch.train_cli import prepare_run_dir
 
