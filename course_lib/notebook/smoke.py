@@ -1,6 +1,6 @@
 """Notebook harness: the smoke-mode switch, and the Colab badge and install cell of each notebook.
 
-    COURSE_SMOKE=1 python -m pytest tests/test_notebooks.py    # every notebook, shrunk
+    python -m pytest tests/test_colab_wheel.py    # every notebook, shrunk (the test sets COURSE_SMOKE=1)
 
 Smoke mode lets the tests run every notebook top to bottom on a 2-core CPU in seconds: the same
 cells run, only with fewer iterations and smaller sizes. A notebook never branches on smoke mode
