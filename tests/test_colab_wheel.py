@@ -1,6 +1,7 @@
 """Colab from a wheel: every lesson and every student release runs from a pip-installed package.
 
-    python -m pytest tests/test_colab_wheel.py -q      # builds the wheel, then runs every notebook
+    python -m pytest tests/test_colab_wheel.py -q                 # builds the wheel, runs every notebook
+    python -m pytest tests/test_colab_wheel.py -q -m "not slow"   # the wheel's contents only (seconds)
 
 As Colab does it: the course is built into a wheel and installed in a fresh virtual environment
 outside the clone (tests/wheel_env.py; the dependencies are this interpreter's, no network), and
@@ -42,9 +43,6 @@ KERNEL = "course-wheel"
 PIP_CHECK = ("assert COURSE_INSTALL_SPEC == os.environ['COURSE_INSTALL_SPEC'] and _exit_code == 0, "
              "'the setup cell did not pip-install the wheel'")
 CELL_TIMEOUT = 180  # s per cell in smoke mode: a guard against hangs, not a speed target
-
-pytestmark = pytest.mark.slow
-
 
 @dataclass(frozen=True)
 class Colab:
@@ -111,18 +109,22 @@ def test_installed_package_is_the_wheel_and_works_without_the_clone(colab, tmp_p
     env = colab.env(home)
     probe = (
         "import json, course_lib\n"
-        "from course_lib.utils import repo_root, default_data_dir\n"
+        "from course_lib.utils import repo_root, shipped_file\n"
         "from course_lib.notebook import diagrams\n"
         "from course_lib.gpt import data\n"
         "out = data.prepare('shakespeare_char', quiet=True)\n"
         "print(json.dumps({'file': course_lib.__file__, 'root': str(repo_root()), 'data': str(out),\n"
+        "                  'text': str(shipped_file('tinyshakespeare.txt')),\n"
         "                  'names': diagrams.names(), 'fig': diagrams.diagram('dp_step').how,\n"
         "                  'src': diagrams.mermaid_source('broadcast')}))\n")
     out = subprocess.run([str(colab.python), "-c", probe], check=False, cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert Path(got["file"]).is_relative_to(site_packages(colab.python)) and got["root"] == "None"
+    site = site_packages(colab.python)
+    assert Path(got["file"]).is_relative_to(site) and got["root"] == "None"  # the wheel, not the clone
+    assert Path(got["text"]) == site / "course_lib" / "_data" / "tinyshakespeare.txt"  # a file, not a link
+    assert not Path(got["text"]).is_symlink()
     assert Path(got["data"]) == home / ".cache" / "course_lib" / "data" / "shakespeare_char"
     assert got["names"] == sorted(p.stem for p in (ROOT / "images" / "diagrams").glob("*.mmd"))
     assert got["fig"] == "committed"
@@ -181,12 +183,14 @@ def _execute_alone(colab: Colab, notebook: Path, monkeypatch, with_files: Path |
     return nb
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem)
 def test_lesson_runs_from_the_wheel(colab, path, monkeypatch):
     _execute_alone(colab, path, monkeypatch)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("path", RELEASES, ids=lambda p: p.stem)
 def test_student_release_runs_from_the_wheel(colab, path, monkeypatch):
