@@ -8,7 +8,7 @@ outside the clone (tests/wheel_env.py; the dependencies are this interpreter's, 
 each notebook is copied alone into an empty folder and run there by a kernel of that environment,
 with a fresh home directory and Colab's switch set (``COLAB_RELEASE_TAG``). The notebook's own
 setup cell then runs its Colab branch: ``COURSE_INSTALL_SPEC`` points it at the local wheel
-(``course-lib[colab] @ file:///...``; pip resolves the extras offline, ``PIP_NO_INDEX``), which
+(``course-lib[colab] @ file:///...``, offline), which
 tests the override that a fork or a mirror of the course would use. Nothing of the clone is
 importable or readable: a notebook that needs prepared data, a diagram or a benchmark must get it
 from the installed package.
@@ -60,7 +60,8 @@ class Colab:
         env.update({
             "HOME": str(home), "COLAB_RELEASE_TAG": "course-test-wheel", "COURSE_SMOKE": "1",
             "COURSE_INSTALL_SPEC": f"course-lib[colab] @ {self.wheel.as_uri()}",
-            "PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+            # offline; the dependencies and extras were resolved once, in the test below
+            "PIP_NO_INDEX": "1", "PIP_NO_DEPS": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1",
             "PATH": os.pathsep.join([str(self.python.parent), env.get("PATH", "")]),  # its scripts, mpiexec
             # matplotlib's font cache only (seconds to rebuild per notebook): shared, not course state
             "MPLCONFIGDIR": str(self.mpl_cache),
@@ -129,6 +130,14 @@ def test_installed_package_is_the_wheel_and_works_without_the_clone(colab, tmp_p
     assert got["names"] == sorted(p.stem for p in (ROOT / "images" / "diagrams").glob("*.mmd"))
     assert got["fig"] == "committed"
     assert got["src"] == (ROOT / "images" / "diagrams" / "broadcast.mmd").read_text()
+    # what the setup cell asks pip for resolves offline: the package, its dependencies, the colab extra
+    env.pop("PIP_NO_DEPS")
+    pip = subprocess.run([str(colab.python), "-m", "pip", "install", "--dry-run", "--report", "-", "--quiet",
+                          env["COURSE_INSTALL_SPEC"]], check=False, cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert pip.returncode == 0, pip.stderr
+    requested = {r["metadata"]["name"] for r in json.loads(pip.stdout)["install"]}
+    assert requested <= {"course-lib"}, requested  # everything else already satisfied
     cli = subprocess.run([str(colab.python.parent / "course"), "data", "prepare", "shakespeare_char"], check=False,
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert cli.returncode == 0 and "already prepared" in cli.stdout, cli.stdout + cli.stderr
