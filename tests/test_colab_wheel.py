@@ -90,7 +90,7 @@ def _wheel_files(wheel: Path) -> dict[str, bytes]:
         return {name: z.read(name) for name in z.namelist()}
 
 
-def test_wheel_carries_data_diagrams_and_the_strategy_comparison(colab):
+def test_wheel_carries_data_diagrams_public_tests_and_the_strategy_comparison(colab):
     files = _wheel_files(colab.wheel)
     for name in ("tinyshakespeare.txt", "gpt2.tiktoken"):
         assert files[f"course_lib/_data/{name}"] == (ROOT / "data" / name).read_bytes()
@@ -101,6 +101,13 @@ def test_wheel_carries_data_diagrams_and_the_strategy_comparison(colab):
                 if n.startswith("course_lib/_diagrams/")}
     assert packaged == diagrams
     assert any(n.endswith(".mmd") for n in packaged) and "rendered/manifest.json" in packaged
+    # the exercises' public tests, as in the student releases; nothing of the solutions
+    public = {p.relative_to(ROOT).as_posix(): p.read_bytes() for p in ROOT.glob("exercises/*/**/*.py")
+              if p.parent.name == "tests" and "autograder" not in p.parts}
+    shipped = {n.removeprefix("course_lib/_course/"): b for n, b in files.items()
+               if n.startswith("course_lib/_course/") and n.endswith(".py")}
+    assert public and shipped == public
+    assert not [n for n in files if n.startswith("course_lib/_course/") and (n.endswith(".ipynb") or "autograder" in n)]
     assert "course_lib/experiments/strategy_comparison.py" in files
     assert not [n for n in files if n.split("/")[0] in ("tests", "benchmarks", "notebooks", "exercises")]
 
@@ -114,8 +121,10 @@ def test_installed_package_is_the_wheel_and_works_without_the_clone(colab, tmp_p
         "from course_lib.notebook import diagrams\n"
         "from course_lib.gpt import data\n"
         "out = data.prepare('shakespeare_char', quiet=True)\n"
+        "from course_lib.exercises import fetch_student_tests\n"
+        f"tests = [p.name for p in fetch_student_tests({RELEASES[0].stem!r}, 'fetched')]\n"
         "print(json.dumps({'file': course_lib.__file__, 'root': str(repo_root()), 'data': str(out),\n"
-        "                  'text': str(shipped_file('tinyshakespeare.txt')),\n"
+        "                  'text': str(shipped_file('tinyshakespeare.txt')), 'tests': tests,\n"
         "                  'names': diagrams.names(), 'fig': diagrams.diagram('dp_step').how,\n"
         "                  'src': diagrams.mermaid_source('broadcast')}))\n")
     out = subprocess.run([str(colab.python), "-c", probe], check=False, cwd=tmp_path, env=env, capture_output=True,
@@ -129,6 +138,9 @@ def test_installed_package_is_the_wheel_and_works_without_the_clone(colab, tmp_p
     assert Path(got["data"]) == home / ".cache" / "course_lib" / "data" / "shakespeare_char"
     assert got["names"] == sorted(p.stem for p in (ROOT / "images" / "diagrams").glob("*.mmd"))
     assert got["fig"] == "committed"
+    release_tests = RELEASES[0].parent / "tests"  # copied offline from the package, hashes checked
+    assert sorted(got["tests"]) == sorted(p.name for p in release_tests.glob("*.py")) != []
+    assert all((tmp_path / "fetched" / n).read_bytes() == (release_tests / n).read_bytes() for n in got["tests"])
     assert got["src"] == (ROOT / "images" / "diagrams" / "broadcast.mmd").read_text()
     # what the setup cell asks pip for resolves offline: the package, its dependencies, the colab extra
     env.pop("PIP_NO_DEPS")

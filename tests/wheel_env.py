@@ -24,8 +24,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
-# What a build reads: the package (with its links into data/ and images/), and the project files.
-SOURCE_TREE = ("pyproject.toml", "README.md", "course_lib", "data", "images")
+# What a build reads: the package (with its links into data/, images/ and exercises/), the project files.
+SOURCE_TREE = ("pyproject.toml", "README.md", "course_lib", "data", "images", "exercises")
 
 
 def clean_env(env: dict[str, str]) -> dict[str, str]:

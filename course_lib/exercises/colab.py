@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from course_lib.exercises.layout import MANIFEST, Exercise
+from course_lib.utils import PACKAGE_DIR
 
 
 def install_spec() -> str:
@@ -37,10 +38,14 @@ def colab_setup_cell(name: str) -> str:
 
 def fetch_student_tests(name: str, dest: str | os.PathLike = "tests", base_url: str | None = None) -> list[Path]:
     """Download the public tests of exercise ``name`` (its ``dist/student/tests/*.py``) into
-    ``dest``, for ``grader.check`` on Colab. ``base_url`` defaults to the repository's raw files
-    on GitHub; any URL urllib opens works (``file:///path/to/clone`` for a local copy)."""
+    ``dest``, for ``grader.check`` on Colab. ``base_url`` defaults to the copy inside the installed
+    package (``course_lib/_course``, the public tests as package data: offline, and from the same
+    fork or mirror as the package), else the repository's raw files on GitHub; any URL urllib
+    opens works (``file:///path/to/clone`` for a local copy)."""
     import urllib.request
 
+    if base_url is None and (PACKAGE_DIR / "_course" / "exercises" / name).is_dir():
+        base_url = (PACKAGE_DIR / "_course").as_uri()
     if base_url is None:
         from course_lib import GITHUB_BRANCH, GITHUB_REPO
 
