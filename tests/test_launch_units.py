@@ -223,9 +223,7 @@ def test_refuses_training_config_that_does_not_fit(nothing_spawned):
 # ---------------------------------------------------------------- a machine with one GPU (Colab's T4)
 
 def test_more_ranks_than_gpus_run_as_cpu_ranks_with_a_note(monkeypatch, capsys):
-    from course_lib import hardware
-
-    monkeypatch.setattr(hardware, "gpu_count", lambda: 1)
+    monkeypatch.setattr(checks, "gpu_count", lambda: 1)
     assert checks.resolve_device("auto", 2) == "cpu" and checks.resolve_device("auto", "3") == "cpu"
     err = capsys.readouterr().err
     assert "note: 2 ranks but 1 GPU(s) here: the ranks run as CPU processes (gloo)" in err
@@ -235,17 +233,16 @@ def test_more_ranks_than_gpus_run_as_cpu_ranks_with_a_note(monkeypatch, capsys):
     assert checks.resolve_device("cuda", 2) == "cuda"  # asked for explicitly: refused, not changed
     with pytest.raises(checks.LaunchConfigError, match=r"2 GPU ranks asked for but this machine has 1 GPU"):
         checks.resolve_nproc(2, "cuda")
-    monkeypatch.setattr(hardware, "gpu_count", lambda: 0)
+    monkeypatch.setattr(checks, "gpu_count", lambda: 0)
     assert checks.resolve_device("auto", 2) == "cpu" and capsys.readouterr().err == ""
 
 
 def test_launch_training_with_more_ranks_than_gpus_trains_on_cpu(monkeypatch, tmp_path, capsys):
-    from course_lib import hardware
     from course_lib.gpt.config import TrainConfig, make_config
     from course_lib.gpt.data import prepare
     from course_lib.launch import training
 
-    monkeypatch.setattr(hardware, "gpu_count", lambda: 1)
+    monkeypatch.setattr(checks, "gpu_count", lambda: 1)
     launched = {}
     monkeypatch.setattr(training, "launch", lambda target, args, **kw: launched.update(kw, args=args))
     prepare("shakespeare_char", data_dir=tmp_path / "data", quiet=True)
