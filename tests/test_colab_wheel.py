@@ -37,7 +37,9 @@ from wheel_env import build_wheel, clean_env, site_packages, venv_with_wheel
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
 LESSONS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-RELEASES = sorted(ROOT.glob("exercises/*/dist/student/*.ipynb"))
+# the student releases: a notebook with its public tests/ beside it (not the autograder release)
+RELEASES = sorted(p for p in ROOT.glob("exercises/**/*.ipynb")
+                  if (p.parent / "tests").is_dir() and "autograder" not in p.parts and ".ipynb_checkpoints" not in p.parts)
 KERNEL = "course-wheel"
 # run after the setup cell: its Colab branch ran pip on COURSE_INSTALL_SPEC, and pip succeeded
 PIP_CHECK = ("assert COURSE_INSTALL_SPEC == os.environ['COURSE_INSTALL_SPEC'] and _exit_code == 0, "
