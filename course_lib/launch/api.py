@@ -135,7 +135,7 @@ def launch(target, args: Sequence[str] = (), *, nproc="auto", nnodes: int = 1,
         for byte, as a terminal would show that process, its progress bar included; other
         ranks' stderr still prefixed).
     """
-    device = checks.resolve_device(device)
+    device = checks.resolve_device(device, nproc)
     nproc = checks.resolve_nproc(nproc, device)
     nnodes = checks.check_nnodes(nnodes)
     timeout = checks.check_timeout("timeout", timeout)

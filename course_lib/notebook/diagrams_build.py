@@ -203,7 +203,11 @@ def cli(argv: list[str]) -> int:
             print(f"course images: {e}", file=sys.stderr)
             return 1
         print(f"rendered {len(done)} diagram(s) into {RENDERED}/" if done else "all diagrams are up to date")
-    problems = check()
+    try:
+        problems = check()
+    except FileNotFoundError as e:  # an installed package: nothing to check against
+        print(f"course images: {e}", file=sys.stderr)
+        return 1
     for line in problems:
         print(line, file=sys.stderr)
     if args.cmd == "check" and not problems:
