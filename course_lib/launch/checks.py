@@ -2,37 +2,48 @@
 
 Checked: the number of processes and nodes, GPUs asked for versus GPUs present, the script or
 module to run, the batch allocation (SLURM/PBS) the launch runs in, the timeouts and strategy
-names. A training config's memory estimate is checked in :mod:`course_lib.launch.training`.
+names. A whole training request (data, dtype, memory, resume) is checked by
+:func:`course_lib.launch.training.check_request`, which builds on these.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
-from course_lib.launch.cluster import check_allocation, detect_allocation
+from course_lib.gpt.config import ConfigError
+from course_lib.hardware import default_nproc, gpu_count
+from course_lib.launch.allocation import check_allocation, detect_allocation
 
 
-class LaunchConfigError(ValueError):
-    """A launch that cannot work as asked; the message says what to change."""
+class LaunchConfigError(ConfigError):
+    """A launch that cannot work as asked; the message says what to change. A ConfigError (a
+    ValueError): ``course train`` reports both the same way."""
 
 
-def resolve_device(device: str) -> str:
-    """'auto' -> 'cuda' when this machine has a GPU, else 'cpu'."""
-    from course_lib.hardware import gpu_count
+def resolve_device(device: str, nproc=None) -> str:
+    """'auto' -> 'cuda' when this machine has a GPU for each of ``nproc`` ranks, else 'cpu'.
 
+    More ranks than GPUs (2 ranks on Colab's one T4, say) run as CPU processes with gloo, with a
+    one-line note on stderr: the course's multi-rank demos work anywhere. An explicit 'cuda' is
+    never changed (:func:`resolve_nproc` refuses too many ranks for it).
+    """
     if device not in ("auto", "cpu", "cuda"):
         raise LaunchConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
-    if device == "auto":
-        return "cuda" if gpu_count() > 0 else "cpu"
-    return device
+    if device != "auto":
+        return device
+    n_gpu = gpu_count()
+    ranks = int(nproc) if isinstance(nproc, str) and nproc.isdigit() else nproc
+    if n_gpu and isinstance(ranks, int) and not isinstance(ranks, bool) and ranks > n_gpu:
+        print(f"note: {ranks} ranks but {n_gpu} GPU(s) here: the ranks run as CPU processes (gloo)", file=sys.stderr)
+        return "cpu"
+    return "cuda" if n_gpu > 0 else "cpu"
 
 
 def resolve_nproc(nproc, device: str) -> int:
     """Ranks per node: an int >= 1, or 'auto' (one per GPU, else 2 CPU ranks)."""
-    from course_lib.hardware import default_nproc, gpu_count
-
     if nproc == "auto":
         return default_nproc(device)
     if isinstance(nproc, str) and nproc.isdigit():
@@ -96,7 +107,7 @@ def check_scheduler(nnodes: int, nproc_per_node: int, device: str, env=None) -> 
 
 
 def check_strategy(name: str) -> None:
-    from course_lib.parallel.strategy import STRATEGIES
+    from course_lib.parallel.strategy import STRATEGIES  # why: imports torch; launching a plain script needs none
 
     if name not in STRATEGIES:
         raise LaunchConfigError(f"unknown strategy {name!r}; choose one of {sorted(STRATEGIES)}")

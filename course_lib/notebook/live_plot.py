@@ -33,6 +33,13 @@ from collections.abc import Callable, Sequence
 from html import escape
 from pathlib import Path
 
+import ipywidgets as w
+from IPython.display import display
+from matplotlib.figure import Figure  # no pyplot: no global figure state
+
+from course_lib.gpt.metrics import read_metrics
+from course_lib.notebook.plots import plot_loss_curve
+
 
 def ema(values: Sequence[float], smoothing: float) -> list[float]:
     """Exponential moving average with weight ``smoothing`` on the past (0 = no smoothing).
@@ -54,8 +61,6 @@ def ema(values: Sequence[float], smoothing: float) -> list[float]:
 def read_rows(path: str | os.PathLike) -> list[dict] | None:
     """The rows of a metrics.csv being written, or None if it cannot be read right now (not yet
     created, or a row half-written at this instant: the next poll reads it whole)."""
-    from course_lib.gpt.metrics import read_metrics
-
     try:
         return read_metrics(path)
     except (OSError, ValueError, KeyError, TypeError):
@@ -90,11 +95,7 @@ def status_html(rows: Sequence[dict], total_iters: int | None, smoothing: float,
 def loss_figure(rows: Sequence[dict], smoothing: float = 0.0, title: str | None = None,
                 total_iters: int | None = None, ax=None):
     """The loss curves of a run (course_lib.notebook.plots.plot_loss_curve) plus the smoothed train loss."""
-    from course_lib.notebook.plots import plot_loss_curve
-
     if ax is None:
-        from matplotlib.figure import Figure  # no pyplot: no global figure state
-
         ax = Figure(figsize=(7, 4), layout="constrained").add_subplot()
     fig = ax.figure
     if not _valid(rows, "train_loss") and not _valid(rows, "val_loss"):
@@ -125,8 +126,6 @@ class LiveLossPlot:
 
     def __init__(self, metrics_csv: str | os.PathLike, total_iters: int | None = None, title: str = "",
                  smoothing: float = 0.6, interval_s: float = 1.0, figsize=(7.5, 3.6), dpi: int = 80):
-        import ipywidgets as w
-
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         ema([], smoothing)  # validates
@@ -213,27 +212,25 @@ def train_live(cfg, *, overwrite: bool = False, interval_s: float = 1.0, plot: L
                progress: bool = True, **launch_kwargs) -> dict:
     """Train ``cfg`` (a course_lib.gpt.config.TrainConfig) with a live loss plot; returns its summary.
 
-    One process (``cfg.nproc == 1`` and a non-distributed strategy) trains right here, through
-    :func:`course_lib.launch.train_cli.run`; otherwise the ranks are launched with
-    :func:`course_lib.launch.launch_training` (extra keyword arguments go to it). The run
-    directory is checked and prepared first either way (``overwrite`` restarts a run that is
-    there; ``cfg.init_from == "resume"`` continues it, and the plot shows its earlier rows too).
+    The request is checked and the run directory prepared first
+    (:func:`course_lib.launch.training.prepare_run`: ``overwrite`` restarts a run that is there;
+    ``cfg.init_from == "resume"`` continues it, and the plot shows its earlier rows too). One
+    process (``cfg.nproc == 1``, strategy single) then trains right here
+    (:func:`course_lib.launch.training.train_in_process`); more are launched with
+    :func:`course_lib.launch.launch_training` (extra keyword arguments go to it).
     """
-    from IPython.display import display
+    # why: the trainer and the launcher import torch; the plot alone needs neither
+    from course_lib.launch.training import launch_training, prepare_run, train_in_process
 
-    from course_lib.launch import train_cli as train_launch
-
-    train_launch.prepare_run_dir(cfg, overwrite)  # clear errors before anything is shown or started
+    req = prepare_run(cfg, overwrite=overwrite)  # clear errors before anything is shown or started
     handle = None
     if plot is None:
         plot = LiveLossPlot(Path(cfg.out_dir) / "metrics.csv", cfg.max_iters, cfg.name, interval_s=interval_s)
         handle = display(plot, display_id=True)
     try:
-        if not train_launch.needs_launch(cfg):
-            return plot.follow(train_launch.run, cfg, overwrite=True, progress=progress)  # checked above
-        from course_lib.launch import launch_training
-
-        plot.follow(launch_training, cfg, progress=progress, check=True, **launch_kwargs)
+        if req.world_size == 1 and req.strategy == "single":
+            return plot.follow(train_in_process, req.config, overwrite=True, progress=progress)  # checked above
+        plot.follow(launch_training, req.config, progress=progress, check=True, **launch_kwargs)
         return json.loads((Path(cfg.out_dir) / "summary.json").read_text())
     finally:
         if handle is not None:  # the saved output: the last plot and status, not the first

@@ -56,13 +56,14 @@ def in_notebook() -> bool:
 
 def progress_bar(*args, **kwargs):
     """A tqdm bar (same arguments); in a notebook, one whose saved output is its final line."""
+    import sys
     import warnings
 
     from tqdm import TqdmExperimentalWarning
 
     with warnings.catch_warnings():  # tqdm.autonotebook warns that it picked the notebook bar
         warnings.simplefilter("ignore", TqdmExperimentalWarning)
-        if kwargs.get("disable") or kwargs.get("file") is not None or not in_notebook():
+        if kwargs.get("disable") or kwargs.get("file") not in (None, sys.stdout, sys.stderr) or not in_notebook():
             from tqdm.auto import tqdm
 
             return tqdm(*args, **kwargs)
