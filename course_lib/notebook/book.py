@@ -1,4 +1,4 @@
-"""The course website: the lessons, executed, as a static Sphinx site (``make book``).
+"""python -m course_lib.notebook.book [--smoke] [--force]: the course website (``make book``).
 
     python -m course_lib.notebook.book                    # full mode, cached; site in build/book/html
     python -m course_lib.notebook.book --smoke            # every notebook shrunk (what the tests build)
@@ -215,7 +215,8 @@ def times_table(cache_dir: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m course_lib.notebook.book", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m course_lib.notebook.book",
+                                description="Build the course website from the executed lessons.")
     p.add_argument("--smoke", action="store_true", help="execute the notebooks in smoke mode (seconds, not minutes)")
     p.add_argument("--force", action="store_true", help="re-execute every notebook, cached or not")
     p.add_argument("--out", type=Path, help="output folder (default build/book)")
