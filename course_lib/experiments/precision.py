@@ -122,3 +122,54 @@ def autocast_bytes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, dtype: st
     return {"params": by_dtype(ps), "grads": by_dtype(p.grad for p in ps),
             "optimizer": by_dtype(v for p in ps for k, v in opt.state[p].items() if k != "step"),
             "saved": dict(saved_by), "num_params": sum(p.numel() for p in ps)}
+
+
+def grad_comm_worker(rank: int, world_size: int, strategies=("ddp", "torch_ddp"),
+                     dtypes=("float32", "bfloat16"), gpt_kwargs: dict | None = None, steps: int = 10,
+                     batch_size: int = 4, lr: float = 3e-3, seed: int = 0) -> dict:
+    """One rank of a data-parallel run per (strategy, gradient communication dtype), from the same
+    weights on the same data: ``run_ranks(grad_comm_worker, 2, args=(...))``.
+
+    Per run: ``losses`` (mean over ranks, per step), ``volume`` (bytes the strategy's Comms
+    counted for one step's gradients, ZeRO accounting; None for PyTorch DDP, whose C++ reducer
+    our counter does not see) and ``on_grid`` (every averaged gradient value is a number of the
+    communication dtype: the proof that the 16-bit path really ran, for either implementation).
+    """
+    import torch.distributed as dist
+
+    from course_lib.gpt.model import GPT, GPTConfig
+    from course_lib.parallel.strategy import build_strategy
+
+    cfg = GPTConfig(**(gpt_kwargs or {"block_size": 16, "vocab_size": 65, "n_layer": 2, "n_head": 2,
+                                      "n_embd": 32, "bias": False}))
+    out = {}
+    for name in strategies:
+        for dtype in dtypes:
+            torch.manual_seed(seed)
+            model = GPT(cfg)
+            comm = None if dtype == "float32" else getattr(torch, dtype)
+            strategy = build_strategy(name, model, lambda m: torch.optim.AdamW(m.parameters(), lr=lr),
+                                      grad_comm_dtype=comm)
+            gen = torch.Generator().manual_seed(seed + 1)
+            losses, volume, on_grid = [], None, True
+            for _ in range(steps):
+                idx = torch.randint(0, cfg.vocab_size, (batch_size * world_size, cfg.block_size + 1),
+                                    generator=gen)
+                x, y = idx[rank::world_size, :-1].contiguous(), idx[rank::world_size, 1:].contiguous()
+                before = strategy.comms.volume_bytes if hasattr(strategy, "comms") else None
+                loss = strategy.model(x, y)[1]
+                loss.backward()
+                strategy.finish_grads()
+                if before is not None:
+                    volume = strategy.comms.volume_bytes - before
+                if comm is not None:
+                    on_grid &= all(torch.equal(p.grad, p.grad.to(comm).float())
+                                   for p in model.parameters() if p.grad is not None)
+                strategy.step()
+                strategy.zero_grad()
+                mean = loss.detach().clone()
+                dist.all_reduce(mean)
+                losses.append(mean.item() / world_size)
+            out[(name, dtype)] = {"losses": losses, "volume": volume, "on_grid": on_grid,
+                                  "num_params": model.num_params()}
+    return out
