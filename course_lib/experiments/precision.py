@@ -22,6 +22,8 @@ from collections import defaultdict
 import torch
 from torch import nn
 
+from course_lib.gpt.activation_meter import SavedTensorMeter
+
 
 def _flat_grads(model: nn.Module, scale: float) -> torch.Tensor:
     return torch.cat([(p.grad.float() / scale).flatten() if p.grad is not None
@@ -89,18 +91,9 @@ def autocast_bytes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, dtype: st
     model = copy.deepcopy(model).train()
     if hasattr(model, "set_recompute"):
         model.set_recompute(recompute)
-    params = {_storage_key(p) for p in model.parameters()}
-    saved: dict[int, tuple[str, int]] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(t)
-        if key not in params:
-            saved[key] = (str(t.dtype).removeprefix("torch."), t.untyped_storage().nbytes())
-        return t
-
     device_type = next(model.parameters()).device.type
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+    with SavedTensorMeter(model) as meter, \
             torch.autocast(device_type, dtype=getattr(torch, dtype), enabled=dtype != "float32"):
         _, loss = model(x, y)
     loss.backward()
@@ -115,13 +108,10 @@ def autocast_bytes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, dtype: st
                 out[str(t.dtype).removeprefix("torch.")] += t.untyped_storage().nbytes()
         return dict(out)
 
-    saved_by: dict[str, int] = defaultdict(int)
-    for dt, n in saved.values():
-        saved_by[dt] += n
     ps = list(model.parameters())
     return {"params": by_dtype(ps), "grads": by_dtype(p.grad for p in ps),
             "optimizer": by_dtype(v for p in ps for k, v in opt.state[p].items() if k != "step"),
-            "saved": dict(saved_by), "num_params": sum(p.numel() for p in ps)}
+            "saved": meter.by_dtype(), "num_params": sum(p.numel() for p in ps)}
 
 
 def grad_comm_worker(rank: int, world_size: int, strategies=("ddp", "torch_ddp"),
