@@ -163,3 +163,26 @@ def grad_comm_worker(rank: int, world_size: int, strategies=("ddp", "torch_ddp")
             out[(name, dtype)] = {"losses": losses, "volume": volume, "on_grid": on_grid,
                                   "num_params": model.num_params()}
     return out
+
+
+def recompute_runs(base, modes=("none", "selective", "full")) -> list[dict]:
+    """Train ``base`` (a TrainConfig) once per recompute mode in this process, each in its own
+    ``out_dir/<mode>``; one row per run from its metrics.csv: the activation bytes measured and
+    modelled (MB per rank), the median compute ms per step (the first logged row, with its
+    warm-up, left out) and the final training loss."""
+    import statistics
+    from pathlib import Path
+
+    from course_lib.gpt.metrics import read_metrics
+    from course_lib.launch.training import train_in_process
+
+    out = []
+    for mode in modes:
+        cfg = base.replace(recompute=mode, out_dir=str(Path(base.out_dir) / mode))
+        train_in_process(cfg, overwrite=True, progress=False)
+        rows = [r for r in read_metrics(Path(cfg.out_dir) / "metrics.csv") if r["act_mb"] == r["act_mb"]]
+        timed = rows[1:] or rows
+        out.append({"recompute": mode, "act_mb": rows[-1]["act_mb"], "act_model_mb": rows[-1]["act_model_mb"],
+                    "compute_ms": statistics.median(r["compute_ms"] for r in timed),
+                    "train_loss": rows[-1]["train_loss"], "losses": [r["train_loss"] for r in rows]})
+    return out

@@ -15,6 +15,8 @@ count shows the saving. The trainer measures one micro-batch per logged step and
 
 from __future__ import annotations
 
+from typing import Self
+
 import torch
 from torch import nn
 
