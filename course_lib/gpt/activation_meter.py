@@ -50,7 +50,7 @@ class SavedTensorMeter:
             out[dtype] = out.get(dtype, 0) + n
         return out
 
-    def __enter__(self) -> SavedTensorMeter:
+    def __enter__(self) -> Self:
         self._hooks.__enter__()
         return self
 
