@@ -70,7 +70,7 @@ def plot_loss_scaling(rows: Sequence[Mapping], ax=None):
         ax.plot([math.log2(r["scale"]) for r in ok], [r["rel_err"] for r in ok], "o-",
                 label=f"{dtype}: |g - g32| / |g32|")
         ax.plot([math.log2(r["scale"]) for r in ok], [max(r["flushed"], 1e-7) for r in ok], "s:",
-                label=f"{dtype}: share flushed to 0")
+                label=f"{dtype}: share flushed to 0 (none: drawn at 1e-7)")
         bad = [math.log2(r["scale"]) for r in rs if r["overflow"]]
         if bad:
             ax.plot(bad, [1.0] * len(bad), "x", color="k", markersize=10, label=f"{dtype}: overflow (step skipped)")
