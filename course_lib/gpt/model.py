@@ -21,8 +21,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from course_lib.analysis.activations import RECOMPUTE  # none, selective, full
