@@ -11,18 +11,28 @@
 * :func:`autocast_bytes`: a forward and backward under autocast, then the bytes of parameters,
   gradients, Adam's moments and the tensors autograd saved, split by dtype: where the bytes of
   ``torch.autocast`` really go, next to the ZeRO paper's 2 + 2 + 12 per parameter.
+* :func:`grad_comm_worker`: data parallelism with fp32 and with bf16 gradient all-reduce (ours
+  and PyTorch DDP's), bytes and losses; :func:`recompute_runs`: the trainer once per
+  ``--recompute`` mode, activation bytes measured and modelled, compute time.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import statistics
 from collections import defaultdict
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from course_lib.gpt.activation_meter import SavedTensorMeter
+from course_lib.gpt.metrics import read_metrics
+from course_lib.gpt.model import GPT, GPTConfig
+from course_lib.launch.training import train_in_process
+from course_lib.parallel.strategy import build_strategy
 
 
 def _flat_grads(model: nn.Module, scale: float) -> torch.Tensor:
@@ -125,11 +135,6 @@ def grad_comm_worker(rank: int, world_size: int, strategies=("ddp", "torch_ddp")
     our counter does not see) and ``on_grid`` (every averaged gradient value is a number of the
     communication dtype: the proof that the 16-bit path really ran, for either implementation).
     """
-    import torch.distributed as dist
-
-    from course_lib.gpt.model import GPT, GPTConfig
-    from course_lib.parallel.strategy import build_strategy
-
     cfg = GPTConfig(**(gpt_kwargs or {"block_size": 16, "vocab_size": 65, "n_layer": 2, "n_head": 2,
                                       "n_embd": 32, "bias": False}))
     out = {}
@@ -170,12 +175,6 @@ def recompute_runs(base, modes=("none", "selective", "full")) -> list[dict]:
     ``out_dir/<mode>``; one row per run from its metrics.csv: the activation bytes measured and
     modelled (MB per rank), the median compute ms per step (the first logged row, with its
     warm-up, left out) and the final training loss."""
-    import statistics
-    from pathlib import Path
-
-    from course_lib.gpt.metrics import read_metrics
-    from course_lib.launch.training import train_in_process
-
     out = []
     for mode in modes:
         cfg = base.replace(recompute=mode, out_dir=str(Path(base.out_dir) / mode))

@@ -20,6 +20,8 @@ from typing import Self
 import torch
 from torch import nn
 
+from course_lib.analysis.precision import trainer_activation_bytes
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t  # a DTensor holds only its shard
@@ -61,7 +63,5 @@ class SavedTensorMeter:
 def modelled_bytes(cfg, vocab_size: int, dtype: str) -> float:
     """The activation model for one micro-batch of a trainer run (``cfg`` a TrainConfig):
     :func:`course_lib.analysis.precision.trainer_activation_bytes`."""
-    from course_lib.analysis.precision import trainer_activation_bytes  # closed forms, no torch
-
     return trainer_activation_bytes(cfg.n_layer, cfg.block_size, cfg.batch_size, cfg.n_embd, cfg.n_head,
                                     vocab_size, dtype, cfg.recompute, cfg.dropout, cfg.bias)
