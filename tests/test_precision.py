@@ -144,11 +144,12 @@ def test_fp16_underflow_and_loss_scaling():
     x, y = _batch(8)
     r = gradient_underflow(model, x, y, scales=(1.0, 2.0**10, 2.0**40), loss_divisor=64.0)
     rows = {(row["dtype"], row["scale"]): row for row in r["rows"]}
-    # fp16 rounds to nearest: what is below half its smallest subnormal (2^-25) becomes zero
+    # fp16 rounds to nearest: what is below half its smallest subnormal (2^-25) becomes zero,
+    # about the fp32 gradient's tail (more where backward computes from underflowed values)
     tiny = below(r["reference"], 2.0**-25)
     assert tiny > 0.005  # the fp32 gradient has values fp16 cannot hold
     unscaled, scaled = rows[("float16", 1.0)], rows[("float16", 2.0**10)]
-    assert unscaled["flushed"] == pytest.approx(tiny, rel=0.25)
+    assert 0.75 * tiny < unscaled["flushed"] < 5 * tiny
     assert scaled["flushed"] < unscaled["flushed"] / 20
     assert scaled["rel_err"] < unscaled["rel_err"] / 5
     assert rows[("float16", 2.0**40)]["overflow"]  # 2^40 x gradient > 65504
