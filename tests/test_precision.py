@@ -84,6 +84,12 @@ def test_selective_recomputation_drops_the_attention_scores_with_dropout():
     sel = saved_activation_bytes(model.set_recompute("selective"), x, y)[0]
     scores = cfg.n_layer * cfg.n_head * cfg.block_size**2 * 4  # a s^2 b per layer
     assert 9 * scores <= none - sel <= 13 * scores  # paper: (2e + m) = 9 bytes per fp32 score
+    # The known gap: with dropout on a CPU, PyTorch keeps 10-20 % more than the paper's count
+    # (its dropout masks and unfused attention); trainer_activation_bytes says so, not hidden.
+    for mode, measured in (("none", none), ("selective", sel)):
+        modelled = trainer_activation_bytes(cfg.n_layer, cfg.block_size, 4, cfg.n_embd, cfg.n_head,
+                                            cfg.vocab_size, "float32", mode, cfg.dropout, cfg.bias)
+        assert 1.0 < measured / modelled < 1.25, mode
 
 
 def test_recomputation_gives_bit_identical_fp32_gradients():

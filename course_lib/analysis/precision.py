@@ -144,11 +144,13 @@ def autocast_activation_bytes(n_layer: int, s: int, b: int, h: int, a: int, v: i
 
 def trainer_activation_bytes(n_layer: int, s: int, b: int, h: int, a: int, v: int, dtype: str,
                              recompute: str = "none", dropout: float = 0.0,
-                             bias: bool = True) -> float:
-    """The activation model for a course trainer run (SDPA: fused attention without dropout,
-    the s x s scores stored when dropout is on): fp32 -> Korthikanti with 4-byte values,
-    bfloat16/float16 -> :func:`autocast_activation_bytes`."""
-    flash = dropout == 0.0  # PyTorch's fused CPU/GPU kernels; with dropout the scores are kept
+                             bias: bool = True, device_type: str = "cpu") -> float:
+    """The activation model for a course trainer run: fp32 -> Korthikanti with 4-byte values,
+    bfloat16/float16 -> :func:`autocast_activation_bytes`. PyTorch's scaled_dot_product_attention
+    is fused (no s x s scores kept) on CUDA, and on a CPU without dropout; a CPU with dropout
+    runs the unfused math path, which keeps the scores (and more than the paper counts: the
+    model is then ~10-60 % low, see tests/test_precision.py)."""
+    flash = dropout == 0.0 or device_type == "cuda"
     if dtype == "float32":
         return activation_bytes(n_layer, s, b, h, a, v, recompute=recompute, bytes_per_value=4,
                                 dropout=dropout > 0, flash_attention=flash)

@@ -60,8 +60,8 @@ class SavedTensorMeter:
         self._hooks.__exit__(*exc)
 
 
-def modelled_bytes(cfg, vocab_size: int, dtype: str) -> float:
+def modelled_bytes(cfg, vocab_size: int, dtype: str, device_type: str = "cpu") -> float:
     """The activation model for one micro-batch of a trainer run (``cfg`` a TrainConfig):
     :func:`course_lib.analysis.precision.trainer_activation_bytes`."""
     return trainer_activation_bytes(cfg.n_layer, cfg.block_size, cfg.batch_size, cfg.n_embd, cfg.n_head,
-                                    vocab_size, dtype, cfg.recompute, cfg.dropout, cfg.bias)
+                                    vocab_size, dtype, cfg.recompute, cfg.dropout, cfg.bias, device_type)

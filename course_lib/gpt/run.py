@@ -92,7 +92,7 @@ def setup_run(cfg: TrainConfig, rt: Runtime) -> Run:
     torch.manual_seed(cfg.seed + rt.rank)  # per-rank randomness from here on (dropout, as in nanoGPT)
     random.seed(cfg.seed + rt.rank)
     run = Run(cfg, rt, model, strategy, strategy_name, batches, eval_sets, Precision.for_runtime(rt), meta,
-              act_model_bytes=modelled_bytes(cfg, gptconf.vocab_size, rt.dtype))
+              act_model_bytes=modelled_bytes(cfg, gptconf.vocab_size, rt.dtype, rt.device_type))
     if cfg.init_from == "resume":
         _resume(run)
     return run
