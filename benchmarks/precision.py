@@ -47,6 +47,35 @@ def recompute_table(iters: int, repeats: int) -> list[dict]:
     return rows
 
 
+def recompute_overhead(reps: int) -> list[dict]:
+    """Forward + backward of the CPU recipe's model (batch 12 x 64 tokens), the three modes
+    interleaved rep by rep, fastest of ``reps`` each: the least noisy figure on a shared machine."""
+    import time
+
+    import torch
+
+    from course_lib.gpt.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, vocab_size=65, n_layer=4, n_head=4, n_embd=128, bias=False))
+    x = torch.randint(0, 65, (12, 64))
+    rows = []
+    for dtype in ("float32", "bfloat16"):
+        best = {m: float("inf") for m in ("none", "selective", "full")}
+        for _ in range(reps):
+            for mode in best:
+                model.set_recompute(mode)
+                t0 = time.perf_counter()
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype != "float32"):
+                    loss = model(x, x)[1]
+                loss.backward()
+                best[mode] = min(best[mode], time.perf_counter() - t0)
+                model.zero_grad(set_to_none=True)
+        rows += [{"dtype": dtype, "recompute": m, "fwd+bwd ms (min)": 1e3 * t, "vs_none": t / best["none"]}
+                 for m, t in best.items()]
+    return rows
+
+
 def underflow_table() -> list[dict]:
     import torch
 
@@ -92,12 +121,14 @@ def show(title: str, rows: list[dict]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=60)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2, help="trainer runs per mode (0: skip them)")
     p.add_argument("--comm-steps", type=int, default=40)
     args = p.parse_args()
     show("fp16 underflow (loss / 64)", underflow_table())
     show("16-bit gradient all-reduce, 2 gloo ranks", grad_comm_table(args.comm_steps))
-    show("activation recomputation (trainer, 1 thread)", recompute_table(args.iters, args.repeats))
+    show("recomputation overhead, forward + backward (fastest of 30, modes interleaved)", recompute_overhead(30))
+    if args.repeats:
+        show("activation recomputation (trainer, 1 thread)", recompute_table(args.iters, args.repeats))
 
 
 if __name__ == "__main__":
