@@ -300,12 +300,12 @@ def test_cli_json_and_table(capsys):
     out = capsys.readouterr().out
     assert "fits t4" in out and "ZeRO-3" in out and "ZeRO-1" not in out
     # torch.autocast's layout (the trainer's --dtype=bfloat16): 16 bytes per parameter, K = 8
-    assert memory.cli(["--preset", "gpt2", "--dtype", "autocast", "--recompute", "full", "--json"]) == 0
+    assert memory_cli.cli(["--preset", "gpt2", "--dtype", "autocast", "--recompute", "full", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     psi = rep["num_params"]
     assert rep["k"] == 8 and rep["stages"][0]["model_states"] == pytest.approx(16 * psi)
     assert rep["stages"][0]["activations"] == pytest.approx(
-        memory.breakdown(preset="gpt2", dtype="autocast", recompute="full").activations)
+        breakdown(preset="gpt2", dtype="autocast", recompute="full").activations)
     with pytest.raises(SystemExit) as e:
         memory_cli.cli(["--params", "1e9", "--stage", "4"])
     assert e.value.code == 2
