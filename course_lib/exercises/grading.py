@@ -33,7 +33,6 @@ import signal
 import time
 import traceback
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -262,12 +261,13 @@ COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_in
                "gather", "scatter")
 
 
-@dataclass
 class Sent:
-    """What this rank sent point-to-point inside :func:`p2p_only`."""
+    """What this rank sent point-to-point inside :func:`p2p_only`. (A plain class: tests execute
+    this module outside ``sys.modules``, where ``@dataclass`` cannot find it.)"""
 
-    bytes: int = 0
-    messages: int = 0
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.messages = 0
 
 
 @contextlib.contextmanager
