@@ -26,8 +26,8 @@ MISTAKES = {
         "q1_average_gradients": ("            p.grad /= world_size\n", "", "the world size"),
         "q2_shard_indices": (
             "    return list(range(dp_rank, n, dp_world_size))  # SOLUTION\n",
-            "    size = -(-n // dp_world_size)\n"
-            "    return list(range(dp_rank * size, min(n, (dp_rank + 1) * size)))  # blocks of ceil(n / p)\n",
+            ("    size = -(-n // dp_world_size)\n"
+             "    return list(range(dp_rank * size, min(n, (dp_rank + 1) * size)))  # blocks of ceil(n / p)\n"),
             "differ by at most one"),
         "q3_batch_and_lr": (
             "    return micro_batch_size * grad_accum_steps * dp_world_size  # SOLUTION\n",
@@ -55,7 +55,7 @@ MISTAKES = {
         "q1_flops_per_token": ("    n = model.num_params(non_embedding=True)\n",
                                "    n = model.num_params(non_embedding=False)\n", "expected"),
         "q2_mfu": ('    return flops_per_token(cfg) * tokens / step_s / (run["world_size"] * peak)\n',
-                   '    return flops_per_token(cfg) * tokens / step_s / peak\n', "the world size"),
+                   '    return flops_per_token(cfg) * tokens / step_s / peak\n', "expected"),
         "q3_resume": ("    tmp = f\"{path}.tmp\"\n    torch.save(state, tmp)\n    os.replace(tmp, path)\n",
                       "    torch.save(state, path)  # straight onto the checkpoint\n", "os.replace"),
     },

@@ -13,6 +13,7 @@ from course_lib import exercises
 from course_lib.analysis import comm_cost as comm
 from course_lib.analysis.comm_cost import collective_time
 
+
 def _deadlock(rank, world_size):
     import torch
     import torch.distributed as dist

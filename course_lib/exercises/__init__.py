@@ -26,7 +26,7 @@ Gradescope (its environment installs CPU torch and this package's wheel).
 
 Modules: :mod:`.layout` (where exercises live), :mod:`.colab` (badge and setup cell, public tests
 on Colab), :mod:`.build` (otter assign, manifest, staleness, Gradescope files), :mod:`.grade`
-(grading, limits, gradebook, feedback), :mod:`.cli` (the commands), :mod:`.grading` (what the
+(grading and its limits), :mod:`.gradebook` (CSV, feedback files), :mod:`.cli` (the commands), :mod:`.grading` (what the
 tests use). Importing the package imports neither otter nor torch.
 """
 
@@ -56,9 +56,8 @@ from course_lib.exercises.grade import (
     grade_many,
     grading_env,
     questions_in,
-    write_csv,
-    write_feedback,
 )
+from course_lib.exercises.gradebook import write_csv, write_feedback
 from course_lib.exercises.layout import (
     MANIFEST,
     RELEASES,
@@ -71,10 +70,36 @@ from course_lib.exercises.layout import (
 )
 
 __all__ = [
-    "BUILD_FORMAT", "CELL_TIMEOUT_ENV", "MANIFEST", "ZIP_NAME", "CellTimeLimit", "Exercise",
-    "GradeReport", "QuestionScore", "build", "check", "cli", "colab_badge_line", "colab_setup_cell",
-    "default_root", "discover", "fetch_student_tests", "find_autograder", "grade", "grade_cli",
-    "grade_many", "install_spec", "otter_version", "questions_in", "select", "setup_cell_problems",
-    "source_problems", "sync_setup_cell",
-    "grading_env", "write_csv", "write_feedback", "SOURCES", "RELEASES",
+    "BUILD_FORMAT",
+    "CELL_TIMEOUT_ENV",
+    "MANIFEST",
+    "RELEASES",
+    "SOURCES",
+    "ZIP_NAME",
+    "CellTimeLimit",
+    "Exercise",
+    "GradeReport",
+    "QuestionScore",
+    "build",
+    "check",
+    "cli",
+    "colab_badge_line",
+    "colab_setup_cell",
+    "default_root",
+    "discover",
+    "fetch_student_tests",
+    "find_autograder",
+    "grade",
+    "grade_cli",
+    "grade_many",
+    "grading_env",
+    "install_spec",
+    "otter_version",
+    "questions_in",
+    "select",
+    "setup_cell_problems",
+    "source_problems",
+    "sync_setup_cell",
+    "write_csv",
+    "write_feedback",
 ]

@@ -16,9 +16,8 @@ from course_lib.exercises.grade import (
     find_autograder,
     grade_many,
     points_text,
-    write_csv,
-    write_feedback,
 )
+from course_lib.exercises.gradebook import write_csv, write_feedback
 from course_lib.exercises.layout import select
 
 

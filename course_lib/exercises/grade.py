@@ -17,7 +17,6 @@ Limits, all enforced from outside the student's code:
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import shutil
@@ -31,71 +30,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from course_lib.exercises.cell_limit import CELL_TIMEOUT_ENV, CellTimeLimit  # noqa: F401 - re-exported
 from course_lib.exercises.layout import quiet as silenced
 from course_lib.exercises.layout import select
 
-CELL_TIMEOUT_ENV = "COURSE_GRADING_CELL_TIMEOUT"
 GRADING_TIMEOUT_S = 10.0  # seconds per checked call while grading (COURSE_GRADING_TIMEOUT)
 SUBMISSION_LIMIT_S = 600.0  # wall clock for one submission, kernel and ranks included
 HIDDEN_FAILED = "a hidden test failed"
-
-
-class CellTimeLimit:
-    """otter plugin: every cell of a submission gets at most ``cell_timeout`` seconds.
-
-    Inserted as the first and last cells of the submission before otter adds its own: the first
-    arms SIGALRM before each cell runs and raises ``TimeoutError`` in the kernel when it fires, the
-    last disarms it so otter's own test-running cell is not cut short. The tests themselves bound
-    multi-rank work through :mod:`course_lib.exercises.grading`. Configure in an exercise's assignment
-    config (``generate: plugins: - course_lib.exercises.CellTimeLimit: {cell_timeout: 120}``);
-    the environment variable ``COURSE_GRADING_CELL_TIMEOUT`` overrides it.
-    """
-
-    ARM = '''\
-# course_lib.exercises.CellTimeLimit: no cell may run longer than {seconds} s during grading
-import signal as _course_signal
-
-def _course_cell_timeout(signum, frame):
-    raise TimeoutError("this cell ran longer than {seconds} s during grading and was stopped "
-                       "(an endless loop, or a process that never finished?)")
-
-def _course_arm(*args):
-    _course_signal.alarm({seconds})
-
-def _course_disarm(*args):
-    _course_signal.alarm(0)
-
-if hasattr(_course_signal, "SIGALRM"):  # POSIX; elsewhere cells are not bounded
-    _course_signal.signal(_course_signal.SIGALRM, _course_cell_timeout)
-    get_ipython().events.register("pre_run_cell", _course_arm)
-    get_ipython().events.register("post_run_cell", _course_disarm)
-'''
-    DISARM = '''\
-# course_lib.exercises.CellTimeLimit: grading cells from here on are bounded by their own timeouts
-if hasattr(_course_signal, "SIGALRM"):
-    _course_signal.alarm(0)
-    get_ipython().events.unregister("pre_run_cell", _course_arm)
-    get_ipython().events.unregister("post_run_cell", _course_disarm)
-'''
-
-    def __init__(self, submission_path, submission_metadata, plugin_config):
-        self.submission_path = submission_path
-        self.plugin_config = plugin_config or {}
-
-    def seconds(self) -> int:
-        value = os.environ.get(CELL_TIMEOUT_ENV) or self.plugin_config.get("cell_timeout", 120)
-        return max(1, int(float(value)))
-
-    def before_execution(self, submission):
-        import nbformat
-
-        if isinstance(submission, str):  # a .py submission: nothing to bound per cell
-            return submission
-        submission.cells.insert(0, nbformat.v4.new_code_cell(self.ARM.format(seconds=self.seconds())))
-        submission.cells.append(nbformat.v4.new_code_cell(self.DISARM))
-        return submission
-
-    # otter calls only the events a plugin has (hasattr), so the others are simply absent.
 
 
 @dataclass
@@ -183,7 +124,7 @@ def find_autograder(submission: Path, root: Path | None = None) -> Path:
     name = assignment_name(submission)
     if not name:
         raise ValueError(f"{submission} carries no otter assignment name in its metadata; is it an "
-                         "exercise notebook from exercises/*/dist/student/? Pass --autograder ZIP")
+                         "exercise notebook from exercises/NN_topic/? Pass --autograder ZIP")
     ex = select([name], root)[0]
     if not ex.autograder_zip.is_file():
         raise FileNotFoundError(f"{ex.autograder_zip} not found; run `course exercises build {name}`")
@@ -203,7 +144,7 @@ def grade(submission: str | os.PathLike, autograder: str | os.PathLike | None = 
     if not autograder.is_file():
         raise FileNotFoundError(f"autograder zip {autograder} does not exist")
     possible = questions_in(autograder)
-    assignment = _assignment_in(autograder)
+    assignment = assignment_of_zip(autograder)
 
     t0 = time.perf_counter()
     error, results = None, None
@@ -239,7 +180,7 @@ def grade(submission: str | os.PathLike, autograder: str | os.PathLike | None = 
                        time.perf_counter() - t0)
 
 
-def _assignment_in(autograder_zip: Path) -> str | None:
+def assignment_of_zip(autograder_zip: Path) -> str | None:
     with zipfile.ZipFile(autograder_zip) as zf:
         if "otter_config.json" not in zf.namelist():
             return None
@@ -333,33 +274,6 @@ def grade_many(submissions: list, autograders: list | None = None, root: Path | 
     env = grading_env()
     with ThreadPoolExecutor(max(1, min(jobs, len(work)))) as pool:
         return list(pool.map(lambda w: _grade_in_process(*w, time_limit, env), work))
-
-
-def write_csv(reports: list[GradeReport], path: str | os.PathLike) -> Path:
-    """The gradebook: one row per student and question, then one TOTAL row per student."""
-    path = Path(path)
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        out = csv.writer(f)
-        out.writerow(["student", "assignment", "question", "score", "possible"])
-        for r in reports:
-            assignment = _assignment_in(Path(r.autograder)) or ""
-            for q in r.questions:
-                out.writerow([r.student, assignment, q.name, points_text(q.score), points_text(q.possible)])
-            out.writerow([r.student, assignment, "TOTAL", points_text(r.total), points_text(r.possible)])
-    return path
-
-
-def write_feedback(reports: list[GradeReport], folder: str | os.PathLike) -> list[Path]:
-    """One student-safe report per submission (``FOLDER/<file name>.txt``): scores, the messages
-    of public tests, and only the fact that a hidden test failed (none of its source)."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    written = []
-    for r in reports:
-        path = folder / f"{r.student}.txt"
-        path.write_text(r.format(verbose=True, student_safe=True) + "\n", encoding="utf-8")
-        written.append(path)
-    return written
 
 
 def _main(argv: list[str]) -> int:

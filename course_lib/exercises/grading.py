@@ -143,8 +143,8 @@ def isolated(check: Callable[..., Any], *args: Any, timeout: float | None = None
         try:
             data = pickle.dumps(message)
         except Exception as e:  # noqa: BLE001 - an unpicklable result
-            data = pickle.dumps(("error", f"the answer returned something that cannot be sent "
-                                          f"back ({type(e).__name__}: {e})", ""))
+            why = f"the answer returned something that cannot be sent back ({type(e).__name__}: {e})"
+            data = pickle.dumps(("error", why, ""))
         try:
             with os.fdopen(write_fd, "wb") as out:
                 out.write(data)
