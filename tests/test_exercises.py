@@ -459,8 +459,9 @@ print(json.dumps(scores))
 """
     clean = {k: v for k, v in env.items() if k != "PYTHONPATH"}  # the venv must use its own course_lib
     clean["PYTHONPATH"] = env["PYTHONPATH"].split(os.pathsep)[0]  # the test guard only
+    tmp.mkdir(parents=True)  # the working directory too: `python -c` puts it on sys.path
     return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=clean)
+                            stderr=subprocess.PIPE, text=True, env=clean, cwd=tmp)
 
 
 @pytest.fixture(scope="module")

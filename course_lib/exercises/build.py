@@ -66,7 +66,8 @@ GRADING_REQUIREMENTS = ("torch==2.13.0", "numpy", "pandas", "psutil", "tqdm", "m
 
 
 def course_wheel(dest: Path) -> Path:
-    """Build this package's wheel into ``dest`` (from the clone's pyproject.toml)."""
+    """Build this package's wheel into ``dest``, from a clean copy of the clone's package (a
+    build in the clone itself could pick up stale modules from an old ``build/lib``)."""
     from course_lib.utils import repo_root
 
     root = repo_root()
@@ -75,8 +76,13 @@ def course_wheel(dest: Path) -> Path:
                                 "(its pyproject.toml) to make the course_lib wheel")
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(dest), str(root)], check=True, capture_output=True)
+    with tempfile.TemporaryDirectory(prefix="course_wheel_src_") as src:
+        for name in ("pyproject.toml", "README.md"):
+            shutil.copy2(root / name, Path(src) / name)
+        shutil.copytree(root / "course_lib", Path(src) / "course_lib",
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                        "-w", str(dest), src], check=True, capture_output=True)
     wheels = sorted(dest.glob("course_lib-*.whl"))
     if len(wheels) != 1:
         raise RuntimeError(f"pip wheel wrote {len(wheels)} course_lib wheels into {dest}, expected 1")
