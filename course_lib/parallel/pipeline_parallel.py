@@ -28,6 +28,7 @@ embedding group, so both copies stay equal.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -167,10 +168,13 @@ class PipelineStats:
 class Pipeline:
     """Runs training steps of one stage; every rank of the pipeline group calls ``train_step``."""
 
-    def __init__(self, stage: PipelineStage, comms: Comms, schedule: str = "1f1b"):
+    def __init__(self, stage: nn.Module, comms: Comms, schedule: str = "1f1b", sum_tied: bool = True):
+        """``stage``: a :class:`PipelineStage` or any module with its ``forward(x, targets)``,
+        ``activation_shape`` and ``tied``. ``sum_tied=False`` leaves the tied weight's gradient
+        exchange to the caller (done after a data-parallel reduction that would overwrite it)."""
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-        self.stage, self.comms, self.schedule = stage, comms, schedule
+        self.stage, self.comms, self.schedule, self.sum_tied = stage, comms, schedule, sum_tied
         self.pp_rank, self.pp_world_size = comms.rank, comms.world_size
         self.is_first, self.is_last = self.pp_rank == 0, self.pp_rank == self.pp_world_size - 1
         self.dtype = next(stage.parameters()).dtype
@@ -188,9 +192,11 @@ class Pipeline:
         self.sends.append(self.comms.isend(
             torch.tensor([tick], dtype=torch.float64, device=self.device), dst))
 
-    def train_step(self, x: torch.Tensor, targets: torch.Tensor, n_micro: int):
+    def train_step(self, x: torch.Tensor, targets: torch.Tensor, n_micro: int, no_sync=None):
         """Forward and backward of one batch (gradients accumulate in the stage's parameters).
-        Returns the batch's mean loss (on every rank) and this rank's :class:`PipelineStats`."""
+        Returns the batch's mean loss (on every rank) and this rank's :class:`PipelineStats`.
+        ``no_sync``: a context manager factory (a data-parallel wrapper's) entered for every
+        backward but the last micro-batch's, which is the last backward of both schedules."""
         if x.shape[0] % n_micro:
             raise ValueError(f"batch size {x.shape[0]} is not divisible by n_micro={n_micro}")
         xs, ys = x.chunk(n_micro), targets.chunk(n_micro)
@@ -223,7 +229,8 @@ class Pipeline:
                 if not self.is_last:
                     grad, ready = self._recv(out.shape, self.pp_rank + 1)
                 t0 = time.perf_counter()
-                out.backward(grad)
+                with no_sync() if no_sync is not None and i < n_micro - 1 else contextlib.nullcontext():
+                    out.backward(grad)
                 busy_s += time.perf_counter() - t0
                 clock, busy = max(clock, ready) + BACKWARD_TICKS, busy + BACKWARD_TICKS
                 if not self.is_first:
@@ -231,12 +238,27 @@ class Pipeline:
                 in_flight -= 1
         for work in self.sends:
             self.comms.wait(work)
-        self._sum_tied_grads()
+        if self.sum_tied:
+            self._sum_tied_grads()
         total = torch.tensor([clock], dtype=torch.float64, device=self.device)
         self.comms.all_reduce(total, op=torch.distributed.ReduceOp.MAX)  # the step's makespan
         self.comms.broadcast(loss_sum, src=self.pp_world_size - 1)
         stats = PipelineStats(busy, total.item(), busy_s, time.perf_counter() - t_step, peak)
         return loss_sum.item(), stats
+
+    @torch.no_grad()
+    def eval_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward only, the whole batch at once (evaluation): its loss, on every rank."""
+        loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        inp = x if self.is_first else self._recv(self.stage.activation_shape(x), self.pp_rank - 1)[0]
+        out = self.stage(inp, targets if self.is_last else None)
+        if self.is_last:
+            loss += out.float()
+        else:
+            self.comms.send(out.contiguous(), self.pp_rank + 1)
+            self.comms.send(torch.zeros(1, dtype=torch.float64, device=self.device), self.pp_rank + 1)
+        self.comms.broadcast(loss, src=self.pp_world_size - 1)
+        return loss
 
     @torch.no_grad()
     def _sum_tied_grads(self) -> None:
