@@ -76,7 +76,7 @@ class ModelParallel(Strategy):
         g = self.grid
         x, y = (cp_split(t.reshape(accum * B, T), g.cp_rank, g.cp_world_size) for t in (x, y))
         loss, self.last_stats = self.pipeline.train_step(x, y, accum, no_sync=self.inner.no_sync)
-        return torch.tensor(loss)
+        return torch.tensor(loss, dtype=torch.float64)  # a Python float from the pipeline: keep its digits
 
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -168,7 +168,7 @@ class ModelParallel(Strategy):
         inner = self.inner.state_dict()  # full over dp x cp, this rank's tp shard of its stage
         order = [self.names[p] for g in self._inner_groups() for p in g]
         model_part = {k: self._gather_tp(v, shard_spec(k)) for k, v in inner["model"].items()}
-        opt_part = {order[int(i)]: {k: self._gather_tp(v, shard_spec(order[int(i)])) if v.dim() else v
+        opt_part = {order[int(i)]: {k: self._gather_tp(v, shard_spec(order[int(i)])) if v.dim() else v.clone()
                                     for k, v in st.items()} for i, st in inner["optimizer"]["state"].items()}
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in inner["optimizer"]["param_groups"]]
         stages = [None] * self.grid.pp_world_size
@@ -208,8 +208,9 @@ class ModelParallel(Strategy):
         for j, n in enumerate(order):
             st = state["optimizer"]["state"].get(index["transformer.wte.weight" if n == "lm_head.weight" else n])
             if st is not None:
-                opt_state[j] = {k: shard(v, shard_spec(n), g.tp_rank, g.tp_world_size) if torch.is_tensor(v)
-                                and v.dim() else v for k, v in st.items()}
+                spec = shard_spec(n) if n != "lm_head.weight" else (0, 1)
+                opt_state[j] = {k: (shard(v, spec, g.tp_rank, g.tp_world_size) if v.dim() else v).clone()
+                                if torch.is_tensor(v) else v for k, v in st.items()}  # no alias of the caller's
         sizes = [len(grp) for grp in self._inner_groups()]
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         groups = [{**{k: v for k, v in h.items() if k != "params"}, "params": list(range(s, s + n))}

@@ -179,6 +179,7 @@ class Pipeline:
         self.is_first, self.is_last = self.pp_rank == 0, self.pp_rank == self.pp_world_size - 1
         self.dtype = next(stage.parameters()).dtype
         self.device = next(stage.parameters()).device  # NCCL sends CUDA tensors only
+        self.loss_dtype = torch.promote_types(self.dtype, torch.float32)  # fp32, or fp64 for fp64 models
 
     def _recv(self, shape, src: int) -> tuple[torch.Tensor, float]:
         t = torch.empty(shape, dtype=self.dtype, device=self.device)
@@ -202,7 +203,7 @@ class Pipeline:
         xs, ys = x.chunk(n_micro), targets.chunk(n_micro)
         t_step, busy_s, clock, busy = time.perf_counter(), 0.0, 0.0, 0
         self.sends, saved, in_flight, peak = [], {}, 0, 0
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        loss_sum = torch.zeros((), dtype=self.loss_dtype, device=self.device)
         for op, i in schedule_ops(self.schedule, n_micro, self.pp_rank, self.pp_world_size):
             if op == "F":
                 ready = 0.0
@@ -249,11 +250,11 @@ class Pipeline:
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward only, the whole batch at once (evaluation): its loss, on every rank."""
-        loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        loss = torch.zeros((), dtype=self.loss_dtype, device=self.device)
         inp = x if self.is_first else self._recv(self.stage.activation_shape(x), self.pp_rank - 1)[0]
         out = self.stage(inp, targets if self.is_last else None)
         if self.is_last:
-            loss += out.float()
+            loss += out.to(self.loss_dtype)
         else:
             self.comms.send(out.contiguous(), self.pp_rank + 1)
             self.comms.send(torch.zeros(1, dtype=torch.float64, device=self.device), self.pp_rank + 1)
