@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from course_lib.analysis.memory import model_state_bytes
+from course_lib.analysis.parallel_comm import sent_bytes_per_step, stage_params
 from course_lib.gpt.config import TrainConfig
 from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.gpt.train import optimizer_factory
@@ -78,11 +80,11 @@ def train_layout(layout: dict, dtype, steps: int = STEPS, start: dict | None = N
         strategy.finish_grads()
         strategy.clip_grad_norm_(1.0)
         strategy.step()
+        figures = strategy.figures()  # this step's bytes; model states while gradients are held
         strategy.zero_grad()
         dist.all_reduce(loss)  # tp and pp ranks hold equal losses; dp and cp ranks their part
         losses.append(loss.item() / grid.world_size)
-    figures = {k: c.sent_bytes for k, c in strategy.comms.items()}
-    return losses, strategy.state_dict(), strategy.last_stats, figures
+    return losses, strategy.state_dict(), strategy.last_stats, {**figures, "pp_rank": grid.pp_rank}
 
 
 def layout(dp=1, tp=1, pp=1, cp=1, sp=False, schedule="1f1b", strategy="ddp"):
@@ -104,7 +106,7 @@ def layouts_worker(rank: int, world_size: int, layouts: dict) -> dict:
     if world_size == 4:  # resume: tp2-pp2's full state, continued as cp2-dp2 for one more step
         start = out["tp2-pp2"][1]
         out["resume"] = train_layout(layout(cp=2, dp=2), torch.float64, steps=1, start=start)[:2]
-    return {k: v if rank == 0 else v[0] for k, v in out.items()}
+    return {k: v if rank == 0 or k == "resume" else (v[0], None, None, v[3]) for k, v in out.items()}
 
 
 def assert_equal_to_one_process(name: str, got, dtype, dp: int):
@@ -121,12 +123,32 @@ def assert_equal_to_one_process(name: str, got, dtype, dp: int):
             assert torch.allclose(state["optimizer"]["state"][i][k].to(v.dtype), v, atol=tol, rtol=0), (name, i, k)
 
 
+def assert_figures_match_the_models(name: str, lay: dict, dtype, figures: dict):
+    """Bytes sent per group in the last step == the closed-form model (analysis.parallel_comm), to
+    1 % (ZeRO pads its shards); model states within 10 % of the memory model (analysis.memory)."""
+    e = torch.finfo(dtype).bits // 8
+    zero = int(lay["strategy"][-1]) if lay["strategy"].startswith("zero") else 0
+    kw = dict(n_layer=CFG.n_layer, n_embd=CFG.n_embd, vocab_size=CFG.vocab_size, block_size=CFG.block_size,
+              bias=CFG.bias)
+    want = sent_bytes_per_step(**kw, batch_size=B, micro_batches=ACCUM, dp=lay["dp"], tp=lay["tp"], pp=lay["pp"],
+                               cp=lay["cp"], sequence_parallel=lay["sp"], pp_rank=figures["pp_rank"],
+                               bytes_per_value=e, zero_stage=zero)
+    for group, b in want.items():
+        assert figures[f"sent_bytes_{group}"] == pytest.approx(b, rel=0.01 if zero else 1e-9), (name, group)
+    params = stage_params(**kw, tp=lay["tp"], pp=lay["pp"], pp_rank=figures["pp_rank"])["total"]
+    states = model_state_bytes(params * lay["tp"], dp=lay["dp"] * lay["cp"], stage=zero,
+                               dtype="fp32", tp=lay["tp"])
+    assert figures["model_state_bytes"] == pytest.approx(states.total * e / 4, rel=0.10), name
+
+
 @pytest.mark.timeout(300)
 def test_layouts_on_4_ranks_equal_one_process_and_resume_across_layouts():
     results = run_ranks(layouts_worker, 4, args=(LAYOUTS_4,))
     for name, (lay, dtype) in LAYOUTS_4.items():
         assert_equal_to_one_process(name, results[0][name], dtype, lay["dp"])
-        assert all(r[name] == results[0][name][0] for r in results[1:]), name  # same loss everywhere
+        assert all(r[name][0] == results[0][name][0] for r in results[1:]), name  # same loss everywhere
+        for r in results:
+            assert_figures_match_the_models(name, lay, dtype, r[name][3])
     # tp2-pp2's checkpoint continued under cp2-dp2 == one process continued from the same state
     start = results[0]["tp2-pp2"][1]
     want_losses, want = reference(2, torch.float64, steps=1, start=start)
@@ -136,8 +158,9 @@ def test_layouts_on_4_ranks_equal_one_process_and_resume_across_layouts():
     # the pipeline's measured bubble on its logical clock: (p - 1) / (m + p - 1) with m = ACCUM
     stats = results[0]["tp2-pp2"][2]
     assert stats.bubble == pytest.approx((2 - 1) / (ACCUM + 2 - 1))
-    figures = results[0]["tp2+sp-cp2"][3]
-    assert figures["sp"] > 0 and figures["cp"] > 0 and figures["tp"] > 0 and figures["pp"] == 0
+    figures = results[0]["tp2-pp2"][3]
+    assert figures["bubble"] == stats.bubble and figures["bubble_theory"] == pytest.approx(1 / 3)
+    assert figures["peak_activation_bytes"] > 0
 
 
 @pytest.mark.timeout(300)
@@ -145,6 +168,8 @@ def test_tp_pp_cp_together_on_8_ranks_equals_one_process():
     results = run_ranks(layouts_worker, 8, args=(LAYOUTS_8,))
     for name, (lay, dtype) in LAYOUTS_8.items():
         assert_equal_to_one_process(name, results[0][name], dtype, lay["dp"])
+        for r in results:
+            assert_figures_match_the_models(name, lay, dtype, r[name][3])
 
 
 def pieces_worker(rank: int, world_size: int) -> dict:

@@ -34,6 +34,7 @@ from torch import nn
 
 from course_lib.parallel.comms import Comms
 from course_lib.parallel.context_parallel import cp_split
+from course_lib.parallel.footprint import measure_model_states, peak
 from course_lib.parallel.gpt_parallel import GPTStage, shard, shard_spec, unshard
 from course_lib.parallel.pipeline_parallel import Pipeline
 from course_lib.parallel.process_groups import ProcessGroupGrid
@@ -66,7 +67,8 @@ class ModelParallel(Strategy):
         self.names = {p: n for n, p in stage.named_parameters()}
         self.group, self.dp_rank, self.dp_world_size = grid.dp_cp_group, grid.dp_rank, grid.dp_world_size
         self.sharded = hasattr(self.inner, "shards")  # ZeRO: the optimizer holds gradient shards
-        self.last_stats = None  # the last step's PipelineStats (bubble)
+        self._states_after_backward = None
+        self.last_stats, self.last_micro = None, 0  # the last step's PipelineStats (bubble) and m
 
     # --- the step ----------------------------------------------------------------------------
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -76,6 +78,8 @@ class ModelParallel(Strategy):
         g = self.grid
         x, y = (cp_split(t.reshape(accum * B, T), g.cp_rank, g.cp_world_size) for t in (x, y))
         loss, self.last_stats = self.pipeline.train_step(x, y, accum, no_sync=self.inner.no_sync)
+        self.last_micro = accum
+        self._states_after_backward = measure_model_states(self)  # full gradients, before any reduce-scatter
         return torch.tensor(loss, dtype=torch.float64)  # a Python float from the pipeline: keep its digits
 
     @torch.no_grad()
@@ -137,6 +141,25 @@ class ModelParallel(Strategy):
 
     def step(self) -> None:
         self.inner.step()
+
+    def figures(self) -> dict:
+        """This rank's per-step figures since the last call: bytes sent per group (tp, sp, cp, pp,
+        dp), the most model states it held (parameters, gradients, optimizer states: after backward
+        and now, so call it between step and zero_grad), the peak activation bytes and the pipeline bubble measured
+        on the schedule's clock next to (p - 1) / (m + p - 1)."""
+        out = {f"sent_bytes_{k}": c.sent_bytes for k, c in self.comms.items()}
+        for c in self.comms.values():
+            sec = c.seconds
+            c.reset()
+            c.seconds = sec  # comm_s keeps running; only the byte counts restart
+        states = peak(self._states_after_backward, measure_model_states(self))
+        out["model_state_bytes"] = states.params + states.grads + states.optimizer
+        st = self.last_stats
+        if st is not None:
+            p, m = self.grid.pp_world_size, self.last_micro
+            out.update(peak_activation_bytes=st.peak_activation_bytes, bubble=st.bubble,
+                       bubble_theory=(p - 1) / (m + p - 1))
+        return out
 
     def zero_grad(self) -> None:
         self.inner.zero_grad()

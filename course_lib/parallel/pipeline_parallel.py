@@ -154,6 +154,7 @@ class PipelineStats:
     busy_s: float  # wall seconds spent computing
     step_s: float  # wall seconds of the whole step
     peak_in_flight: int  # most micro-batches whose activations were held at once
+    peak_activation_bytes: int = 0  # most bytes autograd held for backward at once (parameters excluded)
 
     @property
     def bubble(self) -> float:
@@ -163,6 +164,23 @@ class PipelineStats:
     @property
     def bubble_wall(self) -> float:
         return 1 - self.busy_s / self.step_s
+
+
+@contextlib.contextmanager
+def _count_saved(param_storages: set[int]):
+    """Bytes of the tensors autograd saves for backward inside the block, each storage once,
+    parameters excluded (as :func:`course_lib.experiments.memory_measure.saved_activation_bytes`)."""
+    seen, counted = set(), {"bytes": 0}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in param_storages and st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            counted["bytes"] += st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield counted
 
 
 class Pipeline:
@@ -203,6 +221,8 @@ class Pipeline:
         xs, ys = x.chunk(n_micro), targets.chunk(n_micro)
         t_step, busy_s, clock, busy = time.perf_counter(), 0.0, 0.0, 0
         self.sends, saved, in_flight, peak = [], {}, 0, 0
+        held, peak_bytes, micro_bytes = 0, 0, {}
+        params = {p.untyped_storage().data_ptr() for p in self.stage.parameters()}
         loss_sum = torch.zeros((), dtype=self.loss_dtype, device=self.device)
         for op, i in schedule_ops(self.schedule, n_micro, self.pp_rank, self.pp_world_size):
             if op == "F":
@@ -213,7 +233,11 @@ class Pipeline:
                     inp, ready = self._recv(self.stage.activation_shape(xs[i]), self.pp_rank - 1)
                     inp.requires_grad_()
                 t0 = time.perf_counter()
-                out = self.stage(inp, ys[i] if self.is_last else None)
+                with _count_saved(params) as counted:
+                    out = self.stage(inp, ys[i] if self.is_last else None)
+                micro_bytes[i] = counted["bytes"]
+                held += micro_bytes[i]
+                peak_bytes = max(peak_bytes, held)
                 if self.is_last:
                     out = out / n_micro  # the batch loss is the mean over micro-batches
                     loss_sum += out.detach()
@@ -237,6 +261,7 @@ class Pipeline:
                 if not self.is_first:
                     self._send(inp.grad, clock, self.pp_rank - 1)
                 in_flight -= 1
+                held -= micro_bytes.pop(i)
         for work in self.sends:
             self.comms.wait(work)
         if self.sum_tied:
@@ -244,7 +269,7 @@ class Pipeline:
         total = torch.tensor([clock], dtype=torch.float64, device=self.device)
         self.comms.all_reduce(total, op=torch.distributed.ReduceOp.MAX)  # the step's makespan
         self.comms.broadcast(loss_sum, src=self.pp_world_size - 1)
-        stats = PipelineStats(busy, total.item(), busy_s, time.perf_counter() - t_step, peak)
+        stats = PipelineStats(busy, total.item(), busy_s, time.perf_counter() - t_step, peak, peak_bytes)
         return loss_sum.item(), stats
 
     @torch.no_grad()
