@@ -29,7 +29,7 @@ from course_lib.parallel.process_groups import ProcessGroupGrid
 from course_lib.parallel.spawn import run_ranks
 from course_lib.parallel.vocab_parallel import vocab_parallel_cross_entropy, vocab_range
 
-CFG = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32, bias=True)
+CFG = GPTConfig(block_size=16, vocab_size=65, n_layer=2, n_head=4, n_embd=32, bias=True)
 TRAIN = TrainConfig(learning_rate=1e-2)
 ACCUM, B, STEPS = 2, 2, 3
 

@@ -2,7 +2,7 @@
 bytes sent per training step in each group, to choose a layout before running it.
 
 Notation as in Megatron-LM (Shoeybi et al. 2019; Narayanan et al. 2021) and Korthikanti et al.
-2022: L layers (L/p on a stage), h = n_embd, v vocabulary, s sequence length, b micro-batch per
+2022: L layers (L/p on a stage), h = n_embd, v vocabulary (padded to a multiple of t), s sequence length, b micro-batch per
 dp rank, m micro-batches per step, t = tp, c = cp, e bytes per value; s' = s/c tokens per rank.
 A "ring" collective on S bytes sends 2(t-1)/t S (all-reduce) or (t-1)/t S (reduce-scatter,
 all-gather) per rank (:func:`~course_lib.analysis.comm_cost.bytes_per_rank`). Per micro-batch:
@@ -32,6 +32,7 @@ def stage_params(n_layer: int, n_embd: int, vocab_size: int, block_size: int, bi
     """Parameters a rank holds, split into "sharded" (divided over tp) and "replicated" (the
     same on every tp rank), for stage ``pp_rank`` of ``pp`` with n_layer / pp layers."""
     h, L = n_embd, n_layer // pp
+    vocab_size = -(-vocab_size // tp) * tp  # padded to a multiple of tp (course_lib.parallel.vocab_parallel)
     sharded = L * (12 * h * h + (7 * h if bias else 0)) // tp  # c_attn, c_fc (with biases), both c_proj
     replicated = L * (6 * h if bias else 2 * h)  # 2 LayerNorms (gains, biases) and the row-parallel biases
     if pp_rank == 0:
@@ -52,6 +53,7 @@ def sent_bytes_per_step(n_layer: int, n_embd: int, vocab_size: int, block_size: 
     1/(dp cp) of them; stage 2 reduce-scatters after every micro-batch (it keeps no full gradients)."""
     zero = zero_stage > 0
     e, h, m, L = bytes_per_value, n_embd, micro_batches, n_layer // pp
+    v_pad = -(-vocab_size // tp) * tp
     first, last = pp_rank == 0, pp_rank == pp - 1
     tokens = batch_size * block_size // cp  # b s' per micro-batch
     act = tokens * h * e  # one (b, s', h) activation
@@ -72,7 +74,7 @@ def sent_bytes_per_step(n_layer: int, n_embd: int, vocab_size: int, block_size: 
         boundary = (act // tp if sequence_parallel else act) + 8  # + the clock tick
         out["pp"] = m * boundary * ((not last) + (not first))
         if first or last:
-            out["pp"] += vocab_size * h // tp * e / (dp * cp if zero else 1)  # the tied gradient
+            out["pp"] += v_pad * h // tp * e / (dp * cp if zero else 1)  # the tied gradient
         # the step's length on the logical clock (max) and the loss, from the last stage
         out["pp"] += bytes_per_rank("all_reduce", 8, pp) + bytes_per_rank("broadcast", max(e, 4), pp)
     n_dp = dp * cp

@@ -15,7 +15,7 @@ tensor-, sequence- and context-parallel blocks.
 
 Parameter names are the full model's (``transformer.h.3.attn.c_attn.weight``), so a full state
 dict maps to a stage by name: :func:`shard_spec` says how each tensor is split over tp, and
-:meth:`GPTStage.load_full_state` / :func:`unshard` go between the one full format and the shards.
+:func:`shard_named` / :func:`unshard_named` go between the one full format and the shards.
 """
 
 from __future__ import annotations
@@ -29,14 +29,23 @@ from course_lib.parallel.context_parallel import cp_positions, ring_attention
 from course_lib.parallel.pipeline_parallel import split_layers
 from course_lib.parallel.sequence_parallel import gather_seq, seq_slice
 from course_lib.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, copy_to_tp, divide
-from course_lib.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from course_lib.parallel.vocab_parallel import (
+    VocabParallelEmbedding,
+    padded_vocab_size,
+    vocab_parallel_cross_entropy,
+    vocab_range,
+)
+
+
+def is_vocab(name: str) -> bool:
+    return name.endswith("wte.weight") or name == "lm_head.weight"
 
 
 def shard_spec(name: str) -> tuple[int, int] | None:
     """How a full-model tensor is split over tp: (dim, fused) or None (replicated). ``fused``
     matrices stacked along ``dim`` (c_attn's Q, K, V) are split each."""
-    if name.endswith("wte.weight") or name == "lm_head.weight":
-        return 0, 1  # vocabulary rows
+    if is_vocab(name):
+        return 0, 1  # vocabulary rows (padded to a multiple of tp: shard_named)
     if ".attn.c_attn." in name:
         return 0, 3  # output columns of Q, K and V (nn.Linear stores (out, in))
     if ".mlp.c_fc." in name:
@@ -61,6 +70,19 @@ def unshard(pieces: list[torch.Tensor], spec) -> torch.Tensor:
     dim, fused = spec
     parts = [p.chunk(fused, dim) for p in pieces]
     return torch.cat([torch.cat([p[f] for p in parts], dim) for f in range(fused)], dim)
+
+
+def shard_named(name: str, full: torch.Tensor, tp_rank: int, tp_world_size: int, vocab_size: int) -> torch.Tensor:
+    """This tp rank's piece of the full-model tensor ``name`` (vocabulary rows padded first)."""
+    if is_vocab(name) and full.dim() and full.shape[0] == vocab_size:
+        pad = padded_vocab_size(vocab_size, tp_world_size) - vocab_size
+        full = torch.cat([full, full.new_zeros(pad, *full.shape[1:])]) if pad else full
+    return shard(full, shard_spec(name), tp_rank, tp_world_size)
+
+
+def unshard_named(name: str, pieces: list[torch.Tensor], vocab_size: int) -> torch.Tensor:
+    full = unshard(pieces, shard_spec(name))
+    return full[:vocab_size] if is_vocab(name) and full.dim() else full
 
 
 class ParallelAttention(nn.Module):
@@ -138,13 +160,13 @@ class GPTStage(nn.Module):
             if self.is_first:  # one stage: one tensor, two uses (as in GPT)
                 self.lm_head = _Head(self.transformer.wte.weight)
             else:
-                rows = divide(cfg.vocab_size, self.tp_comms.world_size, "vocab_size")
+                rows = padded_vocab_size(cfg.vocab_size, self.tp_comms.world_size) // self.tp_comms.world_size
                 self.lm_head = _Head(nn.Parameter(torch.empty(rows, cfg.n_embd)))
                 tied = self.lm_head.weight  # summed with the first stage's wte gradient
         elif self.is_first and pp_world_size > 1:
             tied = self.transformer.wte.weight
         object.__setattr__(self, "tied", tied)  # a reference, not a second registration
-        self.vocab_start = self.tp_comms.rank * (cfg.vocab_size // self.tp_comms.world_size)
+        self.vocab_start = vocab_range(cfg.vocab_size, self.tp_comms.rank, self.tp_comms.world_size)[0]
 
     def local_tokens(self, n_local: int) -> int:
         """Tokens per sequence in this rank's residual stream (B, n, C)."""
@@ -172,7 +194,8 @@ class GPTStage(nn.Module):
         x = tr.ln_f(x)
         x = gather_seq(x, self.sp_comms) if self.sequence_parallel else copy_to_tp(x, self.tp_comms)
         logits = F.linear(x, self.lm_head.weight)  # (B, T/cp, V/tp): never the full vocabulary
-        return vocab_parallel_cross_entropy(logits, targets, self.vocab_start, self.tp_comms)
+        return vocab_parallel_cross_entropy(logits, targets, self.vocab_start, self.tp_comms,
+                                            vocab_size=self.config.vocab_size)
 
     def sp_partial(self, name: str) -> bool:
         """Under sequence parallelism, parameters replicated over tp see only this rank's tokens:
@@ -182,5 +205,5 @@ class GPTStage(nn.Module):
     @torch.no_grad()
     def load_full_state(self, full: dict[str, torch.Tensor]) -> None:
         """Take this rank's shards of a full GPT state dict (its tensors keep their places)."""
-        tp, rank = self.tp_comms.world_size, self.tp_comms.rank
-        self.load_state_dict({k: shard(full[k], shard_spec(k), rank, tp) for k in self.state_dict()})
+        tp, rank, v = self.tp_comms.world_size, self.tp_comms.rank, self.config.vocab_size
+        self.load_state_dict({k: shard_named(k, full[k], rank, tp, v) for k in self.state_dict()})

@@ -35,7 +35,7 @@ from torch import nn
 from course_lib.parallel.comms import Comms
 from course_lib.parallel.context_parallel import cp_split
 from course_lib.parallel.footprint import measure_model_states, peak
-from course_lib.parallel.gpt_parallel import GPTStage, shard, shard_spec, unshard
+from course_lib.parallel.gpt_parallel import GPTStage, shard_named, shard_spec, unshard_named
 from course_lib.parallel.pipeline_parallel import Pipeline
 from course_lib.parallel.process_groups import ProcessGroupGrid
 from course_lib.parallel.strategy import Strategy, build_strategy
@@ -190,8 +190,8 @@ class ModelParallel(Strategy):
         """Full model and optimizer state, identical on every rank (a collective on all ranks)."""
         inner = self.inner.state_dict()  # full over dp x cp, this rank's tp shard of its stage
         order = [self.names[p] for g in self._inner_groups() for p in g]
-        model_part = {k: self._gather_tp(v, shard_spec(k)) for k, v in inner["model"].items()}
-        opt_part = {order[int(i)]: {k: self._gather_tp(v, shard_spec(order[int(i)])) if v.dim() else v.clone()
+        model_part = {k: self._gather_tp(k, v) for k, v in inner["model"].items()}
+        opt_part = {order[int(i)]: {k: self._gather_tp(order[int(i)], v) if v.dim() else v.clone()
                                     for k, v in st.items()} for i, st in inner["optimizer"]["state"].items()}
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in inner["optimizer"]["param_groups"]]
         stages = [None] * self.grid.pp_world_size
@@ -209,12 +209,13 @@ class ModelParallel(Strategy):
         ordered = {k: model_sd[k] for k in keys}
         return {"model": ordered, "optimizer": {"state": state, "param_groups": groups}}
 
-    def _gather_tp(self, t: torch.Tensor, spec) -> torch.Tensor:
-        if spec is None or self.grid.tp_world_size == 1:
-            return t.clone()
-        pieces = [torch.empty_like(t) for _ in range(self.grid.tp_world_size)]
-        dist.all_gather(pieces, t.contiguous(), group=self.grid.tp_group)
-        return unshard(pieces, spec)
+    def _gather_tp(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """The full tensor ``name`` from this rank's piece (an all-gather over tp if it is split)."""
+        pieces = [t]
+        if shard_spec(name) is not None and self.grid.tp_world_size > 1:
+            pieces = [torch.empty_like(t) for _ in range(self.grid.tp_world_size)]
+            dist.all_gather(pieces, t.contiguous(), group=self.grid.tp_group)
+        return unshard_named(name, pieces, self.cfg.vocab_size).clone()
 
     def _inner_groups(self) -> list[list[nn.Parameter]]:
         opt = getattr(self.inner, "full_optimizer", self.inner.optimizer)
@@ -224,16 +225,16 @@ class ModelParallel(Strategy):
     def load_state_dict(self, state: dict) -> None:
         stage, g = self.module, self.grid
         full_order = [n for grp in self._full_layout()[0] for n in grp]
-        model = {k: shard(state["model"][k], shard_spec(k), g.tp_rank, g.tp_world_size) for k in stage.state_dict()}
+        v = self.cfg.vocab_size
+        model = {k: shard_named(k, state["model"][k], g.tp_rank, g.tp_world_size, v) for k in stage.state_dict()}
         index = {n: i for i, n in enumerate(full_order)}
         order = [self.names[p] for grp in self._inner_groups() for p in grp]
         opt_state = {}
         for j, n in enumerate(order):
             st = state["optimizer"]["state"].get(index["transformer.wte.weight" if n == "lm_head.weight" else n])
             if st is not None:
-                spec = shard_spec(n) if n != "lm_head.weight" else (0, 1)
-                opt_state[j] = {k: (shard(v, spec, g.tp_rank, g.tp_world_size) if v.dim() else v).clone()
-                                if torch.is_tensor(v) else v for k, v in st.items()}  # no alias of the caller's
+                opt_state[j] = {k: (shard_named(n, t, g.tp_rank, g.tp_world_size, v) if t.dim() else t).clone()
+                                if torch.is_tensor(t) else t for k, t in st.items()}  # no alias of the caller's
         sizes = [len(grp) for grp in self._inner_groups()]
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         groups = [{**{k: v for k, v in h.items() if k != "params"}, "params": list(range(s, s + n))}

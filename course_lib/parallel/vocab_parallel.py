@@ -16,6 +16,11 @@ splits that one matrix by vocabulary rows: rank ``tp_rank`` holds the rows of to
       loss_n = log(sum_v exp(z_nv - m_n)) + m_n - z_{n, y_n}
 
   and the gradient on rank i's logits is softmax(z)_i - onehot(y)_i, computed locally.
+
+A vocabulary that tp does not divide (Shakespeare's 65 characters on 2 ranks) is padded to the
+next multiple of tp (Megatron's ``--make-vocab-size-divisible-by``). The padding rows are never
+looked up and their logits are masked to -inf, so they get no gradient and the model computes
+exactly what the unpadded one does; checkpoints keep the unpadded rows.
 """
 
 from __future__ import annotations
@@ -27,17 +32,22 @@ from torch import nn
 
 from course_lib.parallel.comms import Comms
 from course_lib.parallel.sequence_parallel import reduce_scatter_seq
-from course_lib.parallel.tensor_parallel import divide, reduce_from_tp
+from course_lib.parallel.tensor_parallel import reduce_from_tp
+
+
+def padded_vocab_size(vocab_size: int, tp_world_size: int) -> int:
+    return -(-vocab_size // tp_world_size) * tp_world_size
 
 
 def vocab_range(vocab_size: int, tp_rank: int, tp_world_size: int) -> tuple[int, int]:
-    n = divide(vocab_size, tp_world_size, "vocab_size")
+    """Token ids [start, end) of rank ``tp_rank``'s rows of the padded vocabulary."""
+    n = padded_vocab_size(vocab_size, tp_world_size) // tp_world_size
     return tp_rank * n, (tp_rank + 1) * n
 
 
 class VocabParallelEmbedding(nn.Module):
-    """This rank's rows of the token embedding, (V/tp, C); forward returns the full embedding,
-    (B, T, C), or this rank's tokens of it, (B, T/tp, C), with ``sequence_parallel``."""
+    """This rank's rows of the (padded) token embedding, (V/tp, C); forward returns the full
+    embedding, (B, T, C), or this rank's tokens of it, (B, T/tp, C), with ``sequence_parallel``."""
 
     def __init__(self, vocab_size: int, n_embd: int, comms: Comms, sequence_parallel: bool = False):
         super().__init__()
@@ -85,9 +95,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
-                                 comms: Comms, ignore_index: int = -1) -> torch.Tensor:
+                                 comms: Comms, ignore_index: int = -1, vocab_size: int | None = None) -> torch.Tensor:
     """Mean cross-entropy of split logits (..., V/tp) against full-vocabulary targets (...),
-    ``ignore_index`` targets excluded; every rank of the group returns the same value."""
+    ``ignore_index`` targets excluded; every rank of the group returns the same value. Columns
+    of ids >= ``vocab_size`` are padding: masked out."""
+    if vocab_size is not None and vocab_start + logits.shape[-1] > vocab_size:
+        ids = torch.arange(vocab_start, vocab_start + logits.shape[-1], device=logits.device)
+        logits = logits.masked_fill(ids >= vocab_size, float("-inf"))
     flat_t = targets.reshape(-1)
     keep = flat_t != ignore_index
     losses = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]),
