@@ -20,6 +20,8 @@ from pathlib import Path
 STRATEGY_NAMES = ("single", "ddp", "ddp_naive", "zero1", "zero2", "zero3", "torch_ddp", "torch_zero1",
                   "fsdp_grad_op", "fsdp_full")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+PP_SCHEDULES = ("1f1b", "afab")
+MODEL_PARALLEL_STRATEGIES = ("auto", "ddp", "zero1", "zero2")  # the dp flavour under tp/pp/cp
 INIT_FROM = ("scratch", "resume")
 
 
@@ -70,6 +72,12 @@ class TrainConfig:
     threads: int = 0  # intra-op threads per CPU worker; 0 = cores // workers on this host
     timeout_s: float = 600.0  # how long a collective may wait before the run fails
     run_name: str = ""  # a label for progress bars and plots; '' = the out_dir's name
+    # model parallelism (ours, course_lib.parallel.model_parallel): dp = nproc / (tp * pp * cp)
+    tp: int = 1  # tensor-parallel degree (Megatron-LM): heads, MLP columns and vocabulary split
+    pp: int = 1  # pipeline stages; the micro-batches are the gradient_accumulation_steps
+    cp: int = 1  # context-parallel degree: the sequence split, attention by ring
+    sequence_parallel: bool = False  # tp also splits the LayerNorm regions along the sequence
+    pp_schedule: str = "1f1b"  # 'afab' (GPipe: all forward, all backward) or '1f1b'
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -79,7 +87,7 @@ class TrainConfig:
             elif type(value) is not f.type:
                 raise ConfigError(f"{f.name}: expected {f.type.__name__}, got {type(value).__name__} {value!r}")
         positive = ("eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size",
-                    "block_size", "n_layer", "n_head", "n_embd", "nproc")
+                    "block_size", "n_layer", "n_head", "n_embd", "nproc", "tp", "pp", "cp")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -107,11 +115,53 @@ class TrainConfig:
         _choice("dataset", self.dataset, DATASETS)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:") and self.device[5:].isdigit()):
             raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        if self.strategy == "single" and self.nproc > 1:
+        _choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        self._check_model_parallel()
+        if self.strategy == "single" and self.nproc > 1 and self.model_parallel_size == 1:
             raise ConfigError(f"strategy 'single' runs one process but nproc={self.nproc}; "
                               "use --strategy=ddp (or auto) or --nproc=1")
 
+    def _check_model_parallel(self) -> None:
+        """What tp, pp, cp and sequence_parallel need of the model (one line each)."""
+        tp, pp, cp = self.tp, self.pp, self.cp
+        if self.n_head % tp:
+            raise ConfigError(f"n_head ({self.n_head}) must be divisible by tp ({tp}): each rank holds n_head/tp heads")
+        if self.n_layer % pp:
+            raise ConfigError(f"n_layer ({self.n_layer}) must be divisible by pp ({pp}): each stage holds n_layer/pp blocks")
+        if cp > 1 and self.block_size % (2 * cp):
+            raise ConfigError(f"block_size ({self.block_size}) must be divisible by 2*cp ({2 * cp}): "
+                              "each cp rank holds 2 chunks of every sequence")
+        if self.sequence_parallel and tp == 1:
+            raise ConfigError("sequence_parallel splits the sequence over the tp ranks: it needs tp > 1")
+        if self.sequence_parallel and (self.block_size // cp) % tp:
+            raise ConfigError(f"sequence_parallel: the {self.block_size // cp} tokens per cp rank "
+                              f"(block_size / cp) must be divisible by tp ({tp})")
+        if self.model_parallel_size > 1:
+            if self.strategy not in MODEL_PARALLEL_STRATEGIES:
+                raise ConfigError(f"strategy {self.strategy!r} does not combine with tp/pp/cp; choose one of "
+                                  f"{', '.join(MODEL_PARALLEL_STRATEGIES)} (the data-parallel flavour across dp)")
+            if self.dropout:
+                raise ConfigError(f"dropout={self.dropout} with tp/pp/cp is not supported (the tp ranks would "
+                                  "need one shared random stream); use --dropout=0")
+            if self.compile:
+                raise ConfigError("compile with tp/pp/cp is not supported (collectives inside autograd "
+                                  "functions); use --compile=false")
+            if self.nproc % self.model_parallel_size:
+                self.check_layout(self.nproc)
+
+    def check_layout(self, world_size: int) -> None:
+        """The grid must fill the world: world_size = dp * tp * pp * cp."""
+        n = self.model_parallel_size
+        if world_size % n:
+            raise ConfigError(f"nproc ({world_size} ranks) must be divisible by tp*pp*cp = "
+                              f"{self.tp}*{self.pp}*{self.cp} = {n} (dp = ranks / (tp*pp*cp))")
+
     # --- derived values -------------------------------------------------------------------------
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks of one model replica, tp * pp * cp (1: plain data parallelism)."""
+        return self.tp * self.pp * self.cp
+
     def resolved_strategy(self, world_size: int) -> str:
         """'auto' -> 'single' for one process, else our DDP (PyTorch's until ours is registered)."""
         if self.strategy != "auto":
