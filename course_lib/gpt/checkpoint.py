@@ -84,9 +84,9 @@ def check_resumable(saved: dict, cfg: TrainConfig, path: str | os.PathLike = "ch
     diffs = [(k, saved.get(k), v) for k, v in cfg.to_dict().items()
              if k not in RESUME_MAY_CHANGE and saved.get(k) != v]
     if diffs:
-        lines = "\n".join(f"  {k}: checkpoint has {a!r}, now {b!r}" for k, a, b in diffs)
+        changed = "; ".join(f"{k}: checkpoint has {a!r}, now {b!r}" for k, a, b in diffs)
         fix = " ".join(f"--{k}={a}" for k, a, _ in diffs)
-        raise ConfigError(f"cannot resume {path} with this config:\n{lines}\n"
+        raise ConfigError(f"cannot resume {path} with this config ({changed}); "
                           f"pass {fix} to continue that run, or start a new one in another --out_dir")
 
 
