@@ -39,7 +39,7 @@ LAYOUTS = {  # name -> (dp, tp, pp, cp, sequence_parallel)
 def worker(rank: int, world_size: int, lay: tuple, args) -> dict:
     from course_lib.gpt.config import TrainConfig
     from course_lib.gpt.model import GPT, GPTConfig
-    from course_lib.gpt.train import optimizer_factory
+    from course_lib.gpt.run import optimizer_factory
     from course_lib.parallel.model_parallel import ModelParallel
     from course_lib.parallel.process_groups import ProcessGroupGrid
 

@@ -20,7 +20,7 @@ from course_lib.analysis.memory import model_state_bytes
 from course_lib.analysis.parallel_comm import sent_bytes_per_step, stage_params
 from course_lib.gpt.config import TrainConfig
 from course_lib.gpt.model import GPT, GPTConfig
-from course_lib.gpt.train import optimizer_factory
+from course_lib.gpt.run import optimizer_factory
 from course_lib.parallel.comms import Comms
 from course_lib.parallel.context_parallel import cp_positions, cp_split, ring_attention
 from course_lib.parallel.gpt_parallel import shard, shard_spec, unshard

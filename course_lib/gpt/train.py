@@ -100,13 +100,17 @@ def train_step(strategy, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig, pre
     """
     accum, scaler, loss_sum = cfg.gradient_accumulation_steps, precision.scaler, None
     with meter.compute():
-        for micro in range(accum):
-            with nullcontext() if micro == accum - 1 else strategy.no_sync():
-                with precision.autocast:
-                    _, loss = strategy.model(x[micro], y[micro])
-                loss = loss / accum  # the mean over the micro-batches
-                scaler.scale(loss).backward()
-            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+        if hasattr(strategy, "train_step"):  # tp/pp/cp: the pipeline schedules the micro-batches itself
+            with precision.autocast:
+                loss_sum = strategy.train_step(x, y)
+        else:
+            for micro in range(accum):
+                with nullcontext() if micro == accum - 1 else strategy.no_sync():
+                    with precision.autocast:
+                        _, loss = strategy.model(x[micro], y[micro])
+                    loss = loss / accum  # the mean over the micro-batches
+                    scaler.scale(loss).backward()
+                loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
     strategy.finish_grads()  # wait for (or do) the gradient all-reduce: communication, not compute
     grad_norm = None
     with meter.compute():

@@ -111,9 +111,7 @@ def check_out_dir(req: TrainRequest) -> None:
     if cfg.init_from == "resume":
         ck = ckpt_io.load_checkpoint(last, mmap=True)
         ckpt_io.check_resumable(ck["config"], cfg, last, ck["iter_num"])
-        if ck["world_size"] != req.world_size:
-            raise ckpt_io.CheckpointError(f"{last} was written by {ck['world_size']} ranks, this run has "
-                                          f"{req.world_size}; resume with --nproc={ck['world_size']}")
+        ckpt_io.check_layout_change(ck["config"], ck["world_size"], cfg, req.world_size, last)
     elif last.exists() and not req.overwrite:
         raise LaunchConfigError(f"{cfg.out_dir} already holds a run (last.pt); pass --resume to continue it, "
                                 "--overwrite to start it again, or choose another --out_dir")

@@ -80,7 +80,8 @@ class ModelParallel(Strategy):
         loss, self.last_stats = self.pipeline.train_step(x, y, accum, no_sync=self.inner.no_sync)
         self.last_micro = accum
         self._states_after_backward = measure_model_states(self)  # full gradients, before any reduce-scatter
-        return torch.tensor(loss, dtype=torch.float64)  # a Python float from the pipeline: keep its digits
+        # a Python float from the pipeline: keep its digits; on the device, for the trainer's all-reduce
+        return torch.tensor(loss, dtype=torch.float64, device=x.device)
 
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -152,7 +153,8 @@ class ModelParallel(Strategy):
             sec = c.seconds
             c.reset()
             c.seconds = sec  # comm_s keeps running; only the byte counts restart
-        states = peak(self._states_after_backward, measure_model_states(self))
+        now = measure_model_states(self)
+        states = peak(self._states_after_backward, now) if self._states_after_backward else now
         out["model_state_bytes"] = states.params + states.grads + states.optimizer
         st = self.last_stats
         if st is not None:
