@@ -149,11 +149,10 @@ class TrainConfig:
             if self.compile:
                 raise ConfigError("compile with tp/pp/cp is not supported (collectives inside autograd "
                                   "functions); use --compile=false")
-            if self.nproc % self.model_parallel_size:
-                self.check_layout(self.nproc)
 
     def check_layout(self, world_size: int) -> None:
-        """The grid must fill the world: world_size = dp * tp * pp * cp."""
+        """The grid must fill the world: world_size = dp * tp * pp * cp (checked by the launchers
+        before spawning, and by each worker: ``nproc`` is per node, the world may span several)."""
         n = self.model_parallel_size
         if world_size % n:
             raise ConfigError(f"nproc ({world_size} ranks) must be divisible by tp*pp*cp = "
