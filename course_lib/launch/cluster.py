@@ -238,12 +238,13 @@ def _check_train_args(train_args: Sequence[str], data: bool, world_size: int) ->
     that the dataset is prepared where the job will look: the same path, since the job starts in
     this folder with this environment on a file system the nodes share."""
     # imported here: `course submit --help` and PBS/--script runs need neither
-    from course_lib.gpt.config import ConfigError
+    from course_lib.gpt.config import ConfigError, arg_parser, config_from_args
     from course_lib.gpt.data import DataError, load_meta
-    from course_lib.launch.train_cli import build_config
 
     try:
-        cfg, _ = build_config(list(train_args))
+        parser = arg_parser("course submit --", "the trainer's arguments")
+        parser.add_argument("--overwrite", action="store_true")  # course train's own flag
+        cfg, _ = config_from_args(parser, list(train_args))
         cfg.check_layout(world_size)  # tp * pp * cp divides the job's ranks
         if data:
             load_meta(cfg.data_dir or None, cfg.dataset)
