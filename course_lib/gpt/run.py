@@ -24,6 +24,8 @@ from course_lib.gpt.config import TrainConfig
 from course_lib.gpt.data import TrainBatches, eval_batches, load_meta, load_tokens, model_vocab_size
 from course_lib.gpt.model import GPT, GPTConfig, make_adamw
 from course_lib.gpt.runtime import Runtime
+from course_lib.parallel.model_parallel import ModelParallel
+from course_lib.parallel.process_groups import ProcessGroupGrid
 from course_lib.parallel.strategy import Strategy, build_strategy
 
 
@@ -93,9 +95,6 @@ def setup_run(cfg: TrainConfig, rt: Runtime) -> Run:
 
 def _model_parallel(cfg: TrainConfig, rt: Runtime, model: GPT, dp_strategy: str):
     """The ModelParallel strategy on this rank's place of the grid; (strategy, dp_rank, dp)."""
-    from course_lib.parallel.model_parallel import ModelParallel  # only model-parallel runs need it
-    from course_lib.parallel.process_groups import ProcessGroupGrid
-
     cfg.check_layout(rt.world_size)
     grid = ProcessGroupGrid(dp=rt.world_size // cfg.model_parallel_size, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp)
     strategy = ModelParallel(model, optimizer_factory(cfg), grid, dp_strategy, cfg.sequence_parallel, cfg.pp_schedule)

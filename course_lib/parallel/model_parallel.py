@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from course_lib.gpt.model import GPT
 from course_lib.parallel.comms import Comms
 from course_lib.parallel.context_parallel import cp_split
 from course_lib.parallel.footprint import measure_model_states, peak
@@ -180,8 +181,6 @@ class ModelParallel(Strategy):
     def _full_layout(self) -> tuple[list[list[str]], list[str]]:
         """The full GPT's parameter names in the groups of the trainer's optimizer over it, and
         its state-dict keys: from a weightless (meta-device) twin."""
-        from course_lib.gpt.model import GPT  # only for checkpoints: gpt.model needs no parallel code
-
         with torch.device("meta"):
             ref = GPT(self.cfg)
         name_of = {id(p): n for n, p in ref.named_parameters()}
