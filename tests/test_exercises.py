@@ -59,6 +59,9 @@ WRONG_ANSWERS = [
     ("05_nanogpt", "q3_resume",
      '    torch.set_rng_state(state["rng"])\n', "",
      "resumes without the RNG state: different batches and dropout masks"),
+    ("06_model_parallel", "q1_vocab_parallel_cross_entropy",
+     "    dist.all_reduce(m, op=dist.ReduceOp.MAX)  # the maximum over the whole vocabulary\n", "",
+     "each rank shifts by its own maximum: the sum of exponentials mixes different shifts"),
 ]
 HANGING = "01_collectives"
 CLI_GRADED = "04_pram"  # its solution is graded through the `course grade` console script
