@@ -8,21 +8,8 @@ import json
 
 import pytest
 
-from course_lib.gpt.config import (
-    PRESETS,
-    STRATEGY_NAMES,
-    ConfigError,
-    TrainConfig,
-    arg_parser,
-    config_from_args,
-    make_config,
-    parse_overrides,
-)
-from course_lib.launch.train_cli import cli
-
-
-def build_config(argv):
-    return config_from_args(arg_parser("course train", ""), argv)
+from course_lib.gpt.config import PRESETS, STRATEGY_NAMES, ConfigError, TrainConfig, make_config, parse_overrides
+from course_lib.launch.train_cli import build_config, cli
 
 
 def test_presets_are_nanogpts_recipes():

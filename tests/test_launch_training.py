@@ -121,3 +121,24 @@ def test_the_worker_imports_no_launch_code():
             "print(sorted(m for m in sys.modules if m.startswith('course_lib.launch')))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert proc.stdout.strip() == "[]"
+
+
+def test_terminal_display_relays_rank_0_byte_for_byte(tmp_path):
+    """course train's display: rank 0's output as written (a redrawn bar, a character split
+    between two reads), other ranks' stderr still prefixed; the notebook's prefixes every line."""
+    import io
+
+    from course_lib.launch.monitor import OutputStreamer
+
+    bar = "\rrun:  50%|█    | 1/2\rrun: 100%|██| 2/2\n".encode()
+    (tmp_path / "rank0.out").write_bytes(b"header\n" + bar[:12])  # cut inside a multi-byte character
+    (tmp_path / "rank1.err").write_bytes(b"warning from rank 1\n")
+    raw, ranks = (OutputStreamer(str(tmp_path), (0,), io.StringIO(), io.StringIO(), raw=r) for r in (True, False))
+    raw.poll()
+    with open(tmp_path / "rank0.out", "ab") as f:
+        f.write(bar[12:])
+    raw.poll()
+    ranks.poll(final=True)
+    assert raw.out.getvalue() == "header\n" + bar.decode()
+    assert raw.err.getvalue() == ranks.err.getvalue() == "[rank1] warning from rank 1\n"
+    assert ranks.out.getvalue() == "[rank0] header\n[rank0] run: 100%|██| 2/2\n"  # what a terminal kept

@@ -69,14 +69,12 @@ def train_runs(out: Path, runs: dict[str, Sequence[str]], timeout_s: float = 900
     their metrics.csv. Returns each run's summary.json and run.json figures and its wall time."""
     from tqdm.auto import tqdm
 
-    from course_lib.gpt.config import arg_parser, config_from_args
+    from course_lib.launch.train_cli import build_config
 
     procs, totals, t0 = {}, {}, time.perf_counter()
     for name, args in runs.items():
         argv = [*args, f"--out_dir={out / name}", "--overwrite", "--no-progress"]
-        parser = arg_parser("course train", "")
-        parser.add_argument("--overwrite", action="store_true")  # course train's own flag
-        totals[name] = config_from_args(parser, argv)[0].max_iters
+        totals[name] = build_config(argv)[0].max_iters
         with open(out / f"{name}.log", "w") as log:  # the child keeps its own descriptor
             procs[name] = (subprocess.Popen([sys.executable, "-m", "course_lib.cli", "train", *argv],
                                             stdout=log, stderr=subprocess.STDOUT), time.perf_counter())

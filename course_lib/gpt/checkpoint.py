@@ -115,6 +115,14 @@ def check_layout_change(saved: dict, saved_world: int, cfg: TrainConfig, world_s
                               f"dropout={cfg.dropout} the random streams differ: resume with --nproc={saved_world}")
 
 
+def check_resume(ck: dict, cfg: TrainConfig, path: str | os.PathLike, world_size: int) -> None:
+    """Can ``cfg`` on ``world_size`` ranks continue checkpoint ``ck``? (checked by the launcher
+    before spawning, and again by each worker, which may have been started some other way).
+    The fields must match (but for the layout's), and the global batch (check_layout_change)."""
+    check_resumable(ck["config"], cfg, path, ck["iter_num"])
+    check_layout_change(ck["config"], ck["world_size"], cfg, world_size, path)
+
+
 def rng_state(data_state: torch.Tensor) -> dict:
     """This rank's random state: torch (CPU and CUDA), Python's, and the data sampler's
     (``data_state``: the sampler generator's state that redraws the pending batch)."""

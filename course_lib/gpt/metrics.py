@@ -10,9 +10,9 @@ that do not stall the GPU.
 ``step_ms`` is wall time per iteration averaged since the previous row; ``compute_ms`` the time
 in forward/backward and the optimizer step (CUDA events on a GPU, so no host sync per step);
 ``comm_ms`` the exposed communication the Strategy measured (``comm_s``), which is not counted
-in ``compute_ms``. ``tflops`` is the
-achieved model FLOP/s of the whole job and ``mfu`` that over the peak of all its devices (PaLM,
-Chowdhery et al. 2022, App. B); on a CPU the peak is an estimate (course_lib.hardware).
+in ``compute_ms``. ``tflops`` is the achieved model FLOP/s of the whole job and ``mfu`` that over
+the peak of all its devices (PaLM, Chowdhery et al. 2022, App. B); on a CPU the peak is an
+estimate (course_lib.hardware).
 Each row is on disk (file closed) as soon as it is written: a crash loses nothing already logged.
 """
 
@@ -136,10 +136,11 @@ def announce_run(cfg, info: dict) -> None:
     atomic_write_bytes(out / "run.json", (json.dumps(info, indent=1) + "\n").encode())
     cpu = info["device"] == "cpu"
     where = f"{info['world_size']} x {info['device']}" + (f" ({info['threads_per_worker']} threads each)" if cpu else "")
+    lay = info["layout"]
+    ranks = "dp ranks" if cfg.model_parallel_size > 1 else "ranks"
     lines = [f"{where} | strategy {info['strategy']} | {info['dtype']} | {info['n_params'] / 1e6:.2f}M parameters",
              f"global batch {info['global_batch']} sequences = batch_size {cfg.batch_size} x grad_accum "
-             f"{cfg.gradient_accumulation_steps} x {info['layout']['dp']} {'dp ' if cfg.model_parallel_size > 1 else ''}ranks; {info['tokens_per_iter']:,} tokens/iter"]
-    lay = info["layout"]
+             f"{cfg.gradient_accumulation_steps} x {lay['dp']} {ranks}; {info['tokens_per_iter']:,} tokens/iter"]
     if cfg.model_parallel_size > 1:
         lines.append(f"layout dp {lay['dp']} x tp {lay['tp']}{' (+sp)' if lay['sequence_parallel'] else ''} x "
                      f"pp {lay['pp']} ({lay['pp_schedule']}) x cp {lay['cp']}; {info['strategy']} across dp x cp")

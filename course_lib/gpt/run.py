@@ -104,8 +104,7 @@ def _model_parallel(cfg: TrainConfig, rt: Runtime, model: GPT, dp_strategy: str)
 def _resume(run: Run) -> None:
     path = Path(run.cfg.out_dir) / ckpt_io.LAST
     ck = ckpt_io.load_checkpoint(path, map_location=run.rt.device)
-    ckpt_io.check_resumable(ck["config"], run.cfg, path, ck["iter_num"])
-    ckpt_io.check_layout_change(ck["config"], ck["world_size"], run.cfg, run.rt.world_size, path)
+    ckpt_io.check_resume(ck, run.cfg, path, run.rt.world_size)
     run.strategy.load_state_dict(ck)
     if ck["scaler"] is not None and run.precision.scaler.is_enabled():
         run.precision.scaler.load_state_dict(ck["scaler"]["state"])

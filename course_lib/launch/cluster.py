@@ -241,10 +241,8 @@ def _check_train_args(train_args: Sequence[str], data: bool, world_size: int) ->
     from course_lib.gpt.config import ConfigError, arg_parser, config_from_args
     from course_lib.gpt.data import DataError, load_meta
 
-    try:
-        parser = arg_parser("course submit --", "the trainer's arguments")
-        parser.add_argument("--overwrite", action="store_true")  # course train's own flag
-        cfg, _ = config_from_args(parser, list(train_args))
+    try:  # parsed as the worker (python -m course_lib.gpt.train) will parse them
+        cfg, _ = config_from_args(arg_parser("python -m course_lib.gpt.train", ""), list(train_args))
         cfg.check_layout(world_size)  # tp * pp * cp divides the job's ranks
         if data:
             load_meta(cfg.data_dir or None, cfg.dataset)

@@ -16,19 +16,25 @@ one line before any process starts. The workers run
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from course_lib.gpt.checkpoint import CheckpointError
-from course_lib.gpt.config import ConfigError, arg_parser, config_from_args
+from course_lib.gpt.config import ConfigError, TrainConfig, arg_parser, config_from_args
 from course_lib.gpt.data import DataError
 from course_lib.launch.training import run_training
 
 
-def cli(argv: list[str]) -> int:
+def build_config(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
+    """``course train``'s arguments: the worker's (preset or file, ``--resume``, fields) and ``--overwrite``."""
     parser = arg_parser("course train", "Train the nanoGPT-style model on N workers (torchrun), checked first.")
     parser.add_argument("--overwrite", action="store_true", help="start again in an out_dir that holds a run")
+    return config_from_args(parser, argv)
+
+
+def cli(argv: list[str]) -> int:
     try:
-        cfg, args = config_from_args(parser, argv)
+        cfg, args = build_config(argv)
         result = run_training(cfg, display="terminal", overwrite=args.overwrite, progress=not args.no_progress)
     except (ConfigError, DataError, CheckpointError) as e:
         print(f"course train: error: {e}", file=sys.stderr)

@@ -109,9 +109,7 @@ def check_out_dir(req: TrainRequest) -> None:
     """A resume matches its checkpoint (fields, ranks); a new run does not overwrite one unasked."""
     cfg, last = req.config, Path(req.config.out_dir) / ckpt_io.LAST
     if cfg.init_from == "resume":
-        ck = ckpt_io.load_checkpoint(last, mmap=True)
-        ckpt_io.check_resumable(ck["config"], cfg, last, ck["iter_num"])
-        ckpt_io.check_layout_change(ck["config"], ck["world_size"], cfg, req.world_size, last)
+        ckpt_io.check_resume(ckpt_io.load_checkpoint(last, mmap=True), cfg, last, req.world_size)
     elif last.exists() and not req.overwrite:
         raise LaunchConfigError(f"{cfg.out_dir} already holds a run (last.pt); pass --resume to continue it, "
                                 "--overwrite to start it again, or choose another --out_dir")
@@ -196,6 +194,7 @@ def run_training(config: TrainConfig, *, display: str = "notebook", nproc=None, 
     """
     if display not in DISPLAYS:
         raise LaunchConfigError(f"display must be one of {', '.join(DISPLAYS)}, got {display!r}")
+    checks.check_timeout("timeout", timeout)  # the rest of launch()'s own checks need no run directory
     req = prepare_run(config, nproc=nproc, nnodes=nnodes, overwrite=overwrite)
     cfg, config_file = req.config, Path(req.config.out_dir).resolve() / "config.json"
     env = dict(env or {})
