@@ -79,8 +79,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--only", default="", help="comma-separated layout names")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    rows = ["| ranks | layout | ms/iter | tokens/s | model states MB | peak act. MB | tp MB | sp MB | cp MB | "
-            "pp MB | dp MB | bubble (theory) |", "|" + "---|" * 12]
+    header = ("| ranks | layout | ms/iter | tokens/s | model states MB | peak act. MB | tp MB | sp MB | cp MB | "
+              "pp MB | dp MB | bubble (theory) |")
+    rows = [header, "|" + "---|" * 12]
     print("\n".join(rows), flush=True)
     for n in (int(r) for r in args.ranks.split(",")):
         for name, lay in LAYOUTS[n].items():

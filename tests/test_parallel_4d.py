@@ -88,7 +88,7 @@ def train_layout(layout: dict, dtype, steps: int = STEPS, start: dict | None = N
 
 
 def layout(dp=1, tp=1, pp=1, cp=1, sp=False, schedule="1f1b", strategy="ddp"):
-    return dict(dp=dp, tp=tp, pp=pp, cp=cp, sp=sp, schedule=schedule, strategy=strategy)
+    return {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "sp": sp, "schedule": schedule, "strategy": strategy}
 
 
 LAYOUTS_4 = {
@@ -110,7 +110,7 @@ def layouts_worker(rank: int, world_size: int, layouts: dict) -> dict:
 
 
 def assert_equal_to_one_process(name: str, got, dtype, dp: int):
-    losses, state, stats, figures = got
+    losses, state, _, _ = got
     ref_losses, ref = reference(dp, dtype)
     loss_tol, tol = (1e-12, 1e-10) if dtype == torch.float64 else (1e-5, 2e-4)
     assert max(abs(a - b) / a for a, b in zip(losses, ref_losses)) < loss_tol, (name, losses, ref_losses)
@@ -128,8 +128,8 @@ def assert_figures_match_the_models(name: str, lay: dict, dtype, figures: dict):
     1 % (ZeRO pads its shards); model states within 10 % of the memory model (analysis.memory)."""
     e = torch.finfo(dtype).bits // 8
     zero = int(lay["strategy"][-1]) if lay["strategy"].startswith("zero") else 0
-    kw = dict(n_layer=CFG.n_layer, n_embd=CFG.n_embd, vocab_size=CFG.vocab_size, block_size=CFG.block_size,
-              bias=CFG.bias)
+    kw = {"n_layer": CFG.n_layer, "n_embd": CFG.n_embd, "vocab_size": CFG.vocab_size, "block_size": CFG.block_size,
+              "bias": CFG.bias}
     want = sent_bytes_per_step(**kw, batch_size=B, micro_batches=ACCUM, dp=lay["dp"], tp=lay["tp"], pp=lay["pp"],
                                cp=lay["cp"], sequence_parallel=lay["sp"], pp_rank=figures["pp_rank"],
                                bytes_per_value=e, zero_stage=zero)

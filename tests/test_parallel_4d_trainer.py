@@ -14,24 +14,24 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_parallel_trainer import TINY, losses, numbers, run
 
 from course_lib.gpt.checkpoint import CheckpointError
 from course_lib.gpt.config import ConfigError, make_config
 from course_lib.gpt.data import prepare
 from course_lib.launch.training import check_request
-from test_parallel_trainer import TINY, losses, numbers, run
 
 ITERS, HALF = 10, 5
 BASE = {**TINY, "max_iters": ITERS, "lr_decay_iters": ITERS, "eval_interval": HALF}
 LAYOUTS_4 = {  # name -> overrides (4 ranks)
-    "tp2-pp2": dict(tp=2, pp=2, batch_size=8),
-    "tp2+sp-cp2": dict(tp=2, cp=2, sequence_parallel=True, batch_size=8, pp_schedule="afab"),
-    "pp2-dp2-zero1": dict(pp=2, strategy="zero1", batch_size=4),
-    "cp2-dp2": dict(cp=2, batch_size=4),
+    "tp2-pp2": {"tp": 2, "pp": 2, "batch_size": 8},
+    "tp2+sp-cp2": {"tp": 2, "cp": 2, "sequence_parallel": True, "batch_size": 8, "pp_schedule": "afab"},
+    "pp2-dp2-zero1": {"pp": 2, "strategy": "zero1", "batch_size": 4},
+    "cp2-dp2": {"cp": 2, "batch_size": 4},
 }
 LAYOUTS_8 = {
-    "tp2-pp2-dp2": dict(tp=2, pp=2, batch_size=4),
-    "tp2+sp-pp2-cp2-zero1": dict(tp=2, pp=2, cp=2, sequence_parallel=True, strategy="zero1", batch_size=8),
+    "tp2-pp2-dp2": {"tp": 2, "pp": 2, "batch_size": 4},
+    "tp2+sp-pp2-cp2-zero1": {"tp": 2, "pp": 2, "cp": 2, "sequence_parallel": True, "strategy": "zero1", "batch_size": 8},
 }
 
 
@@ -93,13 +93,13 @@ def _csv(path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(nproc=6, tp=2, pp=2), r"nproc \(6 ranks\) must be divisible by tp\*pp\*cp = 2\*2\*1 = 4"),
-    (dict(nproc=4, tp=4, n_head=2), r"n_head \(2\) must be divisible by tp \(4\)"),
-    (dict(nproc=4, pp=4, n_layer=2), r"n_layer \(2\) must be divisible by pp \(4\)"),
-    (dict(nproc=2, cp=2, block_size=30), r"block_size \(30\) must be divisible by 2\*cp \(4\)"),
-    (dict(nproc=4, tp=2, pp=2, strategy="zero3"), r"strategy 'zero3' does not combine with tp/pp/cp"),
-    (dict(nproc=2, tp=2, dropout=0.1), r"dropout=0.1 with tp/pp/cp is not supported"),
-    (dict(nproc=2, sequence_parallel=True), r"sequence_parallel .* needs tp > 1"),
+    ({"nproc": 6, "tp": 2, "pp": 2}, r"nproc \(6 ranks\) must be divisible by tp\*pp\*cp = 2\*2\*1 = 4"),
+    ({"nproc": 4, "tp": 4, "n_head": 2}, r"n_head \(2\) must be divisible by tp \(4\)"),
+    ({"nproc": 4, "pp": 4, "n_layer": 2}, r"n_layer \(2\) must be divisible by pp \(4\)"),
+    ({"nproc": 2, "cp": 2, "block_size": 30}, r"block_size \(30\) must be divisible by 2\*cp \(4\)"),
+    ({"nproc": 4, "tp": 2, "pp": 2, "strategy": "zero3"}, r"strategy 'zero3' does not combine with tp/pp/cp"),
+    ({"nproc": 2, "tp": 2, "dropout": 0.1}, r"dropout=0.1 with tp/pp/cp is not supported"),
+    ({"nproc": 2, "sequence_parallel": True}, r"sequence_parallel .* needs tp > 1"),
 ])
 def test_bad_layouts_are_refused_before_spawning(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message) as e:

@@ -51,7 +51,7 @@ def plan_layouts(model: str = "gpt2-xl", *, n_nodes: int = 2, gpus_per_node: int
     name, memory = resolve_gpu(gpu)
     world = n_nodes * gpus_per_node
     compute_s = 6 * shape.num_params() * global_batch * shape.block_size / world / (mfu * PROFILES[name].peak("bfloat16"))
-    L, h, a, s, v = shape.n_layer, shape.n_embd, shape.n_head, shape.block_size, shape.vocab_size
+    L, a, s = shape.n_layer, shape.n_head, shape.block_size
     rows = []
     for tp in _divisors(world):
         if a % tp:

@@ -138,9 +138,10 @@ def announce_run(cfg, info: dict) -> None:
     where = f"{info['world_size']} x {info['device']}" + (f" ({info['threads_per_worker']} threads each)" if cpu else "")
     lay = info["layout"]
     ranks = "dp ranks" if cfg.model_parallel_size > 1 else "ranks"
+    batch = (f"global batch {info['global_batch']} sequences = batch_size {cfg.batch_size} x grad_accum "
+             f"{cfg.gradient_accumulation_steps} x {lay['dp']} {ranks}; {info['tokens_per_iter']:,} tokens/iter")
     lines = [f"{where} | strategy {info['strategy']} | {info['dtype']} | {info['n_params'] / 1e6:.2f}M parameters",
-             f"global batch {info['global_batch']} sequences = batch_size {cfg.batch_size} x grad_accum "
-             f"{cfg.gradient_accumulation_steps} x {lay['dp']} {ranks}; {info['tokens_per_iter']:,} tokens/iter"]
+             batch]
     if cfg.model_parallel_size > 1:
         lines.append(f"layout dp {lay['dp']} x tp {lay['tp']}{' (+sp)' if lay['sequence_parallel'] else ''} x "
                      f"pp {lay['pp']} ({lay['pp_schedule']}) x cp {lay['cp']}; {info['strategy']} across dp x cp")
