@@ -19,7 +19,7 @@ import os
 import time
 from contextlib import nullcontext
 
-from course_lib.experiments.profiling import STEP, _events, classify
+from course_lib.experiments.profiling import STEP, _events, classify, finish_step
 
 
 def profile_layout_worker(rank: int, world_size: int, spec: dict) -> dict:
@@ -44,14 +44,7 @@ def profile_layout_worker(rank: int, world_size: int, spec: dict) -> dict:
     def step(label=lambda name: nullcontext()):
         with label("pipeline"):  # the whole schedule: forwards and backwards interleaved
             strategy.train_step(x, x.roll(-1, dims=-1))
-        with label("finish_grads"):
-            strategy.finish_grads()
-        with label("clip_grad_norm"):
-            strategy.clip_grad_norm_(1.0)
-        with label("optimizer_step"):
-            strategy.step()
-        with label("zero_grad"):
-            strategy.zero_grad()
+        finish_step(strategy, label)
 
     for _ in range(spec["warmup"]):
         step()
