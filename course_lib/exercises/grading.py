@@ -60,14 +60,14 @@ def _with_rank(fn, args):
 
 def run_ranks(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float | None = None) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``nproc`` gloo ranks forked from this process
-    (course_lib's :func:`~course_lib.launch.notebook.notebook_launcher`); return their values.
+    (course_lib's :func:`~course_lib.launch.forked.notebook_launcher`); return their values.
 
     ``timeout`` (default ``COURSE_GRADING_TIMEOUT`` or 60 s) bounds every collective; the whole
     call gets 1.5 x timeout + 5 s of wall clock. Raises :class:`RanksTimeoutError` when ranks
     hang, :class:`RankError` when a rank raises or dies.
     """
     from course_lib.launch.checks import LaunchConfigError
-    from course_lib.launch.notebook import NotebookLaunchError, notebook_launcher
+    from course_lib.launch.forked import NotebookLaunchError, notebook_launcher
 
     if not callable(fn):
         raise TypeError(f"run_ranks needs a function fn(rank, world_size, ...), got {fn!r}")

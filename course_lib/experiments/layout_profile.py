@@ -1,14 +1,15 @@
 """One training step of a dp x pp x cp x tp layout, profiled on every rank (notebook 9).
 
     from course_lib.experiments.layout_profile import profile_layout
-    from course_lib.experiments.profiling import plot_step_timeline, step_table
+    from course_lib.experiments.profiling import step_table
+    from course_lib.notebook.plots import plot_step_timeline
     ranks = profile_layout(tp=2, pp=2)          # 4 gloo processes
     plot_step_timeline(ranks)                   # compute and communication lanes, rank by rank
 
 The step is the trainer's under :class:`~course_lib.parallel.model_parallel.ModelParallel`: the
 pipeline's forward/backward schedule (every tp, sp, cp and pp message inside it), finish_grads,
 global-norm clipping, the optimizer step. The events are sorted into compute and communication
-by :func:`course_lib.experiments.profiling.classify`: a pipeline stage waiting for its neighbour
+by :func:`course_lib.experiments.step_intervals.classify`: a pipeline stage waiting for its neighbour
 shows as communication on the critical path (the bubble), a tp all-reduce as a short stall in
 every layer.
 """
@@ -19,7 +20,8 @@ import os
 import time
 from contextlib import nullcontext
 
-from course_lib.experiments.profiling import STEP, _events, classify, finish_step
+from course_lib.experiments.profiling import _events, finish_step
+from course_lib.experiments.step_intervals import STEP, classify
 
 
 def profile_layout_worker(rank: int, world_size: int, spec: dict) -> dict:
@@ -64,7 +66,7 @@ def profile_layout(world_size: int = 4, tp: int = 1, pp: int = 1, cp: int = 1, s
                    pp_schedule: str = "1f1b", strategy: str = "ddp", gpt: dict | None = None, batch_size: int = 4,
                    grad_accum: int = 4, warmup: int = 1) -> list[dict]:
     """Profile one step of the layout on ``world_size`` gloo ranks (dp = the rest); one dict per rank
-    (what :func:`~course_lib.experiments.profiling.classify` returns, plus rank and wall_ms)."""
+    (what :func:`~course_lib.experiments.step_intervals.classify` returns, plus rank and wall_ms)."""
     from course_lib.parallel.spawn import run_ranks
 
     if world_size % (tp * pp * cp):

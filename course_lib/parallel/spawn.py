@@ -43,11 +43,20 @@ def _worker(rank: int, fn, world_size: int, args: tuple, backend: str, port: int
             dist.destroy_process_group()
 
 
+def default_start_method(backend: str) -> str:
+    """The start method: "fork" where the OS has it, except for NCCL ranks once this process initialised CUDA
+    (a forked child cannot use it). gloo ranks are CPU processes: they fork even then, as
+    PyTorch's DataLoader workers do, so that a 1-GPU notebook (Colab) still runs CPU demos."""
+    if "fork" not in mp.get_all_start_methods():
+        return "spawn"
+    return "spawn" if backend == "nccl" and torch.cuda.is_initialized() else "fork"
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), backend: str = "gloo",
               threads: int = 1, start_method: str | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return their results.
 
-    ``start_method`` "fork" (the default where the OS has it, and never with CUDA initialised)
+    ``start_method`` "fork" (the default where the OS has it; see :func:`default_start_method`)
     starts workers in milliseconds, with everything the parent imported, and accepts functions
     defined in a notebook; "spawn" starts fresh interpreters (about 2 s each to import torch) and
     needs ``fn`` importable from a module.
@@ -62,8 +71,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), backend
             raise ValueError(f"NCCL needs one GPU per rank: {world_size} ranks, {gpus} GPU(s) "
                              "here; use backend='gloo' or fewer ranks")
     if start_method is None:
-        fork_ok = "fork" in mp.get_all_start_methods() and not torch.cuda.is_initialized()
-        start_method = "fork" if fork_ok else "spawn"
+        start_method = default_start_method(backend)
     if start_method == "fork":
         # Optimizers import torch._dynamo lazily (1-2 s): once here, not once per worker.
         importlib.import_module("torch._dynamo")

@@ -11,8 +11,10 @@ file and sees the notebook's imports and globals (the idea of accelerate's noteb
 Each child gets RANK, WORLD_SIZE, LOCAL_RANK, the default process group (gloo, with a
 collective timeout) and its share of the CPU threads; rank k's return value is ``results[k]``.
 A failure in any rank stops the others and raises :class:`NotebookLaunchError` naming the rank,
-with its traceback. Forking after CUDA was initialised cannot work (the children cannot use
-the parent's CUDA context), so that is refused up front with what to do instead.
+with its traceback. The ranks are CPU processes, so they may be forked even after the kernel
+initialised CUDA (on Colab's one GPU, say), as PyTorch's DataLoader forks its workers; only a
+function that itself uses CUDA fails there (PyTorch: "Cannot re-initialize CUDA in forked
+subprocess"), and the error then says to use a ``%%torchrun`` cell instead.
 """
 
 from __future__ import annotations
@@ -27,7 +29,12 @@ import traceback
 from datetime import timedelta
 from multiprocessing.connection import wait
 
+from course_lib.hardware import threads_per_rank
+from course_lib.launch.agent import loopback_store_class
+from course_lib.launch.bootstrap import diagnose
 from course_lib.launch.checks import LaunchConfigError
+from course_lib.launch.procs import set_parent_death_signal
+from course_lib.utils import free_port
 
 
 class NotebookLaunchError(RuntimeError):
@@ -36,14 +43,8 @@ class NotebookLaunchError(RuntimeError):
         self.rank, self.traceback = rank, traceback_text
 
 
-def check_fork_safe() -> None:
-    """Refuse to fork when this process already initialised CUDA."""
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        raise LaunchConfigError(
-            "CUDA was already initialised in this kernel, and forked processes cannot use it. "
-            "Restart the kernel and call notebook_launcher before anything touches the GPU, or "
-            "put the code in a %%torchrun cell (separate processes, each with its own GPU).")
+CUDA_IN_FORK_HINT = ("this function uses CUDA, which a forked process cannot; notebook_launcher's ranks are "
+                     "CPU processes. Put the code in a %%torchrun cell (separate processes, one GPU each).")
 
 
 class _RankWriter:
@@ -69,18 +70,14 @@ class _RankWriter:
 
 
 def _child(fn, args, kwargs, rank, nproc, port, backend, timeout_s, threads, conn) -> None:
-    from course_lib.launch.procs import set_parent_death_signal
-
     set_parent_death_signal(signal.SIGKILL)  # the kernel died: nothing to report to
     code = 0
     try:
         sys.stdout, sys.stderr = _RankWriter(1, rank), _RankWriter(2, rank)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        import torch
+        import torch  # in the forked child: `from course_lib.launch import ...` stays torch-free
         import torch.distributed as dist
-
-        from course_lib.launch.agent import loopback_store_class
 
         torch.set_num_threads(threads)
         timeout = timedelta(seconds=timeout_s)
@@ -92,11 +89,11 @@ def _child(fn, args, kwargs, rank, nproc, port, backend, timeout_s, threads, con
         # memory through a file descriptor that dies with this process).
         conn.send_bytes(pickle.dumps(("ok", rank, result)))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises
-        from course_lib.launch.bootstrap import diagnose
-
         code = 1
         text = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next if e.__traceback__ else None))
         _, hint = diagnose(f"{type(e).__name__}: {e}", "run", timeout_s)
+        if "re-initialize CUDA in forked subprocess" in str(e):
+            hint = CUDA_IN_FORK_HINT
         try:
             conn.send_bytes(pickle.dumps(("error", rank, f"{type(e).__name__}: {e}", text, hint)))
         except Exception:  # noqa: BLE001, S110 - e.g. unpicklable: the parent sees exit code 1
@@ -116,9 +113,6 @@ def notebook_launcher(fn, args: tuple = (), nproc: int = 2, *, kwargs: dict | No
     timeout: collective timeout of the process group, seconds. time_limit: wall clock for the
     whole call (None: none). threads: torch threads per process (default: cores // nproc).
     """
-    from course_lib.hardware import threads_per_rank
-    from course_lib.utils import free_port
-
     if not callable(fn):
         raise LaunchConfigError(f"fn must be a function, got {type(fn).__name__}")
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
@@ -130,7 +124,6 @@ def notebook_launcher(fn, args: tuple = (), nproc: int = 2, *, kwargs: dict | No
         raise LaunchConfigError("timeout and time_limit must be > 0 seconds")
     if "fork" not in mp.get_all_start_methods():
         raise LaunchConfigError("this platform cannot fork; use %%torchrun or launch() instead")
-    check_fork_safe()
     ctx = mp.get_context("fork")
     port, threads = free_port(), threads or threads_per_rank(nproc)
     procs, conns = [], {}

@@ -1,4 +1,5 @@
-"""Notebook 5's experiments on real gloo processes, against one process computing the same thing.
+"""Notebook 5's experiments (experiments/model_parallel_check) on real gloo processes, against one
+process computing the same thing.
 
 Pipeline bubble: (p - 1) / (m + p - 1) of a step (Huang et al. 2019, GPipe, Sec. 2.2; Narayanan
 et al. 2021, Sec. 2.2), for AFAB and 1F1B alike; 1F1B keeps at most p - r micro-batches in
@@ -14,18 +15,19 @@ from __future__ import annotations
 import pytest
 
 from course_lib.experiments.model_parallel_check import (
-    pipeline_demo,
-    split_weights_demo,
-    tensor_parallel_demo,
+    compare_split_weights,
+    compare_tensor_parallel,
+    measure_pipeline_bubble,
 )
+from course_lib.notebook.plots import plot_pipeline_bubble
 from course_lib.parallel.spawn import run_ranks
 
 B, D, OUT = 8, 36, 20
 
 
 def _both(rank, world_size):
-    split = split_weights_demo(B, D, OUT, repeats=1)
-    tp = tensor_parallel_demo(n_embd=48, n_head=6, n_layer=3, batch=2, block_size=8) \
+    split = compare_split_weights(B, D, OUT, repeats=1)
+    tp = compare_tensor_parallel(n_embd=48, n_head=6, n_layer=3, batch=2, block_size=8) \
         if world_size in (2, 3) else None
     return split, tp
 
@@ -70,13 +72,14 @@ def test_chain_rejects_an_uneven_split():
 
 
 def _pipeline(rank, world_size):
-    return pipeline_demo(n_micros=(1, 3, 6), n_layer=4, n_embd=16, n_head=2, block_size=8)
+    return measure_pipeline_bubble(n_micros=(1, 3, 6), n_layer=4, n_embd=16, n_head=2, block_size=8)
 
 
 @pytest.mark.timeout(120)
 def test_pipeline_bubble_and_memory_on_three_stages():
     p = 3
-    for rank, rows in enumerate(run_ranks(_pipeline, p)):
+    every_rank = run_ranks(_pipeline, p)
+    for rank, rows in enumerate(every_rank):
         assert len(rows) == 2 * 3
         for row in rows:
             m = row["m"]
@@ -85,3 +88,13 @@ def test_pipeline_bubble_and_memory_on_three_stages():
             assert row["loss"] == pytest.approx(row["loss (one process)"], abs=1e-5)
             expected = m if row["schedule"] == "afab" else min(m, p - rank)
             assert row["micro-batches in flight"] == expected, row
+    # the figure: the formula as a line, and per schedule the mean bubble over stages at each m
+    fig = plot_pipeline_bubble([row for rows in every_rank for row in rows])
+    lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
+    assert set(lines) == {"(p-1)/(m+p-1)", "afab, logical clock", "afab, wall time",
+                          "1f1b, logical clock", "1f1b, wall time"}
+    ticks = lines["1f1b, logical clock"]
+    assert list(ticks.get_xdata()) == [1, 3, 6]
+    assert list(ticks.get_ydata()) == pytest.approx([(p - 1) / (m + p - 1) for m in (1, 3, 6)])
+    with pytest.raises(ValueError, match="rows of measure_pipeline_bubble"):
+        plot_pipeline_bubble([])
