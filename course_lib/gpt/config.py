@@ -18,14 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from course_lib.gpt.data import DATASETS
+from course_lib.gpt.layout import layout_error, world_error
 from course_lib.hardware import default_nproc
 
 # Every strategy name the trainer knows, ours and PyTorch's (see course_lib.parallel.strategy).
 STRATEGY_NAMES = ("single", "ddp", "ddp_naive", "zero1", "zero2", "zero3", "torch_ddp", "torch_zero1",
                   "fsdp_grad_op", "fsdp_full")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-PP_SCHEDULES = ("1f1b", "afab")
-MODEL_PARALLEL_STRATEGIES = ("auto", "ddp", "zero1", "zero2")  # the dp flavour under tp/pp/cp
 INIT_FROM = ("scratch", "resume")
 
 
@@ -76,8 +75,7 @@ class TrainConfig:
     threads: int = 0  # intra-op threads per CPU worker; 0 = cores // workers on this host
     timeout_s: float = 600.0  # how long a collective may wait before the run fails
     run_name: str = ""  # a label for progress bars and plots; '' = the out_dir's name
-    # model parallelism (ours, course_lib.parallel.model_parallel): dp = nproc / (tp * pp * cp)
-    tp: int = 1  # tensor-parallel degree (Megatron-LM): heads, MLP columns and vocabulary split
+    tp: int = 1  # tensor-parallel degree (Megatron-LM); dp = nproc / (tp * pp * cp) (parallel.model_parallel)
     pp: int = 1  # pipeline stages; the micro-batches are the gradient_accumulation_steps
     cp: int = 1  # context-parallel degree: the sequence split, attention by ring
     sequence_parallel: bool = False  # tp also splits the LayerNorm regions along the sequence
@@ -118,50 +116,19 @@ class TrainConfig:
         _choice("dataset", self.dataset, DATASETS)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:") and self.device[5:].isdigit()):
             raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        _choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
-        self._check_model_parallel()
+        if error := layout_error(self):  # tp, pp, cp, sequence_parallel (course_lib.gpt.layout)
+            raise ConfigError(error)
         if self.strategy == "single" and self.nproc > 1 and self.model_parallel_size == 1:
             raise ConfigError(f"strategy 'single' runs one process but nproc={self.nproc}; "
                               "use --strategy=ddp (or auto) or --nproc=1")
 
-    def _check_model_parallel(self) -> None:
-        """What tp, pp, cp and sequence_parallel need of the model (one line each)."""
-        tp, pp, cp = self.tp, self.pp, self.cp
-        if self.n_head % tp:
-            raise ConfigError(f"n_head ({self.n_head}) must be divisible by tp ({tp}): each rank holds n_head/tp heads")
-        if self.n_layer % pp:
-            raise ConfigError(f"n_layer ({self.n_layer}) must be divisible by pp ({pp}): each stage holds n_layer/pp blocks")
-        if cp > 1 and self.block_size % (2 * cp):
-            raise ConfigError(f"block_size ({self.block_size}) must be divisible by 2*cp ({2 * cp}): "
-                              "each cp rank holds 2 chunks of every sequence")
-        if self.sequence_parallel and tp == 1:
-            raise ConfigError("sequence_parallel splits the sequence over the tp ranks: it needs tp > 1")
-        if self.sequence_parallel and (self.block_size // cp) % tp:
-            raise ConfigError(f"sequence_parallel: the {self.block_size // cp} tokens per cp rank "
-                              f"(block_size / cp) must be divisible by tp ({tp})")
-        if self.model_parallel_size > 1:
-            if self.strategy not in MODEL_PARALLEL_STRATEGIES:
-                raise ConfigError(f"strategy {self.strategy!r} does not combine with tp/pp/cp; choose one of "
-                                  f"{', '.join(MODEL_PARALLEL_STRATEGIES)} (the data-parallel flavour across dp)")
-            if self.dropout:
-                raise ConfigError(f"dropout={self.dropout} with tp/pp/cp is not supported (the tp ranks would "
-                                  "need one shared random stream); use --dropout=0")
-            if self.compile:
-                raise ConfigError("compile with tp/pp/cp is not supported (collectives inside autograd "
-                                  "functions); use --compile=false")
-
-    def check_layout(self, world_size: int) -> None:
-        """The grid must fill the world: world_size = dp * tp * pp * cp (checked by the launchers
-        before spawning, and by each worker: ``nproc`` is per node, the world may span several)."""
-        n = self.model_parallel_size
-        if world_size % n:
-            raise ConfigError(f"nproc ({world_size} ranks) must be divisible by tp*pp*cp = "
-                              f"{self.tp}*{self.pp}*{self.cp} = {n} (dp = ranks / (tp*pp*cp))")
+    def check_layout(self, world_size: int) -> None:  # ranks = dp*tp*pp*cp: launchers check, workers again
+        if error := world_error(self, world_size):
+            raise ConfigError(error)
 
     # --- derived values -------------------------------------------------------------------------
     @property
-    def model_parallel_size(self) -> int:
-        """Ranks of one model replica, tp * pp * cp (1: plain data parallelism)."""
+    def model_parallel_size(self) -> int:  # ranks of one model replica (1: plain data parallelism)
         return self.tp * self.pp * self.cp
 
     def resolved_strategy(self, world_size: int) -> str:

@@ -220,8 +220,7 @@ class Pipeline:
             raise ValueError(f"batch size {x.shape[0]} is not divisible by n_micro={n_micro}")
         xs, ys = x.chunk(n_micro), targets.chunk(n_micro)
         t_step, busy_s, clock, busy = time.perf_counter(), 0.0, 0.0, 0
-        self.sends, saved, in_flight, peak = [], {}, 0, 0
-        held, peak_bytes, micro_bytes = 0, 0, {}
+        self.sends, saved, in_flight, peak, held, peak_bytes, micro_bytes = [], {}, 0, 0, 0, 0, {}
         params = {p.untyped_storage().data_ptr() for p in self.stage.parameters()}
         loss_sum = torch.zeros((), dtype=self.loss_dtype, device=self.device)
         for op, i in schedule_ops(self.schedule, n_micro, self.pp_rank, self.pp_world_size):
