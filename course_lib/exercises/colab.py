@@ -37,7 +37,7 @@ def colab_setup_cell(name: str) -> str:
 
 
 def fetch_student_tests(name: str, dest: str | os.PathLike = "tests", base_url: str | None = None) -> list[Path]:
-    """Download the public tests of exercise ``name`` (its ``dist/student/tests/*.py``) into
+    """Copy the public tests of exercise ``name`` (its ``exercises/NN_topic/tests/*.py``) into
     ``dest``, for ``grader.check`` on Colab. ``base_url`` defaults to the copy inside the installed
     package (``course_lib/_course``, the public tests as package data: offline, and from the same
     fork or mirror as the package), else the repository's raw files on GitHub; any URL urllib
@@ -50,7 +50,7 @@ def fetch_student_tests(name: str, dest: str | os.PathLike = "tests", base_url: 
         from course_lib import GITHUB_BRANCH, GITHUB_REPO
 
         base_url = f"https://raw.githubusercontent.com/{GITHUB_REPO}/{GITHUB_BRANCH}"
-    base = f"{base_url.rstrip('/')}/exercises/{name}/dist"
+    base = f"{base_url.rstrip('/')}/exercises/{name}"
     try:
         with urllib.request.urlopen(f"{base}/{MANIFEST}", timeout=30) as r:
             manifest = json.loads(r.read().decode("utf-8"))
@@ -60,7 +60,7 @@ def fetch_student_tests(name: str, dest: str | os.PathLike = "tests", base_url: 
     dest.mkdir(parents=True, exist_ok=True)
     written = []
     for rel in sorted(manifest["files"]):
-        if rel.startswith("student/tests/") and rel.endswith(".py"):
+        if rel.startswith("tests/") and rel.endswith(".py"):
             with urllib.request.urlopen(f"{base}/{rel}", timeout=30) as r:
                 data = r.read()
             if hashlib.sha256(data).hexdigest() != manifest["files"][rel]:
@@ -75,7 +75,7 @@ def colab_badge_line(name: str) -> str:
     """The "Open in Colab" badge that starts an exercise: it opens the student release."""
     from course_lib.notebook.smoke import colab_badge
 
-    return colab_badge(f"exercises/{name}/dist/student/{name}.ipynb")
+    return colab_badge(f"exercises/{name}/{name}.ipynb")
 
 
 def _first(nb, cell_type: str):
