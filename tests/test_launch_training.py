@@ -85,8 +85,10 @@ def test_resume_and_a_run_already_there(small_data, tmp_path):
     resume = cfg.replace(init_from="resume")
     msg = refused(resume.replace(n_layer=2, learning_rate=1e-2), ConfigError, "cannot resume")
     assert "n_layer: checkpoint has 1, now 2" in msg and "--n_layer=1 --learning_rate=0.001" in msg
-    refused(resume.replace(nproc=2), ConfigError, "nproc: checkpoint has 1, now 2")
-    refused(resume, ckpt_io.CheckpointError, "written by 1 ranks, this run has 2; resume with --nproc=1", nnodes=2)
+    # another layout resumes only with the same global batch (batch_size x accumulation x dp)
+    refused(resume.replace(nproc=2), ConfigError, "global batch of 4 sequences per step, this layout has 8")
+    refused(resume, ConfigError, "global batch of 4 sequences per step, this layout has 8", nnodes=2)
+    training.check_request(resume.replace(nproc=2, batch_size=2))  # 2 ranks x 2: the same 4 sequences
     refused(resume.replace(max_iters=1), ConfigError, "at iteration 2, past max_iters=1")
     req = training.check_request(resume)  # and the same request, right, passes every check
     assert (req.world_size, req.strategy, req.device) == (1, "single", "cpu")

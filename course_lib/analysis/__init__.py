@@ -8,4 +8,6 @@
     scaling_laws    Amdahl, Gustafson, Karp-Flatt; fitting a serial fraction; 6 N D training cost
     dp_recipes      global batch, learning-rate scaling, data per rank
     strategy_guide  choosing a parallelism strategy from the models above
+    parallel_comm   bytes per group per step and parameters per rank of a dp x pp x cp x tp layout
+    layout_plan     every layout of a model on a cluster: memory, communication, step time
 """

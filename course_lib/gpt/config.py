@@ -19,6 +19,7 @@ from pathlib import Path
 
 from course_lib.analysis.activations import RECOMPUTE  # none, selective, full
 from course_lib.gpt.data import DATASETS
+from course_lib.gpt.layout import layout_error, world_error
 from course_lib.hardware import default_nproc
 
 # Every strategy name the trainer knows, ours and PyTorch's (see course_lib.parallel.strategy).
@@ -79,6 +80,11 @@ class TrainConfig:
     threads: int = 0  # intra-op threads per CPU worker; 0 = cores // workers on this host
     timeout_s: float = 600.0  # how long a collective may wait before the run fails
     run_name: str = ""  # a label for progress bars and plots; '' = the out_dir's name
+    tp: int = 1  # tensor-parallel degree (Megatron-LM); dp = nproc / (tp * pp * cp) (parallel.model_parallel)
+    pp: int = 1  # pipeline stages; the micro-batches are the gradient_accumulation_steps
+    cp: int = 1  # context-parallel degree: the sequence split, attention by ring
+    sequence_parallel: bool = False  # tp also splits the LayerNorm regions along the sequence
+    pp_schedule: str = "1f1b"  # 'afab' (GPipe: all forward, all backward) or '1f1b'
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -88,7 +94,7 @@ class TrainConfig:
             elif type(value) is not f.type:
                 raise ConfigError(f"{f.name}: expected {f.type.__name__}, got {type(value).__name__} {value!r}")
         positive = ("eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size",
-                    "block_size", "n_layer", "n_head", "n_embd", "nproc")
+                    "block_size", "n_layer", "n_head", "n_embd", "nproc", "tp", "pp", "cp")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -120,11 +126,21 @@ class TrainConfig:
         _choice("dataset", self.dataset, DATASETS)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:") and self.device[5:].isdigit()):
             raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        if self.strategy == "single" and self.nproc > 1:
+        if error := layout_error(self):  # tp, pp, cp, sequence_parallel (course_lib.gpt.layout)
+            raise ConfigError(error)
+        if self.strategy == "single" and self.nproc > 1 and self.model_parallel_size == 1:
             raise ConfigError(f"strategy 'single' runs one process but nproc={self.nproc}; "
                               "use --strategy=ddp (or auto) or --nproc=1")
 
+    def check_layout(self, world_size: int) -> None:  # ranks = dp*tp*pp*cp: launchers check, workers again
+        if error := world_error(self, world_size):
+            raise ConfigError(error)
+
     # --- derived values -------------------------------------------------------------------------
+    @property
+    def model_parallel_size(self) -> int:  # ranks of one model replica (1: plain data parallelism)
+        return self.tp * self.pp * self.cp
+
     def resolved_strategy(self, world_size: int) -> str:
         """'auto' -> 'single' for one process, else our DDP."""
         if self.strategy != "auto":

@@ -104,13 +104,17 @@ def train_step(strategy, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig, pre
     accum, scaler, loss_sum = cfg.gradient_accumulation_steps, precision.scaler, None
     saved = SavedTensorMeter(strategy.module) if measure else None
     with meter.compute():
-        for micro in range(accum):
-            with nullcontext() if micro == accum - 1 else strategy.no_sync():
-                with precision.autocast, saved if (saved and micro == 0) else nullcontext():
-                    _, loss = strategy.model(x[micro], y[micro])
-                loss = loss / accum  # the mean over the micro-batches
-                scaler.scale(loss).backward()
-            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+        if hasattr(strategy, "train_step"):  # tp/pp/cp: the pipeline schedules the micro-batches itself
+            with precision.autocast:
+                loss_sum = strategy.train_step(x, y)
+        else:
+            for micro in range(accum):
+                with nullcontext() if micro == accum - 1 else strategy.no_sync():
+                    with precision.autocast, saved if (saved and micro == 0) else nullcontext():
+                        _, loss = strategy.model(x[micro], y[micro])
+                    loss = loss / accum  # the mean over the micro-batches
+                    scaler.scale(loss).backward()
+                loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
     strategy.finish_grads()  # wait for (or do) the gradient all-reduce: communication, not compute
     grad_norm = None
     with meter.compute():
@@ -131,7 +135,7 @@ def train_step(strategy, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig, pre
 def precision_columns(run: Run, act_bytes: int | None) -> dict:
     """metrics.csv's activation and loss-scale columns for a logged step."""
     row = {"act_mb": act_bytes / 1e6 if act_bytes is not None else None,
-           "act_model_mb": run.act_model_bytes / 1e6}
+           "act_model_mb": run.act_model_bytes / 1e6 if math.isfinite(run.act_model_bytes) else None}
     if run.precision.scaler.is_enabled():
         row.update(loss_scale=run.precision.scaler.get_scale(), skipped_steps=run.precision.skipped)
     return row

@@ -11,6 +11,10 @@ A training step with gradient accumulation reads, for any strategy::
     strategy.step()                  # optimizer step (+ parameter all-gather for ZeRO)
     strategy.zero_grad()
 
+Model parallelism (:class:`~course_lib.parallel.model_parallel.ModelParallel`, tp/pp/cp) replaces
+the micro-batch loop with ``strategy.train_step(x, y)`` (its pipeline schedules the micro-batches)
+and evaluation with ``strategy.eval_loss(x, y)``; the rest of the step is the same.
+
 ``comm_s`` accumulates the wall time spent waiting in collectives (exposed communication); the
 trainer reads and resets it each step to report ``comm_ms``.
 
