@@ -29,6 +29,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from course_lib.parallel.buckets import bucket_indices
+
 # label -> (strategy name, keyword arguments)
 VARIANTS: dict[str, tuple[str, dict]] = {
     "ddp_naive": ("ddp_naive", {}),
@@ -167,19 +169,10 @@ def compare_with_single_process(variants: dict[str, tuple[str, dict]] = VARIANTS
 
 
 def bucket_sizes(tensor_bytes, cap_bytes: float) -> list[int]:
-    """Pack tensors (given in backward order) into buckets the way DataParallelBucket does: add
-    tensors to the current bucket and close it once it holds ``cap_bytes`` or more."""
-    if not cap_bytes > 0:
-        raise ValueError(f"cap_bytes must be > 0, got {cap_bytes!r}")
-    buckets, current = [], 0
-    for nbytes in tensor_bytes:
-        current += nbytes
-        if current >= cap_bytes:
-            buckets.append(current)
-            current = 0
-    if current:
-        buckets.append(current)
-    return buckets
+    """Pack tensors (given in backward order) into buckets the way DataParallelBucket does
+    (:func:`course_lib.parallel.buckets.bucket_indices`): bytes per bucket."""
+    sizes = list(tensor_bytes)
+    return [sum(sizes[i] for i in group) for group in bucket_indices(sizes, cap_bytes)]
 
 
 def allreduce_seconds(tensor_bytes, p: int, *, bandwidth: float, alpha: float,

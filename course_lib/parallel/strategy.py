@@ -38,7 +38,8 @@ from course_lib.parallel.comms import Comms
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 
-# name -> (module, class): ours first, then PyTorch's; filled in by the modules that implement them.
+# The one registry of strategies, name -> "module:class" (imported when built, so that
+# `course --help` does not import them all): ours first, then PyTorch's.
 STRATEGIES: dict[str, str] = {
     "single": "course_lib.parallel.strategy:SingleProcess",
     "ddp": "course_lib.parallel.data_parallel:DDP",
