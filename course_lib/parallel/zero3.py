@@ -134,6 +134,9 @@ class FullyShardedDataParallel(nn.Module):
         with torch.no_grad():
             for p in self.copies:  # refresh 16-bit copies of replicated masters (after a step)
                 p.copy_(self.masters[p])
+        if self.compute_dtype is not None:  # floating inputs in compute dtype (FSDP2's cast_forward_inputs)
+            args = tuple(_cast(a, self.compute_dtype) for a in args)
+            kwargs = {k: _cast(v, self.compute_dtype) for k, v in kwargs.items()}
         if self.root is not None:
             self._wait_gather(self.root)
         for unit in (self.order or [])[: self.prefetch]:
@@ -291,6 +294,10 @@ class FullyShardedDataParallel(nn.Module):
             self.masters[p].copy_(value if layout is None else layout.owned(i, value))
             if any(p is c for c in self.copies):
                 p.copy_(value)
+
+
+def _cast(x, dtype: torch.dtype):
+    return x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x
 
 
 class Zero3(CommsStrategy):
