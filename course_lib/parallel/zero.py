@@ -197,13 +197,13 @@ class Zero(CommsStrategy):
 
     stage = 1
 
-    def __init__(self, model, make_optimizer, group=None, bucket_cap_mb: float = 25):
+    def __init__(self, model, make_optimizer, group=None, **sharded_kwargs):
         super().__init__(model, make_optimizer, group)
         broadcast_module(model, self.comms)
         self.comms.reset()
         self.optimizer = ShardedOptimizer.from_optimizer(
-            self.optimizer, process_group=group, comms=self.comms, bucket_cap_mb=bucket_cap_mb,
-            shard_gradients=self.stage == 2)
+            self.optimizer, process_group=group, comms=self.comms, shard_gradients=self.stage == 2,
+            **sharded_kwargs)
 
     @property
     def pending(self) -> list:  # collectives in flight (course_lib.experiments.memory_measure)
