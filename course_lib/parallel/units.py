@@ -5,12 +5,17 @@ a unit, and the root module is one more unit for whatever parameters are left (e
 norm, head), as FSDP's auto-wrap policies do (Zhao et al. 2023, "PyTorch FSDP", Sec. 3.2.1).
 A parameter belongs to the innermost unit that contains it; a parameter used by two units would be
 freed under the other's feet, so that is an error (tie weights inside one unit, e.g. the root).
+
+A :class:`Unit` is "free" (its parameters' storage resized to zero bytes), "gathering" (an
+asynchronous all-gather of the ranks' shards in flight) or "gathered" (whole).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from course_lib.parallel.sharding import ShardLayout
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:
@@ -50,3 +55,48 @@ def tensors_in(obj) -> list[torch.Tensor]:
     if isinstance(obj, dict):
         return [t for o in obj.values() for t in tensors_in(o)]
     return []
+
+
+class Unit:
+    """A module whose own sharded parameters are gathered and freed together."""
+
+    def __init__(self, module: nn.Module, params: list[nn.Parameter], rank: int, world_size: int):
+        self.module, self.params = module, params
+        self.layout = ShardLayout(params, rank, world_size)
+        self.state = "gathered"  # "free" -> "gathering" -> "gathered" -> "free"
+        self.row: torch.Tensor | None = None  # this rank's fp32 master shards, one flat buffer
+        self.gather = None  # (work, packed output, input row) while gathering
+        self.ready: set[nn.Parameter] = set()  # parameters whose gradient is accumulated
+
+    @torch.no_grad()
+    def start_gather(self, comms) -> None:
+        """Issue the all-gather of this unit's shards in the parameters' dtype (16-bit under a
+        compute dtype); returns at once."""
+        if self.state != "free":
+            return
+        row = self.row.to(self.params[0].dtype)
+        packed = row.new_empty(self.layout.world_size, self.layout.row_numel)
+        self.gather = (comms.all_gather(packed.view(-1), row, async_op=True), packed, row)
+        self.state = "gathering"
+
+    @torch.no_grad()
+    def wait_gather(self, comms) -> None:
+        """Make the parameters whole: wait for the all-gather (issued now if it was not)."""
+        if self.state == "gathered":
+            return
+        self.start_gather(comms)
+        work, packed, _ = self.gather
+        comms.wait(work)
+        for p in self.params:
+            p.untyped_storage().resize_(p.numel() * p.element_size())
+        self.layout.unpack_into(packed, [p.data for p in self.params])
+        self.gather, self.state = None, "gathered"
+
+    def reshard(self, comms) -> None:
+        """Free the parameters' storage (after any all-gather in flight finished)."""
+        if self.state == "gathering":
+            comms.wait(self.gather[0])
+            self.gather = None
+        for p in self.params:
+            p.untyped_storage().resize_(0)
+        self.state = "free"

@@ -54,18 +54,7 @@ from course_lib.parallel.sharding import (ShardLayout, clip_sharded_grad_norm_, 
                                           gather_full, load_full_optimizer_state, optimizer_kwargs,
                                           reduce_into, regroup, split_trainable)
 from course_lib.parallel.strategy import CommsStrategy
-from course_lib.parallel.units import default_units, owners, tensors_in
-
-
-class Unit:
-    """A module whose own sharded parameters are gathered and freed together."""
-
-    def __init__(self, module: nn.Module, params: list[nn.Parameter], rank: int, world_size: int):
-        self.module, self.params = module, params
-        self.layout = ShardLayout(params, rank, world_size)
-        self.state = "gathered"  # "free" -> "gathering" (all-gather in flight) -> "gathered"
-        self.gather = None  # (work, packed output, input row) while gathering
-        self.ready: set[nn.Parameter] = set()
+from course_lib.parallel.units import Unit, default_units, owners, tensors_in
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -95,15 +84,14 @@ class FullyShardedDataParallel(nn.Module):
         self.unit_of = {p: u for u in self.units for p in u.params}
         self.layout_of: dict[nn.Parameter, tuple[ShardLayout, int]] = {}
         self.masters: dict[nn.Parameter, nn.Parameter] = {}  # module parameter -> fp32 master
-        self.rows: dict[Unit, torch.Tensor] = {}  # a unit's fp32 shards, one flat buffer
         with torch.no_grad():
             for unit in self.units:
-                self.rows[unit] = unit.layout.pack([p.data for p in unit.params], torch.float32)[rank].clone()
+                unit.row = unit.layout.pack([p.data for p in unit.params], torch.float32)[rank].clone()
                 for i, p in enumerate(unit.params):
                     self.layout_of[p] = (unit.layout, i)
-                    self.masters[p] = nn.Parameter(unit.layout.in_row(i, self.rows[unit]))
+                    self.masters[p] = nn.Parameter(unit.layout.in_row(i, unit.row))
                     p.data = torch.empty(p.shape, dtype=compute_dtype or p.dtype, device=p.device)
-                self._reshard(unit)
+                unit.reshard(self.comms)
             self.copies: list[nn.Parameter] = []  # replicated, computed in another dtype than the master
             for p in keep:
                 if p.dtype == torch.float32 and compute_dtype in (None, torch.float32):
@@ -138,71 +126,42 @@ class FullyShardedDataParallel(nn.Module):
             args = tuple(_cast(a, self.compute_dtype) for a in args)
             kwargs = {k: _cast(v, self.compute_dtype) for k, v in kwargs.items()}
         if self.root is not None:
-            self._wait_gather(self.root)
+            self.root.wait_gather(self.comms)
         for unit in (self.order or [])[: self.prefetch]:
-            self._start_gather(unit)
+            unit.start_gather(self.comms)
         out = self.module(*args, **kwargs)
         if self.order is None and torch.is_grad_enabled():
             self.order = self._recording
         elif torch.is_grad_enabled():  # backward starts with the last units: gather them now
             for unit in reversed(self.order[-self.prefetch:] if self.prefetch else []):
-                self._start_gather(unit)
+                unit.start_gather(self.comms)
         if not torch.is_grad_enabled():  # evaluation or generation: no backward follows
             for unit in self.units:
-                self._reshard(unit)
+                unit.reshard(self.comms)
         return out
 
     def _pre_forward(self, unit: Unit, module, args) -> None:
         if self.order is None and torch.is_grad_enabled():
             self._recording.append(unit)
-        self._wait_gather(unit)
+        unit.wait_gather(self.comms)
         if self.order is not None and unit in self.order:
             k = self.order.index(unit)
             for nxt in self.order[k + 1: k + 1 + self.prefetch]:
-                self._start_gather(nxt)
+                nxt.start_gather(self.comms)
 
     def _post_forward(self, unit: Unit, module, args, output) -> None:
-        self._reshard(unit)
+        unit.reshard(self.comms)
         if torch.is_grad_enabled():
             for t in tensors_in(output):  # its gradient arrives just before the unit's backward
                 if t.requires_grad:
                     t.register_hook(lambda grad, unit=unit: self._pre_backward(unit))
 
     def _pre_backward(self, unit: Unit) -> None:
-        self._wait_gather(unit)
+        unit.wait_gather(self.comms)
         if self.order is not None and unit in self.order:
             k = self.order.index(unit)
             for prev in reversed(self.order[max(0, k - self.prefetch): k]):
-                self._start_gather(prev)
-
-    @torch.no_grad()
-    def _start_gather(self, unit: Unit) -> None:
-        if unit.state != "free":
-            return
-        row = self.rows[unit].to(unit.params[0].dtype)  # 16-bit all-gather under compute_dtype
-        packed = row.new_empty(self.dp_world_size, unit.layout.row_numel)
-        unit.gather = (self.comms.all_gather(packed.view(-1), row, async_op=True), packed, row)
-        unit.state = "gathering"
-
-    @torch.no_grad()
-    def _wait_gather(self, unit: Unit) -> None:
-        if unit.state == "gathered":
-            return
-        self._start_gather(unit)
-        work, packed, _ = unit.gather
-        self.comms.wait(work)
-        for p in unit.params:
-            p.untyped_storage().resize_(p.numel() * p.element_size())
-        unit.layout.unpack_into(packed, [p.data for p in unit.params])
-        unit.gather, unit.state = None, "gathered"
-
-    def _reshard(self, unit: Unit) -> None:
-        if unit.state == "gathering":
-            self.comms.wait(unit.gather[0])
-            unit.gather = None
-        for p in unit.params:
-            p.untyped_storage().resize_(0)
-        unit.state = "free"
+                prev.start_gather(self.comms)
 
     # --- backward: reduce-scatter each unit as soon as it is done ----------------------------
 
@@ -222,7 +181,7 @@ class FullyShardedDataParallel(nn.Module):
         self.pending.append((unit, self.comms.reduce_scatter(row, packed.view(-1), async_op=True),
                              row, packed))
         unit.ready.clear()
-        self._reshard(unit)
+        unit.reshard(self.comms)
         if self.max_in_flight is not None and len(self.pending) > self.max_in_flight:
             self._complete(self.pending.pop(0))  # frees the oldest full-gradient buffer
 
@@ -242,7 +201,7 @@ class FullyShardedDataParallel(nn.Module):
             if unit.ready:  # some parameters got no gradient here
                 self._launch(unit)
             elif unit.state != "free":
-                self._reshard(unit)
+                unit.reshard(self.comms)
         while self.pending:
             self._complete(self.pending.pop(0))
         if self.replicated:
@@ -266,12 +225,12 @@ class FullyShardedDataParallel(nn.Module):
     def summon_full_params(self):
         """Every parameter whole (in compute dtype) inside the block, freed after; read-only."""
         for unit in self.units:
-            self._wait_gather(unit)
+            unit.wait_gather(self.comms)
         try:
             yield self.module
         finally:
             for unit in self.units:
-                self._reshard(unit)
+                unit.reshard(self.comms)
 
     @torch.no_grad()
     def state_dict(self, *args, **kwargs) -> dict:
