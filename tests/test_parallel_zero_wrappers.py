@@ -117,7 +117,11 @@ def sharded_optimizer_bf16_worker(rank: int, world_size: int) -> dict:
             with torch.no_grad():
                 for p, m in zip(ref.parameters(), master):
                     p.copy_(m)
+        opt.load_state_dict(opt.state_dict())  # a resume: the learning rate schedule must still
+        for g in opt.param_groups:             # reach the optimizer that steps the shards
+            g["lr"] = 0.5
         out[stage] = {"fp32 masters": masters_are_fp32,
+                      "lr after load": {g["lr"] for g in opt.optim.param_groups},
                       "diff": max((a.float() - b.float()).abs().max().item()
                                   for a, b in zip(model.parameters(), ref.parameters())),
                       "full state diff": max((v - m).abs().max().item() for v, m in zip(
@@ -131,6 +135,7 @@ def test_sharded_optimizer_keeps_fp32_masters_for_a_bf16_model():
     for r in run_ranks(sharded_optimizer_bf16_worker, 2):
         for stage, res in r.items():
             assert res["fp32 masters"], stage
+            assert res["lr after load"] == {0.5}, stage
             assert res["diff"] == 0, (stage, res)  # the same bf16 weights, bit for bit
             assert res["full state diff"] <= 1e-7, (stage, res)
 

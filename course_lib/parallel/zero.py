@@ -182,6 +182,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         self.refresh_masters()
         load_full_optimizer_state(self.optim, state_dict, self.full_params, self.layout_of)
+        self.param_groups, self.state = self.optim.param_groups, self.optim.state  # new objects
 
     @torch.no_grad()
     def refresh_masters(self) -> None:
