@@ -155,7 +155,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        if self.pending or any(p.grad is not None for p in self.params):
+        if self.next_bucket or self.pending or any(p.grad is not None for p in self.params):
             self.finish_gradient_synchronization()  # not done by the caller
         loss = self.optim.step(closure)
         works = []
