@@ -34,7 +34,7 @@ from course_lib.parallel.buckets import bucket_indices
 # label -> (strategy name, keyword arguments)
 VARIANTS: dict[str, tuple[str, dict]] = {
     "ddp_naive": ("ddp_naive", {}),
-    "ddp, one big bucket": ("ddp", {"bucket_cap_mb": 25.0}),
+    "ddp, one big bucket": ("ddp", {"bucket_cap_mb": 25.0, "first_bucket_cap_mb": None}),
     "ddp, small buckets": ("ddp", {"bucket_cap_mb": 0.05}),
     "torch_ddp": ("torch_ddp", {}),
 }
@@ -168,11 +168,11 @@ def compare_with_single_process(variants: dict[str, tuple[str, dict]] = VARIANTS
     return results
 
 
-def bucket_sizes(tensor_bytes, cap_bytes: float) -> list[int]:
+def bucket_sizes(tensor_bytes, cap_bytes: float, first_cap_bytes: float | None = None) -> list[int]:
     """Pack tensors (given in backward order) into buckets the way DataParallelBucket does
     (:func:`course_lib.parallel.buckets.bucket_indices`): bytes per bucket."""
     sizes = list(tensor_bytes)
-    return [sum(sizes[i] for i in group) for group in bucket_indices(sizes, cap_bytes)]
+    return [sum(sizes[i] for i in group) for group in bucket_indices(sizes, cap_bytes, first_cap_bytes)]
 
 
 def allreduce_seconds(tensor_bytes, p: int, *, bandwidth: float, alpha: float,

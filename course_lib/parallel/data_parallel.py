@@ -97,7 +97,7 @@ class DataParallelBucket(nn.Module):
     """Bucketed gradient all-reduce, launched from gradient hooks to overlap with backward."""
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, group=None,
-                 comms: Comms | None = None):
+                 comms: Comms | None = None, first_bucket_cap_mb: float | None = 1.0):
         super().__init__()
         self.module = module
         self.comms = comms or Comms(group)
@@ -105,7 +105,9 @@ class DataParallelBucket(nn.Module):
         broadcast_module(module, self.comms)
         self.require_backward_grad_sync = True
         params = [p for p in module.parameters() if p.requires_grad]  # frozen ones: skipped
-        self.buckets = [Bucket(b) for b in bucket_params(params, bucket_cap_mb)]
+        # the first bucket (the last layers) closes at 1 MiB, as in PyTorch's DDP: its all-reduce
+        # starts while most of backward is still to run
+        self.buckets = [Bucket(b) for b in bucket_params(params, bucket_cap_mb, first_bucket_cap_mb)]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.next_bucket = 0  # launched in bucket order: every rank issues the same sequence
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
@@ -179,6 +181,8 @@ class DDP(_DataParallelStrategy):
 
     name = "ddp"
 
-    def __init__(self, model, make_optimizer, group=None, bucket_cap_mb: float = 25):
+    def __init__(self, model, make_optimizer, group=None, bucket_cap_mb: float = 25,
+                 first_bucket_cap_mb: float | None = 1.0):
         super().__init__(model, make_optimizer, group)
-        self.model = DataParallelBucket(model, bucket_cap_mb=bucket_cap_mb, comms=self.comms)
+        self.model = DataParallelBucket(model, bucket_cap_mb=bucket_cap_mb, comms=self.comms,
+                                        first_bucket_cap_mb=first_bucket_cap_mb)
