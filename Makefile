@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 NPROC   ?= auto
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-.PHONY: demo test test-fast install images images-check notebooks-clear exercises bench browser-deps clean
+.PHONY: demo test test-fast install images images-check notebooks-clear exercises bench browser-deps slurm-deps slurm-local check-gpu clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -26,11 +26,21 @@ browser-deps:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
 	  else echo "chromium missing: sudo apt-get install chromium chromium-driver (browser tests will be skipped)"; fi; }
 
+# Debian's SLURM and munge for the real-SLURM test (tests/test_slurm.py) and `make slurm-local`.
+slurm-deps:
+	@PATH="$$PATH:/usr/sbin:/sbin"; command -v slurmctld >/dev/null 2>&1 && command -v munged >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null; \
+	  else echo "slurm-wlm/munge missing: sudo apt-get install slurm-wlm munge (the SLURM test will be skipped)"; fi; }
+
+# A 2-node SLURM cluster on this machine (as root): try `course submit --scheduler slurm` here.
+slurm-local: $(STAMP) slurm-deps
+	$(VPY) -m course_lib.launch.slurm_local --dir runs/slurm-local
+
 demo: $(STAMP)
 	$(VENV)/bin/course data prepare shakespeare_char
 	$(VPY) -m course_lib.launch.demo --nproc=$(NPROC) --out_dir=runs/demo
 
-test: $(STAMP) browser-deps
+test: $(STAMP) browser-deps slurm-deps
 	$(VPY) -m pytest -q --durations=15
 
 test-fast: $(STAMP)
@@ -61,6 +71,10 @@ exercises: $(STAMP)
 
 bench: $(STAMP)
 	$(VPY) benchmarks/train_throughput.py
+
+# On a machine with one CUDA GPU (< 10 min): appends its report to benchmarks/RESULTS.md.
+check-gpu: $(STAMP)
+	$(VPY) benchmarks/gpu_check.py
 
 clean:
 	rm -rf runs/ .pytest_cache build *.egg-info

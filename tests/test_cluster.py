@@ -11,6 +11,7 @@ import textwrap
 
 import pytest
 
+from course_lib.gpt.data import prepare
 from course_lib.launch import cluster
 from course_lib.launch.cluster import (
     Allocation,
@@ -81,9 +82,13 @@ def test_slurm_script_text():
     run = text.splitlines()[-1]
     # srun asks for the CPUs again: since Slurm 22.05 it does not inherit sbatch's --cpus-per-task
     assert run.startswith("srun --kill-on-bad-exit=1 --cpus-per-task=32 torchrun --nnodes=2 --nproc-per-node=4 "
-                          "--rdzv-backend=c10d --rdzv-endpoint=\"$head_node:29500\" "
+                          "--rdzv-backend=c10d --rdzv-endpoint=\"$head_node:$rdzv_port\" "
                           "--rdzv-id=\"$SLURM_JOB_ID\" --rdzv-conf=join_timeout=300")
-    assert run.endswith("-m course_lib.gpt.train --max_iters=100 '--run_name=a b;c' '$HOME' --strategy=zero2")
+    # the batch log is a file: the trainer prints its step lines without a progress bar
+    assert run.endswith("-m course_lib.gpt.train --no-progress --max_iters=100 '--run_name=a b;c' '$HOME' "
+                        "--strategy=zero2")
+    assert "rdzv_port=$((29500 + SLURM_JOB_ID % 10000))" in text.splitlines()  # one port per job
+    assert "rdzv_port=29511" in cluster.slurm_script(1, 1, port=29511, activate=None).splitlines()
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)  # valid bash
 
 
@@ -125,9 +130,9 @@ def test_slurm_script_runs_with_arguments_intact(tmp_path):
     subprocess.run(["bash", str(script)], env=env, check=True, cwd=tmp_path)
     (call,) = [json.loads(line) for line in record.read_text().splitlines()]
     assert call == ["srun", "--kill-on-bad-exit=1", "torchrun", "--nnodes=2", "--nproc-per-node=4",
-                    "--rdzv-backend=c10d", "--rdzv-endpoint=gpu07:29500", "--rdzv-id=4242",
+                    "--rdzv-backend=c10d", "--rdzv-endpoint=gpu07:33742", "--rdzv-id=4242",  # 29500 + 4242
                     "--rdzv-conf=join_timeout=300", "--max-restarts=0", "-m", "course_lib.gpt.train",
-                    *TRAIN_ARGS]
+                    "--no-progress", *TRAIN_ARGS]
 
 
 def test_pbs_script_runs_with_arguments_intact(tmp_path):
@@ -144,16 +149,19 @@ def test_pbs_script_runs_with_arguments_intact(tmp_path):
     subprocess.run(["bash", str(script)], env=env, check=True)
     (call,) = [json.loads(line) for line in record.read_text().splitlines()]
     assert call[:4] == ["mpiexec", "-n", "2", "-ppn"] and call[5:7] == ["torchrun", "--nnodes=2"]
-    assert "--rdzv-endpoint=cn3:29500" in call and "--rdzv-id=99.pbs" in call
+    assert "--rdzv-endpoint=cn3:29599" in call and "--rdzv-id=99.pbs" in call  # 29500 + 99
     assert call[-len(TRAIN_ARGS):] == TRAIN_ARGS
 
 
 def test_submit_cli(tmp_path, monkeypatch, capsys):
     base = ["--scheduler", "slurm", "--nodes", "2", "--gpus-per-node", "4"]
-    assert cluster.cli([*base, "--dry-run", "--", *TRAIN_ARGS]) == 0
+    monkeypatch.setenv("COURSE_DATA_DIR", str(tmp_path / "data"))  # not prepared: fine for a script to copy
+    assert cluster.cli([*base, "--dry-run", "--", "--max_iters=1", "--run_name=a b;c"]) == 0
     assert capsys.readouterr().out.startswith("#!/bin/bash\n#SBATCH --job-name=course-train\n")
     assert cluster.cli([*base, "--dry-run", "--", "--strategy=zero4"]) == 2
-    assert "unknown strategy 'zero4'" in capsys.readouterr().err
+    assert "strategy must be one of" in capsys.readouterr().err
+    assert cluster.cli([*base, "--dry-run", "--", "--max_iter=5"]) == 2  # every field is checked
+    assert "max_iter" in capsys.readouterr().err
     assert cluster.cli([*base[:2], "--nodes", "0", "--gpus-per-node", "1", "--dry-run"]) == 2
     assert "--nodes must be >= 1" in capsys.readouterr().err
 
@@ -170,6 +178,11 @@ def test_submit_cli(tmp_path, monkeypatch, capsys):
     _recorder(fake, "sbatch", stdout="Submitted batch job 42")
     monkeypatch.setenv("PATH", str(fake))
     monkeypatch.setenv("RECORD", str(tmp_path / "calls.jsonl"))
+    # submitting from here: the job would find no data, so nothing is submitted
+    assert cluster.cli([*base, "--output", str(out), "--", "--max_iters=1"]) == 2
+    assert "dataset 'shakespeare_char' is not prepared" in capsys.readouterr().err
+    assert not (tmp_path / "calls.jsonl").exists()
+    prepare("shakespeare_char", tmp_path / "data", quiet=True)
     assert cluster.cli([*base, "--output", str(out), "--", "--max_iters=1"]) == 0
     assert "Submitted batch job 42" in capsys.readouterr().out
     assert json.loads((tmp_path / "calls.jsonl").read_text()) == ["sbatch", str(out)]

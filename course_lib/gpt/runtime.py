@@ -60,3 +60,17 @@ def setup_runtime(cfg: TrainConfig) -> Runtime:
                                 device_id=torch.device(device) if backend == "nccl" else None)
     dtype = pick_dtype(detect(device), cfg.dtype)
     return Runtime(rank, world, local_world, device, dtype, threads, distributed)
+
+
+# Variables set by the launchers (torchrun's docs, "Environment Variables"; sbatch/srun "OUTPUT
+# ENVIRONMENT VARIABLES"): TORCHELASTIC_RUN_ID is torchrun's --rdzv-id, GROUP_WORLD_SIZE its agents
+# (one per node); SLURM_STEP_ID exists only inside an srun step.
+LAUNCH_VARS = {"torchrun_run_id": "TORCHELASTIC_RUN_ID", "torchrun_agents": "GROUP_WORLD_SIZE",
+               "slurm_job_id": "SLURM_JOB_ID", "slurm_step_id": "SLURM_STEP_ID",
+               "slurm_step_nodes": "SLURM_STEP_NODELIST", "pbs_job_id": "PBS_JOBID"}
+
+
+def launcher_info(env=None) -> dict:
+    """Who started this process (recorded in run.json): the launch variables that are set."""
+    env = os.environ if env is None else env
+    return {key: env[var] for key, var in LAUNCH_VARS.items() if var in env}

@@ -37,7 +37,7 @@ from course_lib.gpt.config import TrainConfig
 from course_lib.gpt.data import TrainBatches, eval_batches, load_meta, load_tokens, model_vocab_size
 from course_lib.gpt.metrics import MetricsWriter, SpanTimer, announce_run, throughput
 from course_lib.gpt.model import GPT, GPTConfig
-from course_lib.gpt.runtime import Runtime, setup_runtime
+from course_lib.gpt.runtime import Runtime, launcher_info, setup_runtime
 
 
 def get_lr(it: int, cfg: TrainConfig) -> float:
@@ -159,7 +159,8 @@ def _train(cfg: TrainConfig, rt: Runtime, progress: bool) -> dict:
                 "threads_per_worker": rt.threads, "n_params": model.num_params(), "tokens_per_iter": tokens_per_iter,
                 "global_batch": cfg.batch_size * cfg.gradient_accumulation_steps * rt.world_size,
                 "hardware": profile.name, "peak_flops_per_device": peak, "peak_is_estimate": profile.estimated,
-                "torch": torch.__version__, "start_iter": start_iter}
+                "torch": torch.__version__, "start_iter": start_iter, "launcher": launcher_info(),
+                "backend": dist.get_backend() if dist.is_initialized() else None}
         announce_run(cfg, info)  # run.json, config.json and the header lines
         metrics = MetricsWriter(out_dir / "metrics.csv", start_iter)
 

@@ -3,8 +3,9 @@
 Clusters: what the scheduler gave this job (read from its environment), and batch scripts that
 run the trainer on N nodes x G GPUs. SLURM starts one ``torchrun`` per node with ``srun``; PBS
 with ``mpiexec -n N -ppn 1`` (MPICH / Cray PALS / Intel MPI syntax). The torchrun agents meet
-in a c10d rendezvous on the first node of the allocation, under the job id, with an explicit
-join timeout. Training arguments are quoted for the shell (``shlex.quote``), so spaces and ``;``
+in a c10d rendezvous on the first node of the allocation, under the job id, at a port derived
+from it (unless --port), with an explicit join timeout. The trainer's arguments are checked before
+anything is submitted. Training arguments are quoted for the shell (``shlex.quote``), so spaces and ``;``
 reach the trainer literally.
 
 Variables read: SLURM_JOB_ID, SLURM_JOB_NUM_NODES/SLURM_NNODES, SLURM_GPUS_ON_NODE,
@@ -27,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SCHEDULERS = ("slurm", "pbs")
-DEFAULT_PORT = 29500
 DEFAULT_MODULE = "course_lib.gpt.train"
 
 
@@ -99,11 +99,20 @@ def check_allocation(nnodes: int, nproc_per_node: int, uses_gpus: bool,
             f"--gpus-per-node {nproc_per_node}")
 
 
-def _torchrun_line(nodes: int, nproc: int, head: str, run_id: str, port: int, join_timeout: int,
+def _port_lines(port: int | None, job_number: str) -> list[str]:
+    """The rendezvous port: given, or 29500 + (job number mod 10000), so two jobs that share a first
+    node do not meet in each other's store (the second torchrun would join the first job's)."""
+    value = str(port) if port else f"$((29500 + {job_number} % 10000))"
+    return [f"rdzv_port={value}"]
+
+
+def _torchrun_line(nodes: int, nproc: int, head: str, run_id: str, join_timeout: int,
                    target: Sequence[str], train_args: Sequence[str]) -> str:
     args = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-            f'--rdzv-endpoint="{head}:{port}"', f'--rdzv-id="{run_id}"',
+            f'--rdzv-endpoint="{head}:$rdzv_port"', f'--rdzv-id="{run_id}"',
             f"--rdzv-conf=join_timeout={join_timeout}", "--max-restarts=0"]
+    if tuple(target) == ("-m", DEFAULT_MODULE):  # the log is a file: step lines, no progress bar
+        train_args = ["--no-progress", *train_args]
     return " ".join(args + [shlex.quote(t) for t in target] + [shlex.quote(a) for a in train_args])
 
 
@@ -161,7 +170,7 @@ def slurm_script(nodes: int, gpus_per_node: int, train_args: Sequence[str] = (),
                  target: Sequence[str] = ("-m", DEFAULT_MODULE), job_name: str = "course-train",
                  time_limit: str = "01:00:00", partition: str | None = None,
                  account: str | None = None, cpus_per_node: int | None = None,
-                 nproc_per_node: int | None = None, port: int = DEFAULT_PORT,
+                 nproc_per_node: int | None = None, port: int | None = None,
                  join_timeout: int = 300, nccl_debug: str | None = None,
                  activate: str | None = "auto") -> str:
     """An sbatch script: one srun task per node, each running torchrun with G workers."""
@@ -182,12 +191,13 @@ def slurm_script(nodes: int, gpus_per_node: int, train_args: Sequence[str] = (),
              "# The first node of the allocation hosts the rendezvous store.",
              # sed reads every line: `head -n 1` would close the pipe early, and scontrol's
              # SIGPIPE would fail the script under pipefail
-             'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)', "",
+             'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
+             *_port_lines(port, "SLURM_JOB_ID"), "",
              # Slurm >= 22.05: srun no longer inherits sbatch's --cpus-per-task; ask again, or
              # every rank of the node shares one core (Slurm's srun man page, --cpus-per-task)
              "srun --kill-on-bad-exit=1 " + (f"--cpus-per-task={cpus_per_node} " if cpus_per_node
                                              else "") + _torchrun_line(
-                 nodes, nproc, "$head_node", "$SLURM_JOB_ID", port, join_timeout, target, train_args)]
+                 nodes, nproc, "$head_node", "$SLURM_JOB_ID", join_timeout, target, train_args)]
     return "\n".join(lines) + "\n"
 
 
@@ -195,7 +205,7 @@ def pbs_script(nodes: int, gpus_per_node: int, train_args: Sequence[str] = (), *
                target: Sequence[str] = ("-m", DEFAULT_MODULE), job_name: str = "course-train",
                time_limit: str = "01:00:00", partition: str | None = None,
                account: str | None = None, cpus_per_node: int | None = None,
-               nproc_per_node: int | None = None, port: int = DEFAULT_PORT,
+               nproc_per_node: int | None = None, port: int | None = None,
                join_timeout: int = 300, nccl_debug: str | None = None,
                activate: str | None = "auto") -> str:
     """A qsub script: mpiexec starts one torchrun per node (-ppn 1), each with G workers."""
@@ -215,26 +225,29 @@ def pbs_script(nodes: int, gpus_per_node: int, train_args: Sequence[str] = (), *
              *_env_lines(nproc, cpus_per_node, nccl_debug, _activate(activate)),
              "set -euo pipefail", 'cd "$PBS_O_WORKDIR"', "",
              "# The first node of the allocation hosts the rendezvous store.",
-             'head_node=$(head -n 1 "$PBS_NODEFILE")', "",
+             'head_node=$(head -n 1 "$PBS_NODEFILE")', 'job_number=${PBS_JOBID%%[!0-9]*}',
+             *_port_lines(port, "job_number"), "",
              f'"$mpiexec_bin" -n {nodes} -ppn 1 ' + _torchrun_line(
-                 nodes, nproc, "$head_node", "$PBS_JOBID", port, join_timeout, target, train_args)]
+                 nodes, nproc, "$head_node", "$PBS_JOBID", join_timeout, target, train_args)]
     return "\n".join(lines) + "\n"
 
 
-def _check_strategy(train_args: Sequence[str]) -> None:
-    """An unknown --strategy is refused here, not after the job waited in the queue.
+def _check_train_args(train_args: Sequence[str], data: bool) -> None:
+    """The trainer's arguments are checked here, not after the job waited in the queue: every field
+    and value (``course train``'s own parsing) and, when submitting from this machine (``data``),
+    that the dataset is prepared where the job will look: the same path, since the job starts in
+    this folder with this environment on a file system the nodes share."""
+    # imported here: `course submit --help` and PBS/--script runs need neither
+    from course_lib.gpt.config import ConfigError
+    from course_lib.gpt.data import DataError, load_meta
+    from course_lib.launch.train_cli import build_config
 
-    The names are the trainer's (course_lib.gpt.config, which imports no torch: this stays fast)."""
-    from course_lib.gpt.config import STRATEGY_NAMES
-
-    known = ("auto", *STRATEGY_NAMES)
-
-    args = list(train_args)
-    for i, a in enumerate(args):
-        name = a.split("=", 1)[1] if a.startswith("--strategy=") else (
-            args[i + 1] if a == "--strategy" and i + 1 < len(args) else None)
-        if name is not None and name not in known:
-            raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(known)}")
+    try:
+        cfg, _ = build_config(list(train_args))
+        if data:
+            load_meta(cfg.data_dir or None, cfg.dataset)
+    except (ConfigError, DataError) as e:
+        raise ValueError(str(e)) from None
 
 
 def cli(argv: list[str]) -> int:
@@ -248,7 +261,7 @@ def cli(argv: list[str]) -> int:
     p.add_argument("--job-name", default="course-train")
     p.add_argument("--partition", help="SLURM partition / PBS queue")
     p.add_argument("--account")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="rendezvous port on the first node")
+    p.add_argument("--port", type=int, help="rendezvous port on the first node (default: 29500 + job id %% 10000)")
     p.add_argument("--nccl-debug", choices=["VERSION", "WARN", "INFO", "TRACE"])
     p.add_argument("--script", help="run this Python file instead of -m course_lib.gpt.train")
     p.add_argument("--output", help="where to write the batch script (default runs/submit/)")
@@ -261,8 +274,10 @@ def cli(argv: list[str]) -> int:
     try:
         if a.script and not Path(a.script).is_file():
             raise ValueError(f"--script {a.script!r} does not exist")
+        submit = "sbatch" if a.scheduler == "slurm" else "qsub"
+        exe = None if a.dry_run else shutil.which(submit)
         if not a.script:
-            _check_strategy(train_args)
+            _check_train_args(train_args, data=exe is not None)
         text = make(a.nodes, a.gpus_per_node, train_args, target=target, job_name=a.job_name,
                     time_limit=a.time, partition=a.partition, account=a.account,
                     cpus_per_node=a.cpus_per_node, nproc_per_node=a.nproc_per_node,
@@ -277,8 +292,6 @@ def cli(argv: list[str]) -> int:
     path = Path(a.output or f"runs/submit/{a.job_name}-{time.strftime('%Y%m%d-%H%M%S')}.{ext}")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
-    submit = "sbatch" if a.scheduler == "slurm" else "qsub"
-    exe = shutil.which(submit)
     if exe is None:
         print(f"wrote {path}\n{submit} was not found: this machine has no {a.scheduler.upper()}. "
               f"Copy the script to your cluster's login node and run: {submit} {path.name}",
