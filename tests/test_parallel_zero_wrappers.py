@@ -260,3 +260,37 @@ def test_zero3_prefetches_the_next_unit_and_bounds_units_in_flight():
             for k, v in r[0]["state"].items():  # overlap changes the timing, not the numbers
                 assert torch.equal(v, r[prefetch]["state"][k]), k
         assert r[0]["max whole"] == 1
+
+
+def subgroup_worker(rank: int, world_size: int) -> dict:
+    """4 ranks as 2 data-parallel groups {0, 2} and {1, 3} (as beside tensor parallelism: group
+    ranks differ from global ranks); each group trains on its own data, as one process would."""
+    from course_lib.parallel.strategy import build_strategy
+    from course_lib.parallel.toy import adamw
+
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    dp_group, dp_rank, color = groups[rank % 2], rank // 2, rank % 2
+    out = {}
+    for name in ("ddp", "zero1", "zero2", "zero3"):
+        strategy = build_strategy(name, toy(seed=rank), adamw, group=dp_group)  # group rank 0 wins
+        ref = toy(seed=color)  # the seed of this group's rank 0 (global rank 0 or 1)
+        ref_opt = adamw(ref)
+        for step in range(STEPS):
+            x, y = toy_batch(2 * B, seed=100 * color + step)  # each group its own data
+            ref_opt.zero_grad()
+            ref(x, y)[1].backward()
+            ref_opt.step()
+            strategy.model(my_slice(x, dp_rank, 2), my_slice(y, dp_rank, 2))[1].backward()
+            strategy.finish_grads()
+            strategy.step()
+            strategy.zero_grad()
+        state = strategy.state_dict()["model"]
+        out[name] = max((state[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_strategies_work_on_a_data_parallel_subgroup():
+    for rank, r in enumerate(run_ranks(subgroup_worker, 4)):
+        for name, diff in r.items():
+            assert diff <= 1e-6, (rank, name, diff)
