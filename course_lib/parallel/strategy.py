@@ -14,6 +14,12 @@ A training step with gradient accumulation reads, for any strategy::
 ``comm_s`` accumulates the wall time spent waiting in collectives (exposed communication); the
 trainer reads and resets it each step to report ``comm_ms``.
 
+Our strategies are thin adapters over wrappers with PyTorch's shapes, usable without a trainer:
+``DataParallelBucket`` (an nn.Module, like DistributedDataParallel), ``ShardedOptimizer`` (ZeRO-1/2,
+an Optimizer, like ZeroRedundancyOptimizer) and ``FullyShardedDataParallel`` (ZeRO-3, an nn.Module,
+like FSDP). Each takes ``group=`` / ``process_group=``: data parallelism over a sub-group (the dp
+group beside tensor or pipeline parallelism) works like over the world.
+
 Checkpoints: ``state_dict()`` returns the FULL model and optimizer state, gathered from the shards
 for the sharded strategies, in the format of the unsharded optimizer, identical on every rank
 (for sharded strategies it is a collective: call it on every rank). One format for all
