@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -220,33 +222,38 @@ def test_freeing_gradient_buckets_lowers_peak_gradient_memory():
             assert r[name, 1] < 0.75 * r[name, None], (name, r)
 
 
-def prefetch_worker(rank: int, world_size: int) -> dict:
+def prefetch_run(prefetch: int, rank: int, world_size: int) -> dict:
+    """Train with ``prefetch``; record, when each unit starts computing (forward and backward),
+    whether the next unit's all-gather was already issued, and how many units were whole."""
     from course_lib.parallel.zero3 import FullyShardedDataParallel
 
-    out = {}
-    for prefetch in (0, 1, 2):
-        torch.manual_seed(0)
-        model = FullyShardedDataParallel(ToyMLP(width=64, n_layers=5), prefetch=prefetch)
-        units = {u.module: u for u in model.units}
-        layers = list(model.module.layers)
-        seen = {"forward": [], "backward": [], "whole": []}
+    torch.manual_seed(0)
+    model = FullyShardedDataParallel(ToyMLP(width=64, n_layers=5), prefetch=prefetch)
+    units = {u.module: u for u in model.units}
+    layers = list(model.module.layers)
+    seen = {"forward": [], "backward": [], "whole": []}
 
-        def sample(k: int, phase: str) -> None:
-            nxt = k + 1 if phase == "forward" else k - 1
-            if 0 <= nxt < len(layers):  # is the next unit's all-gather already issued?
-                seen[phase].append(units[layers[nxt]].state != "free")
-            seen["whole"].append(sum(u.state != "free" for u in model.units if u is not model.root))
+    def sample(k: int, phase: str) -> None:
+        nxt = k + 1 if phase == "forward" else k - 1
+        if 0 <= nxt < len(layers):  # is the next unit's all-gather already issued?
+            seen[phase].append(units[layers[nxt]].state != "free")
+        seen["whole"].append(sum(u.state != "free" for u in model.units if u is not model.root))
 
-        for k, layer in enumerate(layers):  # these hooks run after the wrapper's own
-            layer.register_forward_pre_hook(lambda m, a, k=k: sample(k, "forward"))
-            layer.register_forward_hook(lambda m, a, o, k=k: [o.register_hook(
-                lambda g, k=k: sample(k, "backward")), None][1])
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        train(model, opt, rank, world_size, model.finish_gradient_synchronization)
-        n = len(layers) - 1  # the last step's samples: the order was recorded in the first
-        out[prefetch] = {"forward": seen["forward"][-n:], "backward": seen["backward"][-n:],
-                         "max whole": max(seen["whole"]), "state": model.state_dict()}
-    return out
+    def on_output(k: int, output: torch.Tensor) -> None:
+        output.register_hook(lambda grad: sample(k, "backward"))
+
+    for k, layer in enumerate(layers):  # these hooks run after the wrapper's own
+        layer.register_forward_pre_hook(functools.partial(lambda k, m, a: sample(k, "forward"), k))
+        layer.register_forward_hook(functools.partial(lambda k, m, a, o: on_output(k, o), k))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, opt, rank, world_size, model.finish_gradient_synchronization)
+    n = len(layers) - 1  # the last step's samples: the order was recorded in the first
+    return {"forward": seen["forward"][-n:], "backward": seen["backward"][-n:],
+            "max whole": max(seen["whole"]), "state": model.state_dict()}
+
+
+def prefetch_worker(rank: int, world_size: int) -> dict:
+    return {prefetch: prefetch_run(prefetch, rank, world_size) for prefetch in (0, 1, 2)}
 
 
 @pytest.mark.timeout(120)

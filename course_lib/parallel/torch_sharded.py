@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from course_lib.parallel.comms import Comms, broadcast_module
-from course_lib.parallel.strategy import Strategy, TorchDDP, model_device
 from course_lib.parallel.sharding import optimizer_kwargs
+from course_lib.parallel.strategy import Strategy, TorchDDP, model_device
 from course_lib.parallel.units import default_units
 
 

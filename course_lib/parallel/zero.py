@@ -47,9 +47,16 @@ from torch import nn
 
 from course_lib.parallel.buckets import bucket_params
 from course_lib.parallel.comms import Comms, broadcast_module
-from course_lib.parallel.sharding import (ShardLayout, clip_sharded_grad_norm_, full_optimizer_state,
-                                          load_full_optimizer_state, optimizer_kwargs, reduce_into,
-                                          regroup, split_trainable)
+from course_lib.parallel.sharding import (
+    ShardLayout,
+    clip_sharded_grad_norm_,
+    full_optimizer_state,
+    load_full_optimizer_state,
+    optimizer_kwargs,
+    reduce_into,
+    regroup,
+    split_trainable,
+)
 from course_lib.parallel.strategy import CommsStrategy
 
 

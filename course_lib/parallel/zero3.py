@@ -50,9 +50,17 @@ import torch
 from torch import nn
 
 from course_lib.parallel.comms import Comms, broadcast_module
-from course_lib.parallel.sharding import (ShardLayout, clip_sharded_grad_norm_, full_optimizer_state,
-                                          gather_full, load_full_optimizer_state, optimizer_kwargs,
-                                          reduce_into, regroup, split_trainable)
+from course_lib.parallel.sharding import (
+    ShardLayout,
+    clip_sharded_grad_norm_,
+    full_optimizer_state,
+    gather_full,
+    load_full_optimizer_state,
+    optimizer_kwargs,
+    reduce_into,
+    regroup,
+    split_trainable,
+)
 from course_lib.parallel.strategy import CommsStrategy
 from course_lib.parallel.units import Unit, default_units, owners, tensors_in
 
