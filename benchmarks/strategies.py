@@ -48,7 +48,7 @@ def bench_worker(rank: int, world_size: int, spec: dict) -> dict:
     """One run on one rank: time spec['iters'] steps, then measure the model states once."""
     from course_lib.gpt.data import TrainBatches, load_meta, load_tokens, model_vocab_size
     from course_lib.gpt.model import GPT, GPTConfig
-    from course_lib.gpt.train import optimizer_factory
+    from course_lib.gpt.run import optimizer_factory
     from course_lib.parallel.footprint import measure_model_states, peak
     from course_lib.parallel.strategy import build_strategy
 

@@ -45,13 +45,13 @@ def machine() -> str:
 def measure(name: str, preset: str, overrides: dict, warmup: int, iters: int, data_dir: str, out_root: Path) -> dict:
     from course_lib.gpt.config import make_config
     from course_lib.gpt.metrics import read_metrics
-    from course_lib.launch.train_cli import run
+    from course_lib.launch.training import run_training
 
     total = warmup + iters
     cfg = make_config(preset, {"max_iters": total, "lr_decay_iters": total, "eval_interval": total + 1,
                                "eval_iters": 1, "log_interval": 10, "data_dir": data_dir,
                                "out_dir": str(out_root / name.replace(" ", "_")), "run_name": name, **overrides})
-    run(cfg, overwrite=True, progress=False)
+    run_training(cfg, display="terminal", overwrite=True, progress=False, check=True)  # what course train runs
     rows = [r for r in read_metrics(Path(cfg.out_dir) / "metrics.csv") if r["iter"] >= warmup and r["step_ms"] > 0]
     med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
     return {"case": name, "nproc": cfg.nproc, "threads": cfg.threads, "ms_per_iter": med("step_ms"),

@@ -23,7 +23,7 @@ from course_lib.gpt.finetune import (
     speeches,
 )
 from course_lib.gpt.metrics import read_metrics
-from course_lib.launch.train_cli import run
+from course_lib.launch.training import train_in_process
 from course_lib.utils import shipped_file
 
 
@@ -68,12 +68,12 @@ def test_finetune_starts_from_the_pretrained_weights(tmp_path, shakespeare):
             "warmup_iters": 2, "threads": 1, "log_interval": 2}
     pre = make_config("shakespeare_char_cpu", {**tiny, "out_dir": str(tmp_path / "pre"), "max_iters": 40,
                                               "lr_decay_iters": 40, "eval_interval": 20})
-    pre_summary = run(pre, progress=False)
+    pre_summary = train_in_process(pre, progress=False)
     ft_data = prepare_finetune_data(speeches(shakespeare, ["ROMEO", "JULIET"]), tmp_path / "ft-data",
                                     data.load_meta(None, "shakespeare_char"))
     cfg = finetune_config(tmp_path / "pre", tmp_path / "ft", ft_data, iters=6, eval_interval=4)
     assert (cfg.init_from, cfg.max_iters, cfg.data_dir) == ("resume", 46, str(ft_data))
-    run(cfg, progress=False)
+    train_in_process(cfg, progress=False)
     rows = read_metrics(tmp_path / "ft" / "metrics.csv")
     assert rows[0]["iter"] == 40 and rows[-1]["iter"] == 46 and not math.isnan(rows[0]["val_loss"])
     first_val = rows[0]["val_loss"]

@@ -67,8 +67,27 @@ def test_optimizer_groups_decay_matrices_only():
     n = sum(p.numel() for g in (decay, no_decay) for p in g["params"])
     assert n == model.num_params()  # every parameter once (the tied embedding too)
     assert any(p is model.transformer.wte.weight for p in decay["params"])
-    opt = model.configure_optimizers(0.1, 1e-3, device_type="cpu")
+    opt = model.configure_optimizers(0.1, 1e-3)
     assert isinstance(opt, torch.optim.AdamW) and [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+
+
+def test_one_adamw_rule_for_the_trainer_the_model_and_the_toy():
+    """Frozen parameters get no optimizer state; the trainer, GPT.configure_optimizers and the
+    parallelism tests' toy AdamW all build the same groups with the same (fused) kernel."""
+    from course_lib.gpt.config import TrainConfig
+    from course_lib.gpt.run import optimizer_factory
+    from course_lib.parallel import toy
+
+    model = tiny(bias=True)
+    model.transformer.wpe.weight.requires_grad_(False)  # e.g. a frozen position embedding
+    groups = model.param_groups(0.1)
+    assert not any(p is model.transformer.wpe.weight for g in groups for p in g["params"])
+    assert sum(p.numel() for g in groups for p in g["params"]) == model.num_params() - model.transformer.wpe.weight.numel()
+    ids = [[id(p) for p in g["params"]] for g in groups]
+    for opt in (model.configure_optimizers(0.1, 1e-3), optimizer_factory(TrainConfig(weight_decay=0.1))(model),
+                toy.adamw(model, weight_decay=0.1)):
+        assert [[id(p) for p in g["params"]] for g in opt.param_groups] == ids
+        assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0] and opt.defaults["fused"]
 
 
 def test_flops_per_token_and_mfu():

@@ -18,7 +18,7 @@ from course_lib.gpt.sample import cli as sample_cli
 from course_lib.gpt.sample import sample
 from course_lib.gpt.train import _fp16_step, get_lr, setup_runtime, train
 from course_lib.hardware import PROFILES, pick_dtype
-from course_lib.launch.train_cli import run
+from course_lib.launch.training import train_in_process as run
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=4, max_iters=8, lr_decay_iters=8,
             warmup_iters=2, learning_rate=3e-3, eval_interval=4, eval_iters=2, log_interval=1, dropout=0.0,
@@ -147,7 +147,7 @@ def test_dtype_follows_the_hardware_profile(data_dir, tmp_path):
 
 
 def test_fp16_steps_skip_overflow_and_adapt_the_scale():
-    from course_lib.gpt.train import optimizer_factory
+    from course_lib.gpt.run import optimizer_factory
     from course_lib.parallel.strategy import build_strategy
 
     model = torch.nn.Linear(4, 1)
@@ -181,3 +181,14 @@ def test_sampling_from_a_run(data_dir, tmp_path, capsys):
     assert capsys.readouterr().out.startswith("A")
     assert sample_cli(["--out_dir", str(tmp_path / "nothing")]) == 1
     assert "no checkpoint" in capsys.readouterr().err
+
+
+def test_worker_entry_alone_refuses_a_distributed_config(data_dir, tmp_path, capsys, monkeypatch):
+    from course_lib.gpt.train import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["--config=shakespeare_char_cpu", "--nproc=2", f"--out_dir={tmp_path}"]) == 2
+    assert "needs torchrun's workers; launch them with: course train --nproc=2" in capsys.readouterr().err
+    assert main(["--config=shakespeare_char_cpu", *[f"--{k}={v}" for k, v in TINY.items()], "--max_iters=1",
+                 f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'alone'}", "--no-progress"]) == 0
+    assert json.loads((tmp_path / "alone" / "summary.json").read_text())["iters"] == 1  # nanoGPT's python train.py

@@ -1,13 +1,16 @@
-"""The trainer on 2 real gloo workers started by torchrun (``course train --nproc=2`` and the
-demo): a 2-rank run with gradient accumulation equals one process with the same global batch,
-Ctrl-C stops the whole process tree, and the interrupted run resumes through the CLI.
+"""The trainer on 2 real gloo workers started by torchrun (``course train --nproc=2``,
+``launch_training`` and the demo): a 2-rank run with gradient accumulation equals one process with
+the same global batch, ``course train`` and ``launch_training`` give the very same run (one code
+path; only the display differs), Ctrl-C stops the whole process tree, and the interrupted run
+resumes through the CLI.
 
 The single-process reference trains in this process; each spawned run costs a few seconds of
-torch imports, so there are two.
+torch imports, so there are four.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import signal
 import subprocess
@@ -23,6 +26,7 @@ from course_lib.gpt.config import make_config
 from course_lib.gpt.data import prepare
 from course_lib.gpt.metrics import read_metrics
 from course_lib.gpt.train import train
+from course_lib.launch import launch_training
 
 ITERS = 6
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, max_iters=ITERS, lr_decay_iters=ITERS, warmup_iters=2,
@@ -73,11 +77,36 @@ def test_demo_on_two_ranks_equals_one_process(reference):
     assert len((out / "sample.txt").read_text()) == 1 + 500  # the "\n" prompt and 500 characters
 
 
+@pytest.mark.timeout(300)
+def test_course_train_and_launch_training_are_one_path(reference):
+    base = {**TINY, "data_dir": reference / "data", "batch_size": 2, "gradient_accumulation_steps": 2}
+    cmd = [sys.executable, "-m", "course_lib.cli", "train", "--config=shakespeare_char_cpu", "--nproc=2",
+           *flags({**base, "out_dir": reference / "cli"})]
+    proc = subprocess.run(cmd, capture_output=True, timeout=200, check=False)  # bytes: text mode would turn "\r" into "\n"
+    stdout = proc.stdout.decode()
+    assert proc.returncode == 0, stdout[-2000:] + proc.stderr.decode()[-3000:]
+    # terminal display: rank 0's own output as it wrote it, its progress bar ("\r" redraws) included
+    assert stdout.startswith("[cli] 2 x cpu") and "[rank" not in stdout
+    assert f"| {ITERS}/{ITERS} [" in stdout and "\r" in stdout
+
+    cfg = make_config("shakespeare_char_cpu", {**base, "data_dir": str(reference / "data"), "nproc": 2,
+                                               "out_dir": str(reference / "notebook")})
+    out, err = io.StringIO(), io.StringIO()
+    launch_training(cfg, out=out, err=err, check=True)
+    # notebook display: rank-prefixed lines, and the launcher's bar over metrics.csv (iterations 0..ITERS)
+    assert out.getvalue().startswith("[rank0] [notebook] 2 x cpu") and f"{ITERS + 1}/{ITERS + 1}" in err.getvalue()
+
+    keys = ("iter", "train_loss", "val_loss", "eval_train_loss", "lr", "grad_norm")
+    rows = [[[repr(r[k]) for k in keys] for r in read_metrics(reference / d / "metrics.csv")] for d in ("cli", "notebook")]
+    assert rows[0] == rows[1]  # the same numbers, exactly
+    assert_same_training(reference / "cli", reference / "ref")
+
+
 @pytest.mark.timeout(180)
 def test_interrupt_stops_every_process_and_the_run_resumes(reference):
     out = reference / "interrupted"
     base = {**TINY, "data_dir": reference / "data", "batch_size": 4, "out_dir": out}
-    cmd = [sys.executable, "-m", "course_lib.gpt.train", "--nproc=2", "--no-progress",
+    cmd = [sys.executable, "-m", "course_lib.cli", "train", "--nproc=2", "--no-progress",
            *flags({**base, "max_iters": 100_000, "eval_interval": 100_000})]
     launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -98,7 +127,7 @@ def test_interrupt_stops_every_process_and_the_run_resumes(reference):
     assert "interrupted" in launcher.stderr.read()
 
     # the checkpoint of iteration 0 resumes on 2 ranks through the CLI, to the reference's end
-    cmd = [sys.executable, "-m", "course_lib.gpt.train", "--resume", f"--out_dir={out}", f"--max_iters={ITERS}",
+    cmd = [sys.executable, "-m", "course_lib.cli", "train", "--resume", f"--out_dir={out}", f"--max_iters={ITERS}",
            "--no-progress"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -4,9 +4,10 @@
     data        dataset preparation (characters, GPT-2 BPE from the shipped ranks), batches
     config      TrainConfig: the one frozen config of a run; presets; --field=value parsing
     runtime     where a training process runs: rank, device, dtype, threads, process group
-    train       the training loop (a step function and the loop; what each torchrun worker runs)
+    train       the training loop and its step (what each torchrun worker runs)
+    run         what one training process holds: setup, resume, evaluation, checkpoint saving
     checkpoint  atomic checkpoints and exact resume
-    metrics     metrics.csv, timers, throughput and MFU
+    metrics     RunMeter (timing, metrics.csv, progress bar, summary), timers, throughput and MFU
     sample      text from a run's checkpoint (course sample)
     finetune    the second stage of an LLM's life: fine-tuning a run on new text
 """

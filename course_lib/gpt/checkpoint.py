@@ -84,10 +84,19 @@ def check_resumable(saved: dict, cfg: TrainConfig, path: str | os.PathLike = "ch
     diffs = [(k, saved.get(k), v) for k, v in cfg.to_dict().items()
              if k not in RESUME_MAY_CHANGE and saved.get(k) != v]
     if diffs:
-        lines = "\n".join(f"  {k}: checkpoint has {a!r}, now {b!r}" for k, a, b in diffs)
+        changed = "; ".join(f"{k}: checkpoint has {a!r}, now {b!r}" for k, a, b in diffs)
         fix = " ".join(f"--{k}={a}" for k, a, _ in diffs)
-        raise ConfigError(f"cannot resume {path} with this config:\n{lines}\n"
+        raise ConfigError(f"cannot resume {path} with this config ({changed}); "
                           f"pass {fix} to continue that run, or start a new one in another --out_dir")
+
+
+def check_resume(ck: dict, cfg: TrainConfig, path: str | os.PathLike, world_size: int) -> None:
+    """Can ``cfg`` on ``world_size`` ranks continue checkpoint ``ck``? (checked by the launcher
+    before spawning, and again by each worker, which may have been started some other way)."""
+    check_resumable(ck["config"], cfg, path, ck["iter_num"])
+    if ck["world_size"] != world_size:
+        raise CheckpointError(f"{path} was written by {ck['world_size']} ranks, this run has {world_size}; "
+                              f"resume with --nproc={ck['world_size']}")
 
 
 def rng_state(data_state: torch.Tensor) -> dict:

@@ -9,12 +9,16 @@ Field names follow nanoGPT's ``train.py`` where it has one; the presets are nano
 its config into the run directory as ``config.json``; every worker loads it from there.
 """
 
+import argparse
 import dataclasses
 import difflib
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from course_lib.gpt.data import DATASETS
+from course_lib.hardware import default_nproc
 
 # Every strategy name the trainer knows, ours and PyTorch's (see course_lib.parallel.strategy).
 STRATEGY_NAMES = ("single", "ddp", "ddp_naive", "zero1", "zero2", "zero3", "torch_ddp", "torch_zero1",
@@ -103,7 +107,6 @@ class TrainConfig:
         _choice("dtype", self.dtype, DTYPES)
         _choice("init_from", self.init_from, INIT_FROM)
         _choice("strategy", self.strategy, ("auto",) + STRATEGY_NAMES)
-        from course_lib.gpt.data import DATASETS
         _choice("dataset", self.dataset, DATASETS)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:") and self.device[5:].isdigit()):
             raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
@@ -113,13 +116,10 @@ class TrainConfig:
 
     # --- derived values -------------------------------------------------------------------------
     def resolved_strategy(self, world_size: int) -> str:
-        """'auto' -> 'single' for one process, else our DDP (PyTorch's until ours is registered)."""
+        """'auto' -> 'single' for one process, else our DDP."""
         if self.strategy != "auto":
             return self.strategy
-        if world_size == 1:
-            return "single"
-        from course_lib.parallel.strategy import STRATEGIES
-        return "ddp" if "ddp" in STRATEGIES else "torch_ddp"
+        return "single" if world_size == 1 else "ddp"
 
     @property
     def name(self) -> str:
@@ -200,21 +200,12 @@ def parse_value(name: str, text: str):
             return False
         raise ConfigError(f"--{name}: expected true or false, got {text!r}")
     if typ is int and name == "nproc" and text == "auto":
-        return auto_nproc()
+        return default_nproc()  # one per GPU, else 2 CPU workers
     try:
         return typ(text)
     except ValueError:
         kind = {int: "an integer", float: "a number"}[typ]
         raise ConfigError(f"--{name}: expected {kind}, got {text!r}") from None
-
-
-def auto_nproc() -> int:
-    """Workers for ``--nproc=auto``: one per GPU; on a CPU-only host 2 (1 with a single core)."""
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.device_count()
-    return 2 if len(os.sched_getaffinity(0)) >= 2 else 1
 
 
 def parse_overrides(args: list[str]) -> dict:
@@ -252,3 +243,42 @@ def make_config(preset: str | None = None, overrides: dict | None = None, base: 
         d.update(PRESETS[preset])
     d.update(overrides or {})
     return TrainConfig.from_dict(d)
+
+
+def arg_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The command line shared by ``course train`` (host) and ``python -m course_lib.gpt.train``
+    (worker): a preset or a config.json, ``--resume``, then any field as ``--field=value``."""
+    p = argparse.ArgumentParser(prog=prog, allow_abbrev=False, epilog=_help_epilog(), description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", metavar="PRESET", help=f"start from a preset: {', '.join(PRESETS)}")
+    p.add_argument("--config-file", metavar="PATH", help="start from a config.json (what workers use)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out_dir (= --init_from=resume)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def config_from_args(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
+    """Parse ``argv`` with ``parser`` (from :func:`arg_parser`); the rest are field overrides.
+    ``--resume`` without a preset or file continues with the run's own config.json."""
+    args, rest = parser.parse_known_args(argv)
+    overrides = parse_overrides(rest)
+    if args.resume:
+        overrides["init_from"] = "resume"
+    if args.config and args.config_file:
+        raise ConfigError("give either --config or --config-file, not both")
+    base = None
+    if args.config_file:
+        base = TrainConfig.load(args.config_file)
+    elif args.resume and not args.config:
+        out_dir = overrides.get("out_dir")
+        if not out_dir:
+            raise ConfigError("--resume needs --out_dir=DIR (the run to continue)")
+        base = TrainConfig.load(Path(out_dir) / "config.json")
+    return make_config(args.config, overrides, base=base), args
+
+
+def _help_epilog() -> str:
+    d = TrainConfig()
+    fields = "\n".join(f"  {f'--{name}={getattr(d, name)!r}':<42} {f.type.__name__}" for name, f in FIELDS.items())
+    return (f"presets (--config=NAME): {', '.join(PRESETS)}\n\nfields (default values; any one as --field=value):\n"
+            f"{fields}\n\nbool fields also accept a bare --field (true); --nproc=auto uses every GPU, or 2 CPU workers.")

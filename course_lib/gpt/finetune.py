@@ -4,7 +4,7 @@
     text = speeches(shakespeare, ["ROMEO", "JULIET"])            # the new, smaller corpus
     data_dir = prepare_finetune_data(text, "runs/ft-data", base_meta=meta)
     cfg = finetune_config("runs/pretrain", "runs/finetune", data_dir, iters=500)
-    course_lib.notebook.live_plot.train_live(cfg)                          # or train_launch.run(cfg)
+    course_lib.notebook.live_plot.train_live(cfg)                          # or course_lib.launch.training.train_in_process(cfg)
 
 Pre-training learns the language from a large corpus starting from random weights; fine-tuning
 starts from those weights and trains on a smaller, more specific corpus (for a chat model:

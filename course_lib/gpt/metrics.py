@@ -1,4 +1,6 @@
-"""Per-step training metrics: a CSV written row by row, and timers that do not stall the GPU.
+"""Per-step training metrics: one object (:class:`RunMeter`) that owns a run's timing, its
+``metrics.csv``, its progress bar and its summary, built on a CSV written row by row and timers
+that do not stall the GPU.
 
 ``metrics.csv`` holds one row per logged step (and one per evaluation):
 
@@ -7,9 +9,10 @@
 
 ``step_ms`` is wall time per iteration averaged since the previous row; ``compute_ms`` the time
 in forward/backward and the optimizer step (CUDA events on a GPU, so no host sync per step);
-``comm_ms`` the exposed communication the Strategy measured (``comm_s``). ``tflops`` is the
-achieved model FLOP/s of the whole job and ``mfu`` that over the peak of all its devices (PaLM,
-Chowdhery et al. 2022, App. B); on a CPU the peak is an estimate (course_lib.hardware).
+``comm_ms`` the exposed communication the Strategy measured (``comm_s``), which is not counted
+in ``compute_ms``. ``tflops`` is the achieved model FLOP/s of the whole job and ``mfu`` that over
+the peak of all its devices (PaLM, Chowdhery et al. 2022, App. B); on a CPU the peak is an
+estimate (course_lib.hardware).
 Each row is on disk (file closed) as soon as it is written: a crash loses nothing already logged.
 """
 
@@ -19,9 +22,17 @@ import csv
 import json
 import math
 import os
+import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from course_lib.gpt.runtime import launcher_info
+from course_lib.hardware import detect
 from course_lib.utils import atomic_write_bytes
 
 COLUMNS = ("iter", "train_loss", "val_loss", "eval_train_loss", "lr", "grad_norm", "step_ms", "compute_ms",
@@ -79,7 +90,6 @@ class SpanTimer:
 
     def start(self) -> None:
         if self.cuda:
-            import torch
             self._open = torch.cuda.Event(enable_timing=True)
             self._open.record()
         else:
@@ -87,7 +97,6 @@ class SpanTimer:
 
     def stop(self) -> None:
         if self.cuda:
-            import torch
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             self._spans.append((self._open, end))
@@ -134,3 +143,109 @@ def announce_run(cfg, info: dict) -> None:
         lines.append(f"resumed from {out / 'last.pt'} at iter {info['start_iter']}")
     for line in lines:
         print(f"[{cfg.name}] {line}", flush=True)
+
+
+class RunMeter:
+    """What one training run measures and shows: compute and communication time, the rows of
+    ``metrics.csv``, the progress bar, the header (run.json) and the summary (summary.json).
+
+    The trainer only says what happened: ``with meter.compute():`` around its own work,
+    ``meter.evaluated(...)`` after an evaluation, ``meter.log(...)`` after a step, ``meter.finish()``
+    at the end. Files are written and lines printed on rank 0 only; every rank keeps the numbers.
+    """
+
+    def __init__(self, cfg, rt, strategy, strategy_name: str, model, start_iter: int, progress: bool):
+        self.cfg, self.world_size, self.strategy = cfg, rt.world_size, strategy
+        self.master = rt.rank == 0
+        self.tokens_per_iter = cfg.batch_size * cfg.gradient_accumulation_steps * rt.world_size * cfg.block_size
+        self.flops_per_token = model.flops_per_token()
+        profile = detect(rt.device)
+        peak = profile.peak(rt.dtype if rt.dtype != "float32" else ("tf32" if rt.device_type == "cuda" else "float32"))
+        self.peak_total = peak * rt.world_size if peak else None
+        self.info = {"strategy": strategy_name, "world_size": rt.world_size, "device": rt.device, "dtype": rt.dtype,
+                     "threads_per_worker": rt.threads, "n_params": model.num_params(),
+                     "tokens_per_iter": self.tokens_per_iter,
+                     "global_batch": cfg.batch_size * cfg.gradient_accumulation_steps * rt.world_size,
+                     "hardware": profile.name, "peak_flops_per_device": peak, "peak_is_estimate": profile.estimated,
+                     "torch": torch.__version__, "start_iter": start_iter, "launcher": launcher_info(),
+                     "backend": dist.get_backend() if dist.is_initialized() else None}
+        self.writer = None
+        if self.master:
+            announce_run(cfg, self.info)  # run.json, config.json and the header lines
+            self.writer = MetricsWriter(Path(cfg.out_dir) / "metrics.csv", start_iter)
+        # on stdout, with the eval lines: one stream keeps their order when a launcher relays it
+        self.bar = tqdm(total=cfg.max_iters, initial=start_iter, desc=cfg.name, unit="it", dynamic_ncols=True,
+                        file=sys.stdout, disable=not (self.master and progress))
+        self.timer = SpanTimer(rt.device_type)
+        self.last_eval: dict = {}  # the latest evaluation (for the bar and the summary)
+        self.pending_eval: dict | None = None  # an evaluation not yet in a row
+        self.run_steps, self.run_s = 0, 0.0  # every timed step, for the summary's ms/iter
+        self._restart()
+
+    def _restart(self) -> None:
+        """Start a new timing window (after a row, or after an evaluation: that is not step time)."""
+        self.t_last, self.steps, self.comm_start, self.comm_in_compute = time.perf_counter(), 0, self.strategy.comm_s, 0.0
+        self.timer.reset()
+
+    @contextmanager
+    def compute(self):
+        """Time the enclosed work as compute, less the communication the strategy timed inside it
+        (e.g. ZeRO's parameter all-gather in its step)."""
+        comm_before = self.strategy.comm_s
+        self.timer.start()
+        try:
+            yield
+        finally:
+            self.timer.stop()
+            self.comm_in_compute += self.strategy.comm_s - comm_before
+
+    def evaluated(self, it: int, losses: dict, is_best: bool) -> None:
+        self.last_eval = self.pending_eval = losses
+        if self.master:
+            self.bar.write(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
+                           + (" (best)" if is_best else ""))
+        self._restart()
+
+    def log(self, it: int, loss_sum: torch.Tensor, lr: float, grad_norm: torch.Tensor | None) -> None:
+        """Count the step just done; at log steps (and after an evaluation) write its row.
+
+        ``loss_sum`` is this rank's loss of the step (a device tensor: no host sync until here)."""
+        self.steps += 1
+        if not (it % self.cfg.log_interval == 0 or self.pending_eval is not None):
+            return
+        if self.world_size > 1:  # the loss of the global batch (a collective at log steps only)
+            dist.all_reduce(loss_sum)
+            loss_sum /= self.world_size
+        train_loss = loss_sum.item()  # the one host sync per logged step
+        elapsed = time.perf_counter() - self.t_last
+        comm_s = self.strategy.comm_s - self.comm_start
+        row = {"iter": it, "train_loss": train_loss, "lr": lr,
+               "grad_norm": grad_norm.item() if grad_norm is not None else None,
+               **throughput(self.steps, elapsed, self.timer.total_s() - self.comm_in_compute, comm_s,
+                            self.tokens_per_iter, self.flops_per_token, self.peak_total)}
+        if self.pending_eval is not None:
+            row.update(val_loss=self.pending_eval["val"], eval_train_loss=self.pending_eval["train"])
+        if self.master:
+            self.writer.write(row)
+        self.bar.update(it + 1 - self.bar.n)
+        self.bar.set_postfix(loss=f"{train_loss:.4f}", val=f"{self.last_eval.get('val', math.nan):.4f}",
+                             ms=f"{row['step_ms']:.0f}", refresh=False)  # no eval yet after a mid-interval resume
+        self.run_steps, self.run_s, self.pending_eval = self.run_steps + self.steps, self.run_s + elapsed, None
+        self._restart()
+
+    def finish(self, it: int, best_val: float) -> dict:
+        """The last row (the final evaluation), summary.json and the closing line; returns the summary."""
+        cfg = self.cfg
+        self.bar.update(cfg.max_iters - self.bar.n)
+        self.bar.close()
+        summary = {"out_dir": str(cfg.out_dir), "iters": cfg.max_iters, "val_loss": self.last_eval["val"],
+                   "train_loss": self.last_eval["train"], "best_val_loss": best_val, "world_size": self.world_size,
+                   "strategy": self.info["strategy"],
+                   "ms_per_iter": 1e3 * self.run_s / self.run_steps if self.run_steps else math.nan}
+        if self.master:
+            self.writer.write({"iter": it, "val_loss": self.last_eval["val"], "eval_train_loss": self.last_eval["train"]})
+            (Path(cfg.out_dir) / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+            print(f"[{cfg.name}] done: iter {cfg.max_iters}, train loss {summary['train_loss']:.4f}, "
+                  f"val loss {summary['val_loss']:.4f} (best {best_val:.4f}), {summary['ms_per_iter']:.1f} ms/iter",
+                  flush=True)
+        return summary

@@ -135,18 +135,13 @@ class GPT(nn.Module):
         return logits, loss
 
     def param_groups(self, weight_decay: float) -> list[dict]:
-        """Decay matrices (Linear and embedding weights, dim >= 2); never biases or LayerNorm gains."""
-        params = [p for p in self.parameters() if p.requires_grad]
-        return [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
+        """AdamW's two groups for this model (see :func:`adamw_param_groups`)."""
+        return adamw_param_groups(self, weight_decay)
 
     def configure_optimizers(self, weight_decay: float, learning_rate: float,
-                             betas: tuple[float, float] = (0.9, 0.95), device_type: str = "cpu"):
-        """AdamW over the two groups; the fused kernel on CUDA (one launch for all parameters)."""
-        extra = {"fused": True} if device_type == "cuda" else {"foreach": True}
-        return torch.optim.AdamW(self.param_groups(weight_decay), lr=learning_rate, betas=betas, **extra)
+                             betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.AdamW:
+        """nanoGPT's name for :func:`make_adamw` on this model."""
+        return make_adamw(self, learning_rate, weight_decay, betas)
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6N for the matmuls with the weights (forward 2N, backward 4N)
@@ -178,3 +173,23 @@ class GPT(nn.Module):
             probs = F.softmax(logits, dim=-1)
             idx = torch.cat((idx, torch.multinomial(probs, 1, generator=generator)), dim=1)
         return idx
+
+
+def adamw_param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
+    """The course's one AdamW grouping: decay matrices (Linear and embedding weights, dim >= 2),
+    never biases or LayerNorm gains (dim < 2), as nanoGPT's ``configure_optimizers``; decoupled
+    weight decay is Loshchilov & Hutter 2019. Trainable parameters only: a frozen one gets no
+    optimizer state. A tied weight appears once (``parameters()`` skips repeats)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def make_adamw(module: nn.Module, lr: float, weight_decay: float,
+               betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.AdamW:
+    """AdamW over :func:`adamw_param_groups`, used by the trainer, ``GPT.configure_optimizers`` and
+    the parallelism tests' toy model alike. ``fused=True`` on every device: one kernel for all
+    parameters on CPU and CUDA, and every update elementwise, so a parameter sharded by ZeRO or
+    tensor parallelism steps as the whole one does; one flag everywhere keeps a strategy and its
+    single-process reference on the same arithmetic."""
+    return torch.optim.AdamW(adamw_param_groups(module, weight_decay), lr=lr, betas=betas, fused=True)

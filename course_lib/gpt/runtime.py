@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.gpt.config import TrainConfig
+from course_lib.hardware import detect, pick_dtype
 
 
 @dataclass
@@ -34,8 +35,6 @@ class Runtime:
 
 def setup_runtime(cfg: TrainConfig) -> Runtime:
     """Join the process group when launched by torchrun; pick device, threads and dtype."""
-    from course_lib.hardware import detect, pick_dtype
-
     env = os.environ
     distributed = "RANK" in env and "WORLD_SIZE" in env
     rank, world = (int(env["RANK"]), int(env["WORLD_SIZE"])) if distributed else (0, 1)

@@ -6,7 +6,9 @@
 
     from course_lib.launch import launch, launch_training, notebook_launcher, mpirun
 
-Modules: :mod:`.api` (launch, LaunchResult), :mod:`.training` (launch_training),
+Modules: :mod:`.api` (launch, LaunchResult), :mod:`.training` (the one training path:
+check_request, run_training behind launch_training and ``course train``), :mod:`.train_cli`
+(``course train``), :mod:`.demo` (``make demo``),
 :mod:`.mpi` (mpirun), :mod:`.notebook` (notebook_launcher: fork N processes running a notebook function),
 :mod:`.magics`, :mod:`.cluster` (SLURM/PBS), :mod:`.torchrun` (command lines),
 :mod:`.procs` (process trees), :mod:`.supervise` and :mod:`.monitor` (the launcher's loop),

@@ -116,8 +116,8 @@ def launch(target, args: Sequence[str] = (), *, nproc="auto", nnodes: int = 1,
            init_process_group: bool = False, show_ranks: Sequence[int] | str = (0,),
            rdzv: str = "c10d", rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
            nccl_debug: str | None = None, nccl_debug_subsys: str | None = None,
-           nccl_debug_file=None, grace: float = 5.0, progress=None, check: bool = False,
-           out=None, err=None) -> LaunchResult:
+           nccl_debug_file=None, grace: float = 5.0, progress=None, output: str = "ranks",
+           check: bool = False, out=None, err=None) -> LaunchResult:
     """Run ``target`` (a .py path or a module name) on ``nproc`` ranks per node via torchrun.
 
     nproc: int or "auto" (one rank per GPU, else 2 CPU ranks, threads split between them).
@@ -132,6 +132,9 @@ def launch(target, args: Sequence[str] = (), *, nproc="auto", nnodes: int = 1,
     show_ranks: whose stdout is streamed (stderr of every rank always is): (0,), [0, 1], "all".
     nccl_debug / nccl_debug_subsys / nccl_debug_file: NCCL_DEBUG, NCCL_DEBUG_SUBSYS, NCCL_DEBUG_FILE.
     progress: a callable(run_dir) -> object with poll() and close() (training progress bar).
+    output: "ranks" (each line prefixed ``[rankK]``) or "raw" (rank 0's stdout and stderr byte
+        for byte, as a terminal would show that process, its progress bar included; other
+        ranks' stderr still prefixed).
     """
     device = checks.resolve_device(device)
     nproc = checks.resolve_nproc(nproc, device)
@@ -145,6 +148,8 @@ def launch(target, args: Sequence[str] = (), *, nproc="auto", nnodes: int = 1,
         raise checks.LaunchConfigError("several nodes need the c10d rendezvous (rdzv='c10d')")
     if rdzv_endpoint and not rdzv_id:
         raise checks.LaunchConfigError("rdzv_endpoint needs rdzv_id: the same id on every node")
+    if output not in ("ranks", "raw"):
+        raise checks.LaunchConfigError(f"output must be 'ranks' or 'raw', got {output!r}")
     checks.check_scheduler(nnodes, nproc, device)  # inside a SLURM/PBS job: what it was given
     torchrun.nccl_debug_env(nccl_debug, nccl_debug_subsys, nccl_debug_file)  # validates
 
@@ -181,7 +186,7 @@ def launch(target, args: Sequence[str] = (), *, nproc="auto", nnodes: int = 1,
 
     outcome = supervise(agents, full_env, log_dir, show=show_ranks, timeout=timeout, grace=grace,
                         collective_timeout=collective_timeout, progress=progress(run_dir) if progress else None,
-                        out=out, err=err)
+                        raw=output == "raw", out=out, err=err)
     result = LaunchResult(
         returncode=outcome.returncode, run_dir=run_dir, nproc=nproc, nnodes=nnodes,
         stdout=outcome.stdout, stderr=outcome.stderr, failure=outcome.failure,

@@ -2,7 +2,8 @@
 
 Checked: the number of processes and nodes, GPUs asked for versus GPUs present, the script or
 module to run, the batch allocation (SLURM/PBS) the launch runs in, the timeouts and strategy
-names. A training config's memory estimate is checked in :mod:`course_lib.launch.training`.
+names. A whole training request (data, dtype, memory, resume) is checked by
+:func:`course_lib.launch.training.check_request`, which builds on these.
 """
 
 from __future__ import annotations
@@ -11,17 +12,18 @@ import importlib.util
 import os
 from pathlib import Path
 
+from course_lib.gpt.config import ConfigError
+from course_lib.hardware import default_nproc, gpu_count
 from course_lib.launch.cluster import check_allocation, detect_allocation
 
 
-class LaunchConfigError(ValueError):
-    """A launch that cannot work as asked; the message says what to change."""
+class LaunchConfigError(ConfigError):
+    """A launch that cannot work as asked; the message says what to change. A ConfigError (a
+    ValueError): ``course train`` reports both the same way."""
 
 
 def resolve_device(device: str) -> str:
     """'auto' -> 'cuda' when this machine has a GPU, else 'cpu'."""
-    from course_lib.hardware import gpu_count
-
     if device not in ("auto", "cpu", "cuda"):
         raise LaunchConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
     if device == "auto":
@@ -31,8 +33,6 @@ def resolve_device(device: str) -> str:
 
 def resolve_nproc(nproc, device: str) -> int:
     """Ranks per node: an int >= 1, or 'auto' (one per GPU, else 2 CPU ranks)."""
-    from course_lib.hardware import default_nproc, gpu_count
-
     if nproc == "auto":
         return default_nproc(device)
     if isinstance(nproc, str) and nproc.isdigit():
@@ -96,7 +96,7 @@ def check_scheduler(nnodes: int, nproc_per_node: int, device: str, env=None) -> 
 
 
 def check_strategy(name: str) -> None:
-    from course_lib.parallel.strategy import STRATEGIES
+    from course_lib.parallel.strategy import STRATEGIES  # why: imports torch; launching a plain script needs none
 
     if name not in STRATEGIES:
         raise LaunchConfigError(f"unknown strategy {name!r}; choose one of {sorted(STRATEGIES)}")

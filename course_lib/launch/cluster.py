@@ -238,12 +238,11 @@ def _check_train_args(train_args: Sequence[str], data: bool) -> None:
     that the dataset is prepared where the job will look: the same path, since the job starts in
     this folder with this environment on a file system the nodes share."""
     # imported here: `course submit --help` and PBS/--script runs need neither
-    from course_lib.gpt.config import ConfigError
+    from course_lib.gpt.config import ConfigError, arg_parser, config_from_args
     from course_lib.gpt.data import DataError, load_meta
-    from course_lib.launch.train_cli import build_config
 
-    try:
-        cfg, _ = build_config(list(train_args))
+    try:  # parsed as the worker (python -m course_lib.gpt.train) will parse them
+        cfg, _ = config_from_args(arg_parser("python -m course_lib.gpt.train", ""), list(train_args))
         if data:
             load_meta(cfg.data_dir or None, cfg.dataset)
     except (ConfigError, DataError) as e:

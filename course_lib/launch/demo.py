@@ -14,9 +14,19 @@ a batch of 12, so the global batch is 24 and the same 2000 iterations see twice 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
+
+import torch
+
+from course_lib.gpt.config import ConfigError, make_config, parse_overrides, parse_value
+from course_lib.gpt.data import DataError, prepare
+from course_lib.gpt.sample import sample
+from course_lib.launch.api import LaunchError
+from course_lib.launch.training import run_training
+from course_lib.notebook.plots import plot_loss_curve
 
 NANOGPT_CPU_VAL_LOSS = 1.8857  # nanoGPT README, shakespeare_char on a CPU after 2000 iterations
 
@@ -28,26 +38,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="auto", help="preset; 'auto' = shakespeare_char_cpu on CPU, shakespeare_char on GPU")
     args, rest = p.parse_known_args(argv)  # the rest: any trainer field as --field=value
 
-    import torch
-
-    from course_lib.gpt.config import ConfigError, make_config, parse_overrides, parse_value
-    from course_lib.gpt.data import prepare
-    from course_lib.gpt.sample import sample
-    from course_lib.launch.train_cli import TrainError, run
-    from course_lib.notebook.plots import plot_loss_curve
-
-    t0 = time.perf_counter()
     preset = args.config if args.config != "auto" else ("shakespeare_char" if torch.cuda.is_available()
                                                         else "shakespeare_char_cpu")
+    t0 = time.perf_counter()
     try:
         overrides = {"nproc": parse_value("nproc", args.nproc), "out_dir": args.out_dir, "run_name": "demo",
                      **parse_overrides(rest)}
         cfg = make_config(preset, overrides)
         prepare(cfg.dataset, cfg.data_dir or None)
-        summary = run(cfg, overwrite=True)
-    except (ConfigError, TrainError) as e:
+        run_training(cfg, display="terminal", overwrite=True, check=True)  # what course train runs
+    except (ConfigError, DataError, LaunchError) as e:
         print(f"demo: error: {e}", file=sys.stderr)
         return 1
+    summary = json.loads((Path(cfg.out_dir) / "summary.json").read_text())
     out = Path(cfg.out_dir)
     plot_loss_curve(str(out / "metrics.csv"), title=f"{preset}, {summary['world_size']} x {summary['strategy']}"
                     ).savefig(out / "loss.png", dpi=120)

@@ -7,6 +7,7 @@ local agents, and nothing is lost if a rank or the launcher dies.
 
 from __future__ import annotations
 
+import codecs
 import csv
 import glob
 import json
@@ -33,19 +34,28 @@ _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_sc
 
 
 class LogTail:
-    """Follows one growing file and returns its new complete lines."""
+    """Follows one growing file and returns its new complete lines (or its new text as is)."""
 
     def __init__(self, path: str):
         self.path, self.pos, self.partial = path, 0, b""
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")  # a character may span two reads
 
-    def read_lines(self, final: bool = False) -> list[str]:
+    def _read(self) -> bytes:
         try:
             with open(self.path, "rb") as f:
                 f.seek(self.pos)
                 data = f.read()
         except FileNotFoundError:
-            return []
+            return b""
         self.pos += len(data)
+        return data
+
+    def read_text(self, final: bool = False) -> str:
+        """Everything new, unchanged: carriage returns (a redrawn progress bar) included."""
+        return self.decoder.decode(self._read(), final=final)
+
+    def read_lines(self, final: bool = False) -> list[str]:
+        data = self._read()
         *lines, partial = (self.partial + data).split(b"\n")
         # A progress bar redraws its line with "\r": keep what a terminal would show, the last.
         self.partial = partial[partial.rfind(b"\r", 0, len(partial) - 1) + 1:]
@@ -59,11 +69,13 @@ class LogTail:
 class OutputStreamer:
     """Prints new rank output live: stdout of the ranks in ``show``, stderr of every rank.
 
-    Lines are prefixed ``[rankK]``; stderr goes to ``err`` (shown red in a notebook).
+    Lines are prefixed ``[rankK]``; stderr goes to ``err`` (shown red in a notebook). ``raw``:
+    rank 0's output is copied unchanged instead (a terminal then shows its progress bar as that
+    process draws it).
     """
 
-    def __init__(self, log_dir: str, show: Iterable[int] | str = (0,), out=None, err=None):
-        self.log_dir = log_dir
+    def __init__(self, log_dir: str, show: Iterable[int] | str = (0,), out=None, err=None, raw: bool = False):
+        self.log_dir, self.raw = log_dir, raw
         self.show = show if show == "all" else set(show)
         self.out, self.err = out or sys.stdout, err or sys.stderr
         self.tails: dict[str, LogTail] = {}
@@ -80,6 +92,12 @@ class OutputStreamer:
                 self.tails[path].read_lines(final)  # keep the offset moving; the file keeps it all
                 continue
             stream = self.out if kind == "out" else self.err
+            if self.raw and rank == 0:
+                text = self.tails[path].read_text(final)
+                if text:
+                    stream.write(text)
+                    wrote.add(stream)
+                continue
             for line in self.tails[path].read_lines(final):
                 if kind == "err" and _LAUNCHER_FRAME.search(line):
                     continue  # stack dumps: the launcher's own frames say nothing to the user

@@ -69,9 +69,9 @@ def _stop(trees: list[ProcessTree], grace: float) -> int:
 
 def supervise(agents: Sequence[Agent], env: Mapping[str, str], log_dir: str, *, show=(0,),
               timeout: float | None = None, grace: float = 5.0, collective_timeout: float = 60.0,
-              progress=None, out=None, err=None, poll_s: float = 0.05) -> Outcome:
+              progress=None, raw: bool = False, out=None, err=None, poll_s: float = 0.05) -> Outcome:
     out, err = out or sys.stdout, err or sys.stderr
-    streamer = monitor.OutputStreamer(log_dir, show, out, err)
+    streamer = monitor.OutputStreamer(log_dir, show, out, err, raw=raw)
     start = time.monotonic()
     trees: list[ProcessTree] = []
     announced: set[int] = set()

@@ -1,27 +1,218 @@
-"""launch_training(config): the course trainer on N ranks, with a progress bar and the metrics.
+"""launch_training(config) and ``course train``: one way to run the course trainer on N ranks.
 
     from course_lib.gpt.config import make_config
     from course_lib.launch import launch_training
     cfg = make_config("shakespeare_char_cpu", {"max_iters": 200, "out_dir": "runs/ddp2"})
     result = launch_training(cfg, nproc=2)
-    result.metrics.plot(x="iter", y="loss")
+    result.metrics.plot(x="iter", y="train_loss")
 
-Before anything starts: the strategy must exist and the model must fit (estimated memory per
-device from :mod:`course_lib.analysis.memory`, checked against the GPU, or the host's RAM for CPU
-ranks). Then ``RUN_DIR/config.json`` is written (RUN_DIR = ``config.out_dir``) and
-``python -m course_lib.gpt.train --config-file RUN_DIR/config.json`` runs on every rank under
-torchrun; a tqdm bar follows ``RUN_DIR/metrics.csv``, which is returned as a DataFrame.
+Both front ends are :func:`run_training`, and differ only in how the run is shown:
+
+* ``display="notebook"`` (:func:`launch_training`): rank-prefixed live output and a tqdm bar in
+  the launcher that follows ``RUN_DIR/metrics.csv``; the workers draw no bar.
+* ``display="terminal"`` (``course train``, :mod:`course_lib.launch.train_cli`): rank 0's own
+  output byte for byte, its own progress bar included, as if it ran in this terminal.
+
+Either way: :func:`check_request` refuses a bad request before anything is spawned, with one line
+that says what to change; :func:`prepare_run_dir` writes ``RUN_DIR/config.json`` (RUN_DIR =
+``config.out_dir``); then ``python -m course_lib.gpt.train --config-file RUN_DIR/config.json``
+runs on every rank under torchrun through :func:`course_lib.launch.api.launch` (its process
+handling, logs in ``RUN_DIR/logs``, failure diagnosis). One process can also train right here,
+after the same checks: :func:`train_in_process`.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
+import psutil
+
+from course_lib.analysis.memory import ModelShape, breakdown
+from course_lib.gpt import checkpoint as ckpt_io
+from course_lib.gpt import data
+from course_lib.gpt.config import TrainConfig
+from course_lib.gpt.train import train
+from course_lib.hardware import detect, pick_dtype
 from course_lib.launch import checks
 from course_lib.launch.api import LaunchResult, launch
+from course_lib.launch.checks import LaunchConfigError
 from course_lib.launch.monitor import MetricsProgress
+from course_lib.utils import atomic_write_bytes
 
 TRAIN_MODULE = "course_lib.gpt.train"
+RUN_FILES = ("last.pt", "best.pt", "metrics.csv", "summary.json", "run.json", "config.json")
+DISPLAYS = ("notebook", "terminal")
+
+
+@dataclass(frozen=True)
+class TrainRequest:
+    """A training run as asked for: the config (``nproc`` resolved), nodes, device and overwrite."""
+    config: TrainConfig
+    nnodes: int
+    device: str  # 'cpu' or 'cuda'
+    overwrite: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.config.nproc * self.nnodes
+
+    @property
+    def strategy(self) -> str:
+        return self.config.resolved_strategy(self.world_size)
+
+
+# --- the checks, in order; each raises a one-line error (LaunchConfigError is a ConfigError). A new
+# kind of parallelism adds its own function to CHECKS.
+
+def check_strategy(req: TrainRequest) -> None:
+    checks.check_strategy(req.strategy)
+    if req.strategy == "single" and req.world_size > 1:
+        raise LaunchConfigError(f"strategy 'single' runs one process but {req.world_size} ranks were asked for; "
+                                "use strategy 'auto' or 'ddp', or nproc=1")
+
+
+def check_dtype(req: TrainRequest) -> None:
+    try:
+        pick_dtype(detect(req.device), req.config.dtype)
+    except ValueError as e:
+        raise LaunchConfigError(f"dtype: {e}") from None
+
+
+def check_data(req: TrainRequest) -> None:
+    """The dataset is prepared (else DataError: how to prepare it) and longer than one block."""
+    cfg = req.config
+    data.load_meta(cfg.data_dir or None, cfg.dataset)
+    if data.load_tokens(cfg.data_dir or None, cfg.dataset, "val").numel() <= cfg.block_size + 1:
+        raise LaunchConfigError(f"block_size {cfg.block_size} is longer than the {cfg.dataset} val split")
+
+
+def check_memory(req: TrainRequest) -> None:
+    """The model fits: estimated bytes per rank vs the GPU's memory, or this host's RAM / ranks."""
+    profile = detect(req.device)
+    dtype = pick_dtype(profile, req.config.dtype)
+    need = estimate_bytes(req.config, req.world_size, dtype)
+    if req.device == "cuda":
+        have, where = profile.memory_bytes, f"the GPU ({profile.name})"
+    else:
+        have = psutil.virtual_memory().total / req.config.nproc
+        where = f"this machine's RAM / {req.config.nproc} ranks"
+    if need > have:
+        raise LaunchConfigError(
+            f"this config needs about {need / 1e9:.2f} GB per rank (course_lib.analysis.memory estimate, "
+            f"{dtype}) but {where} has {have / 1e9:.2f} GB; lower batch_size or block_size, "
+            "use a ZeRO strategy or more ranks, or a smaller model")
+
+
+def check_out_dir(req: TrainRequest) -> None:
+    """A resume matches its checkpoint (fields, ranks); a new run does not overwrite one unasked."""
+    cfg, last = req.config, Path(req.config.out_dir) / ckpt_io.LAST
+    if cfg.init_from == "resume":
+        ckpt_io.check_resume(ckpt_io.load_checkpoint(last, mmap=True), cfg, last, req.world_size)
+    elif last.exists() and not req.overwrite:
+        raise LaunchConfigError(f"{cfg.out_dir} already holds a run (last.pt); pass --resume to continue it, "
+                                "--overwrite to start it again, or choose another --out_dir")
+
+
+def check_allocation(req: TrainRequest) -> None:
+    """Inside a SLURM/PBS job: the nodes and GPUs it was given."""
+    checks.check_scheduler(req.nnodes, req.config.nproc, req.device)
+
+
+CHECKS: list[Callable[[TrainRequest], None]] = [check_allocation, check_strategy, check_dtype, check_memory,
+                                                 check_data, check_out_dir]
+
+
+def check_request(config: TrainConfig, *, nproc=None, nnodes: int = 1, overwrite: bool = False) -> TrainRequest:
+    """Every check of a training request, before anything is spawned or written.
+
+    The config validated its own fields; here: device and ranks vs GPUs, nodes, then CHECKS.
+    Errors: LaunchConfigError (a ConfigError), DataError, CheckpointError, each one line.
+    ``nproc``: None = ``config.nproc``; an int, or "auto" (one rank per GPU, else 2 CPU ranks).
+    """
+    if not isinstance(config, TrainConfig):
+        raise LaunchConfigError(f"expected a TrainConfig (course_lib.gpt.config.make_config), got {type(config).__name__}")
+    device = checks.resolve_device(config.device.split(":")[0])
+    nproc = checks.resolve_nproc(config.nproc if nproc is None else nproc, device)
+    req = TrainRequest(config.replace(nproc=nproc), checks.check_nnodes(nnodes), device, overwrite)
+    for check in CHECKS:
+        check(req)
+    return req
+
+
+def prepare_run_dir(req: TrainRequest) -> Path:
+    """Clear an overwritten run, write RUN_DIR/config.json; returns its path."""
+    cfg, out = req.config, Path(req.config.out_dir)
+    if cfg.init_from == "scratch" and req.overwrite:
+        for name in RUN_FILES:
+            (out / name).unlink(missing_ok=True)
+    path = out / "config.json"
+    atomic_write_bytes(path, cfg.to_json().encode())
+    return path.resolve()
+
+
+def prepare_run(config: TrainConfig, *, nproc=None, nnodes: int = 1, overwrite: bool = False) -> TrainRequest:
+    """check_request, then prepare_run_dir: what comes before the workers (or an in-process train)."""
+    req = check_request(config, nproc=nproc, nnodes=nnodes, overwrite=overwrite)
+    prepare_run_dir(req)
+    return req
+
+
+def train_in_process(config: TrainConfig, *, overwrite: bool = False, progress: bool = True) -> dict:
+    """The same checks and run directory, then one process training right here (a notebook's
+    kernel, a test): :func:`course_lib.gpt.train.train`. Returns its summary."""
+    req = prepare_run(config, overwrite=overwrite)
+    if req.world_size > 1 or req.strategy != "single":
+        raise LaunchConfigError(f"{req.world_size} rank(s) with strategy {req.strategy} need workers: "
+                                "use launch_training (or course train)")
+    return train(req.config, progress=progress)
+
+
+def run_training(config: TrainConfig, *, display: str = "notebook", nproc=None, nnodes: int = 1,
+                 overwrite: bool = False, progress: bool = True, timeout: float | None = None,
+                 show_ranks=(0,), env=None, check: bool = False, **launch_kwargs) -> LaunchResult:
+    """Check, prepare the run directory, and train on ``nproc`` ranks per node under torchrun.
+
+    display: "notebook" (rank-prefixed output, a bar following metrics.csv) or "terminal" (rank
+    0's raw output with the trainer's own bar). ``timeout`` is a wall-clock limit; the collective
+    timeout is ``config.timeout_s``. Other keyword arguments go to :func:`launch`.
+    """
+    if display not in DISPLAYS:
+        raise LaunchConfigError(f"display must be one of {', '.join(DISPLAYS)}, got {display!r}")
+    checks.check_timeout("timeout", timeout)  # the rest of launch()'s own checks need no run directory
+    req = prepare_run(config, nproc=nproc, nnodes=nnodes, overwrite=overwrite)
+    cfg, config_file = req.config, Path(req.config.out_dir).resolve() / "config.json"
+    env = dict(env or {})
+    if cfg.threads:
+        env.setdefault("OMP_NUM_THREADS", str(cfg.threads))
+    args = ["--config-file", str(config_file)]
+    bar = None
+    if display == "terminal":
+        args += [] if progress else ["--no-progress"]
+    else:  # the workers draw no bar: the launcher's follows metrics.csv (iterations 0..max_iters)
+        args.append("--no-progress")
+        if progress:
+            err = launch_kwargs.get("err")
+            bar = lambda rd: MetricsProgress(str(rd / "metrics.csv"), cfg.max_iters + 1, desc=cfg.name, file=err)
+    return launch(TRAIN_MODULE, args, module=True, nproc=cfg.nproc, nnodes=req.nnodes, device=req.device,
+                  timeout=timeout, collective_timeout=cfg.timeout_s, env=env, run_dir=config_file.parent,
+                  show_ranks=show_ranks, progress=bar, output="raw" if display == "terminal" else "ranks",
+                  check=check, **launch_kwargs)
+
+
+def launch_training(config: TrainConfig, *, nproc=None, nnodes: int = 1, timeout: float | None = None,
+                    progress: bool = True, show_ranks=(0,), env=None, check: bool = False,
+                    overwrite: bool = True, **launch_kwargs) -> LaunchResult:
+    """Train ``config`` on ``nproc`` ranks per node from Python or a notebook (None = ``config.nproc``).
+
+    :func:`run_training` with the notebook display; ``overwrite`` (default, so a re-run cell
+    starts afresh) clears a finished run in ``out_dir``, False refuses it. Returns a LaunchResult
+    whose ``metrics`` is RUN_DIR/metrics.csv as a DataFrame.
+    """
+    return run_training(config, display="notebook", nproc=nproc, nnodes=nnodes, overwrite=overwrite,
+                        progress=progress, timeout=timeout, show_ranks=show_ranks, env=env, check=check,
+                        **launch_kwargs)
 
 
 def _zero_stage(strategy: str) -> int:
@@ -30,92 +221,17 @@ def _zero_stage(strategy: str) -> int:
             "fsdp_full": 3}.get(strategy, 0)
 
 
-def _vocab_size(config) -> int:
+def _vocab_size(config: TrainConfig) -> int:
     """The model's vocabulary: from the prepared dataset, else 65 characters / 50304 GPT-2 tokens."""
-    from course_lib.gpt import data
-
     try:
         return data.model_vocab_size(data.load_meta(config.data_dir or None, config.dataset))
-    except Exception:  # noqa: BLE001 - not prepared yet: the trainer will say so
+    except data.DataError:  # not prepared: check_data says so
         return 65 if config.dataset.endswith("_char") else 50304
 
 
-def estimate_bytes(config, world_size: int, dtype: str) -> float:
+def estimate_bytes(config: TrainConfig, world_size: int, dtype: str) -> float:
     """Per-device training memory of ``config``: ZeRO model states + Korthikanti activations."""
-    from course_lib.analysis.memory import ModelShape, breakdown
-
     shape = ModelShape("config", config.n_layer, config.n_head, config.n_embd, config.block_size,
                        _vocab_size(config), config.batch_size, bias=config.bias, dropout=config.dropout)
-    mem_dtype = "fp32" if dtype == "float32" else "mixed"
     return breakdown(preset=shape, dp=world_size, stage=_zero_stage(config.resolved_strategy(world_size)),
-                     dtype=mem_dtype).total
-
-
-def check_training(config, nproc_per_node: int, nnodes: int, device: str) -> float:
-    """Strategy known and memory sufficient, else LaunchConfigError; returns the estimate."""
-    import psutil
-
-    from course_lib.hardware import detect, pick_dtype
-
-    world = nproc_per_node * nnodes
-    try:
-        strategy = config.resolved_strategy(world)
-    except Exception as e:  # noqa: BLE001 - the config's own check, reported as a launch error
-        raise checks.LaunchConfigError(str(e)) from None
-    checks.check_strategy(strategy)
-    if strategy == "single" and world > 1:
-        raise checks.LaunchConfigError(f"strategy 'single' runs one process but {world} ranks were "
-                                       "asked for; use strategy='auto' or 'ddp', or nproc=1")
-    profile = detect("cuda" if device == "cuda" else "cpu")
-    dtype = pick_dtype(profile, config.dtype)
-    need = estimate_bytes(config, world, dtype)
-    if device == "cuda":
-        have, where = profile.memory_bytes, f"the GPU ({profile.name})"
-    else:
-        have, where = psutil.virtual_memory().total / nproc_per_node, f"this machine's RAM / {nproc_per_node} ranks"
-    if need > have:
-        raise checks.LaunchConfigError(
-            f"this config needs about {need / 1e9:.2f} GB per rank (course_lib.analysis.memory estimate, "
-            f"{dtype}) but {where} has {have / 1e9:.2f} GB; lower batch_size or block_size, "
-            "use a ZeRO strategy or more ranks, or a smaller model")
-    return need
-
-
-def launch_training(config, *, nproc=None, nnodes: int = 1, timeout: float | None = None,
-                    progress: bool = True, show_ranks=(0,), env=None, check: bool = False,
-                    overwrite: bool = True, **launch_kwargs) -> LaunchResult:
-    """Train ``config`` (a course_lib.gpt.config.TrainConfig) on ``nproc`` ranks per node.
-
-    nproc: None = ``config.nproc``; an int, or "auto" (one rank per GPU, else 2 CPU ranks).
-    The collective timeout is ``config.timeout_s``; ``timeout`` is a wall-clock limit.
-    The trainer's own checks run first (``course_lib.launch.train_cli.prepare_run_dir``: data
-    prepared, dtype, resume compatible); ``overwrite`` (default, so a re-run notebook cell starts
-    afresh) clears a finished run in ``out_dir``, False refuses it. Returns a LaunchResult whose ``metrics`` is RUN_DIR/metrics.csv as a DataFrame.
-    """
-    device = config.device.split(":")[0]
-    device = checks.resolve_device(device)
-    nproc = checks.resolve_nproc(config.nproc if nproc is None else nproc, device)
-    nnodes = checks.check_nnodes(nnodes)
-    check_training(config, nproc, nnodes, device)
-    if dataclasses.is_dataclass(config) and hasattr(config, "replace"):
-        config = config.replace(nproc=nproc)
-    from course_lib.gpt.config import ConfigError
-    from course_lib.launch.train_cli import prepare_run_dir
-
-    try:
-        config_file = prepare_run_dir(config, overwrite=overwrite).resolve()
-    except ConfigError as e:
-        raise checks.LaunchConfigError(str(e)) from None
-    run_dir = config_file.parent
-    env = dict(env or {})
-    if getattr(config, "threads", 0):
-        env.setdefault("OMP_NUM_THREADS", str(config.threads))
-    total = config.max_iters + 1  # iterations 0..max_iters, as nanoGPT counts them
-    err = launch_kwargs.get("err")
-    bar = (lambda rd: MetricsProgress(str(rd / "metrics.csv"), total, desc=config.name, file=err)) \
-        if progress else None
-    # the workers draw no bar of their own: the launcher's follows metrics.csv
-    return launch(TRAIN_MODULE, ["--config-file", str(config_file), "--no-progress"], module=True, nproc=nproc,
-                  nnodes=nnodes, device=device, timeout=timeout, collective_timeout=config.timeout_s,
-                  env=env, run_dir=run_dir, show_ranks=show_ranks, progress=bar, check=check,
-                  **launch_kwargs)
+                     dtype="fp32" if dtype == "float32" else "mixed").total

@@ -206,23 +206,23 @@ def train_live(cfg, *, overwrite: bool = False, interval_s: float = 1.0, plot: L
                progress: bool = True, **launch_kwargs) -> dict:
     """Train ``cfg`` (a course_lib.gpt.config.TrainConfig) with a live loss plot; returns its summary.
 
-    One process (``cfg.nproc == 1`` and a non-distributed strategy) trains right here, through
-    :func:`course_lib.launch.train_cli.run`; otherwise the ranks are launched with
-    :func:`course_lib.launch.launch_training` (extra keyword arguments go to it). The run
-    directory is checked and prepared first either way (``overwrite`` restarts a run that is
-    there; ``cfg.init_from == "resume"`` continues it, and the plot shows its earlier rows too).
+    The request is checked and the run directory prepared first
+    (:func:`course_lib.launch.training.prepare_run`: ``overwrite`` restarts a run that is there;
+    ``cfg.init_from == "resume"`` continues it, and the plot shows its earlier rows too). One
+    process (``cfg.nproc == 1``, strategy single) then trains right here
+    (:func:`course_lib.launch.training.train_in_process`); more are launched with
+    :func:`course_lib.launch.launch_training` (extra keyword arguments go to it).
     """
-    from IPython.display import display
+    from IPython.display import display  # why: IPython only where a plot is shown
 
-    from course_lib.launch import train_cli as train_launch
+    # why: the trainer and the launcher import torch; the plot alone needs neither
+    from course_lib.launch.training import launch_training, prepare_run, train_in_process
 
-    train_launch.prepare_run_dir(cfg, overwrite)  # clear errors before anything is shown or started
+    req = prepare_run(cfg, overwrite=overwrite)  # clear errors before anything is shown or started
     if plot is None:
         plot = LiveLossPlot(Path(cfg.out_dir) / "metrics.csv", cfg.max_iters, cfg.name, interval_s=interval_s)
         display(plot)
-    if not train_launch.needs_launch(cfg):
-        return plot.follow(train_launch.run, cfg, overwrite=True, progress=progress)  # checked above
-    from course_lib.launch import launch_training
-
-    plot.follow(launch_training, cfg, progress=progress, check=True, **launch_kwargs)
+    if req.world_size == 1 and req.strategy == "single":
+        return plot.follow(train_in_process, req.config, overwrite=True, progress=progress)  # checked above
+    plot.follow(launch_training, req.config, progress=progress, check=True, **launch_kwargs)
     return json.loads((Path(cfg.out_dir) / "summary.json").read_text())

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from course_lib.gpt.model import make_adamw
+
 
 class ToyMLP(nn.Module):
     def __init__(self, d_in: int = 12, width: int = 37, n_classes: int = 5, n_layers: int = 3):
@@ -36,9 +38,6 @@ def toy_batch(n: int, seed: int, d_in: int = 12, n_classes: int = 5):
 
 
 def adamw(model: nn.Module, lr: float = 3e-3, weight_decay: float = 0.1) -> torch.optim.AdamW:
-    """AdamW with a decayed group (matrices) and a non-decayed one (biases, norms), like
-    GPT.configure_optimizers: the shape of optimizer every strategy must handle."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), foreach=True)
+    """The trainer's AdamW (a decayed group of matrices, a non-decayed one of biases): the shape
+    of optimizer every strategy must handle."""
+    return make_adamw(model, lr, weight_decay, betas=(0.9, 0.95))

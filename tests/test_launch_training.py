@@ -1,0 +1,142 @@
+"""One training path: every bad request is refused by check_request in one line before anything
+is spawned or written (through launch_training and through ``course train`` alike), and a new
+kind of check plugs into CHECKS. The runs themselves (course train vs launch_training on real
+gloo workers) are in tests/test_train_distributed.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from course_lib.gpt import checkpoint as ckpt_io
+from course_lib.gpt.config import ConfigError, make_config
+from course_lib.gpt.data import DataError, prepare
+from course_lib.hardware import gpu_count
+from course_lib.launch import launch_training, training
+from course_lib.launch.train_cli import cli
+
+TINY = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32, "batch_size": 4, "max_iters": 4,
+        "lr_decay_iters": 4, "warmup_iters": 1, "eval_interval": 2, "eval_iters": 1, "device": "cpu", "threads": 1}
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory):
+    """A dataset of 3,000 characters: its val split holds 300 tokens."""
+    root = tmp_path_factory.mktemp("small")
+    text = root / "small.txt"
+    text.write_text(("To be, or not to be, that is the question.\n" * 70)[:3000])
+    prepare("shakespeare_char", root / "data", source=text, quiet=True)
+    return root / "data"
+
+
+def tiny(data_dir, out_dir, **kw):
+    return make_config("shakespeare_char_cpu", {**TINY, "data_dir": str(data_dir), "out_dir": str(out_dir), **kw})
+
+
+def fake_run(out_dir, cfg, world_size: int = 1) -> None:
+    """A last.pt with what check_request reads (config, iteration, ranks): no training needed."""
+    out_dir.mkdir(parents=True)
+    ckpt_io.save_checkpoint(out_dir / ckpt_io.LAST, {"format": ckpt_io.FORMAT_VERSION, "config": cfg.to_dict(),
+                                                     "iter_num": 2, "world_size": world_size})
+
+
+def refused(cfg, error, match, **kw) -> str:
+    """launch_training refuses ``cfg`` with one line, spawning nothing and writing nothing."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    files = sorted(p.name for p in Path(cfg.out_dir).glob("*"))
+    with pytest.raises(error, match=match) as e:
+        launch_training(cfg, overwrite=False, **kw)
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before, "a refused run started processes"
+    assert sorted(p.name for p in Path(cfg.out_dir).glob("*")) == files, "it wrote files"
+    assert "\n" not in str(e.value), f"not one line: {e.value}"
+    return str(e.value)
+
+
+def test_data_and_block_size(small_data, tmp_path):
+    refused(tiny(tmp_path / "nothing", tmp_path / "a"), DataError,
+            f"not prepared .*run: course data prepare shakespeare_char --data-dir {tmp_path / 'nothing'}")
+    refused(tiny(small_data, tmp_path / "b", block_size=512), ConfigError,
+            "block_size 512 is longer than the shakespeare_char val split")
+
+
+def test_device_ranks_dtype_strategy_memory(small_data, tmp_path):
+    cfg = tiny(small_data, tmp_path / "run")
+    refused(cfg.replace(device="cuda"), ConfigError, r"no GPU|GPU\(s\)", nproc=gpu_count() + 1)
+    refused(cfg.replace(dtype="float16"), ConfigError, "dtype: float16 autocast is not supported .* on CPU")
+    refused(cfg.replace(strategy="single"), ConfigError, "strategy 'single' runs one process but 2 ranks", nnodes=2)
+    refused(cfg.replace(strategy="single"), ConfigError, "strategy 'single' runs one process but nproc=2", nproc=2)
+    refused(cfg.replace(nproc=2), ConfigError, "nproc must be a whole number", nproc="two")
+    refused(cfg.replace(n_layer=48, n_head=25, n_embd=1600, block_size=256, batch_size=512), ConfigError,
+            r"GB per rank \(course_lib.analysis.memory estimate.*lower batch_size")
+
+
+def test_resume_and_a_run_already_there(small_data, tmp_path):
+    cfg = tiny(small_data, tmp_path / "run")
+    refused(cfg.replace(init_from="resume"), ckpt_io.CheckpointError, "no checkpoint at")
+    fake_run(tmp_path / "run", cfg)
+    refused(cfg, ConfigError, "already holds a run .*--resume.*--overwrite")
+    resume = cfg.replace(init_from="resume")
+    msg = refused(resume.replace(n_layer=2, learning_rate=1e-2), ConfigError, "cannot resume")
+    assert "n_layer: checkpoint has 1, now 2" in msg and "--n_layer=1 --learning_rate=0.001" in msg
+    refused(resume.replace(nproc=2), ConfigError, "nproc: checkpoint has 1, now 2")
+    refused(resume, ckpt_io.CheckpointError, "written by 1 ranks, this run has 2; resume with --nproc=1", nnodes=2)
+    refused(resume.replace(max_iters=1), ConfigError, "at iteration 2, past max_iters=1")
+    req = training.check_request(resume)  # and the same request, right, passes every check
+    assert (req.world_size, req.strategy, req.device) == (1, "single", "cpu")
+
+
+def test_course_train_reports_the_same_errors_in_one_line(small_data, tmp_path, capsys):
+    args = [f"--{k}={v}" for k, v in TINY.items()] + [f"--data_dir={small_data}", f"--out_dir={tmp_path / 'run'}"]
+    assert cli([*args, "--block_size=512", "--nproc=2"]) == 2
+    assert capsys.readouterr().err == ("course train: error: block_size 512 is longer than the shakespeare_char "
+                                       "val split\n")
+    assert cli(["--config=shakespeare_char_cpu", *args, "--resume"]) == 1  # CheckpointError: nothing to resume
+    err = capsys.readouterr().err
+    assert err.startswith("course train: error: no checkpoint at") and err.count("\n") == 1
+    assert cli([*args, "--dtype=float16"]) == 2
+    assert "dtype: float16 autocast" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_new_check_plugs_in(small_data, tmp_path, monkeypatch):
+    """What a tensor-parallel helper does: append a function of the request to CHECKS."""
+    def check_even_ranks(req):
+        if req.world_size % 2:
+            raise training.LaunchConfigError(f"{req.world_size} ranks: this layout needs an even number")
+
+    monkeypatch.setattr(training, "CHECKS", [*training.CHECKS, check_even_ranks])
+    refused(tiny(small_data, tmp_path / "run", nproc=3), ConfigError, "3 ranks: this layout needs an even number")
+    assert training.check_request(tiny(small_data, tmp_path / "run", nproc=2)).world_size == 2
+
+
+def test_the_worker_imports_no_launch_code():
+    """python -m course_lib.gpt.train starts without the host side (and no import cycle through it)."""
+    code = ("import sys, course_lib.gpt.train; "
+            "print(sorted(m for m in sys.modules if m.startswith('course_lib.launch')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert proc.stdout.strip() == "[]"
+
+
+def test_terminal_display_relays_rank_0_byte_for_byte(tmp_path):
+    """course train's display: rank 0's output as written (a redrawn bar, a character split
+    between two reads), other ranks' stderr still prefixed; the notebook's prefixes every line."""
+    import io
+
+    from course_lib.launch.monitor import OutputStreamer
+
+    bar = "\rrun:  50%|█    | 1/2\rrun: 100%|██| 2/2\n".encode()
+    (tmp_path / "rank0.out").write_bytes(b"header\n" + bar[:12])  # cut inside a multi-byte character
+    (tmp_path / "rank1.err").write_bytes(b"warning from rank 1\n")
+    raw, ranks = (OutputStreamer(str(tmp_path), (0,), io.StringIO(), io.StringIO(), raw=r) for r in (True, False))
+    raw.poll()
+    with open(tmp_path / "rank0.out", "ab") as f:
+        f.write(bar[12:])
+    raw.poll()
+    ranks.poll(final=True)
+    assert raw.out.getvalue() == "header\n" + bar.decode()
+    assert raw.err.getvalue() == ranks.err.getvalue() == "[rank1] warning from rank 1\n"
+    assert ranks.out.getvalue() == "[rank0] header\n[rank0] run: 100%|██| 2/2\n"  # what a terminal kept
