@@ -57,6 +57,11 @@ def tensors_in(obj) -> list[torch.Tensor]:
     return []
 
 
+def cast_floating(x, dtype: torch.dtype):
+    """A floating-point tensor in ``dtype`` (a module input under mixed precision); else ``x``."""
+    return x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x
+
+
 class Unit:
     """A module whose own sharded parameters are gathered and freed together."""
 

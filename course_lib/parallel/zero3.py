@@ -5,10 +5,9 @@
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)       # over this rank's fp32 shards
     model(x, y)[1].backward(); model.finish_gradient_synchronization(); opt.step()
 
-Mirrors PyTorch's ``FullyShardedDataParallel`` (FSDP1 with ``use_orig_params=True``: the
-parameters keep their names) and FSDP2's ``fully_shard`` with a ``MixedPrecisionPolicy``:
-``named_parameters()`` are the local fp32 shards (what the optimizer steps),
-``summon_full_params()`` gathers the whole model for a while, ``state_dict()`` is the full one.
+Mirrors PyTorch's ``FullyShardedDataParallel`` (FSDP1, ``use_orig_params=True``) and FSDP2's
+``fully_shard`` with a ``MixedPrecisionPolicy``: ``named_parameters()`` are the local fp32 shards
+under the module's names, ``summon_full_params()`` gathers the model, ``state_dict()`` is full.
 
 Between steps a rank holds 1/N of every parameter, gradient and optimizer state: (4 + 4 + 8) Psi
 / N bytes for Adam in fp32. The model is cut into units (:mod:`course_lib.parallel.units`):
@@ -20,10 +19,9 @@ Between steps a rank holds 1/N of every parameter, gradient and optimizer state:
 
 so communication overlaps computation, and at most 1 + ``prefetch`` units are whole at a time
 (plus the root, gathered once for forward and backward as in FSDP). The order of units is recorded
-during the first forward (as FSDP2 does); backward prefetches in the reverse order. At most
-``max_in_flight`` reduce-scatters wait; the oldest is then completed and its full-gradient buffer
-freed, which bounds gradient memory during backward. Per step each rank moves 3 Psi - Psi_root
-(paper Sec. 7.2.2).
+in the first forward (as FSDP2 does), reversed for backward. Beyond ``max_in_flight``
+reduce-scatters the oldest is completed and its gradient buffer freed. Per step each rank moves
+3 Psi - Psi_root (paper Sec. 7.2.2).
 
 Mixed precision: master shards are fp32; with ``compute_dtype`` (bf16/fp16) the shards are cast
 and all-gathered in that dtype (half the bytes) and forward/backward run in it; gradients are
@@ -34,11 +32,9 @@ the optimizer steps the fp32 shards. FSDP2's MixedPrecisionPolicy(param_dtype, r
 whole on every rank, their gradients all-reduced after backward: a few more bytes per rank, no
 gather per use. Frozen parameters are always kept whole (in ``compute_dtype``) and never stepped.
 
-How a parameter is freed: it keeps its shape but its storage is resized to zero bytes; gathering
-resizes it back and copies the values in. Autograd saved the parameter tensor (same storage), so
-the re-gathered values are what backward reads. Gradient accumulation: every backward
-reduce-scatters and the shards accumulate (no full gradients are kept between micro-batches).
-Units must run on every rank alike (the gathers are collectives): no rank-dependent branches.
+A freed parameter keeps its shape, its storage resized to 0 bytes (autograd saved the tensor, so
+backward reads the re-gathered values). Accumulation: every backward reduce-scatters and the
+shards add up. Units must run alike on every rank (gathers are collectives).
 """
 
 from __future__ import annotations
@@ -62,7 +58,7 @@ from course_lib.parallel.sharding import (
     split_trainable,
 )
 from course_lib.parallel.strategy import CommsStrategy
-from course_lib.parallel.units import Unit, default_units, owners, tensors_in
+from course_lib.parallel.units import Unit, cast_floating, default_units, owners, tensors_in
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -131,8 +127,8 @@ class FullyShardedDataParallel(nn.Module):
             for p in self.copies:  # refresh 16-bit copies of replicated masters (after a step)
                 p.copy_(self.masters[p])
         if self.compute_dtype is not None:  # floating inputs in compute dtype (FSDP2's cast_forward_inputs)
-            args = tuple(_cast(a, self.compute_dtype) for a in args)
-            kwargs = {k: _cast(v, self.compute_dtype) for k, v in kwargs.items()}
+            args = tuple(cast_floating(a, self.compute_dtype) for a in args)
+            kwargs = {k: cast_floating(v, self.compute_dtype) for k, v in kwargs.items()}
         if self.root is not None:
             self.root.wait_gather(self.comms)
         for unit in (self.order or [])[: self.prefetch]:
@@ -261,10 +257,6 @@ class FullyShardedDataParallel(nn.Module):
             self.masters[p].copy_(value if layout is None else layout.owned(i, value))
             if any(p is c for c in self.copies):
                 p.copy_(value)
-
-
-def _cast(x, dtype: torch.dtype):
-    return x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x
 
 
 class Zero3(CommsStrategy):
