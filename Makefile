@@ -66,6 +66,8 @@ images-check: $(STAMP)
 notebooks-clear: $(STAMP)
 	$(VPY) tools/notebooks.py clear
 
+# Student releases into exercises/ (commit them) and autograder releases into build/exercises/
+# (gitignored: solutions and hidden tests), from the private instructor/ sources.
 exercises: $(STAMP)
 	$(VENV)/bin/course exercises build
 

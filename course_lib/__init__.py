@@ -1,6 +1,19 @@
 """course_lib: the library behind the distributed-training course.
 
-Importing this package has no side effects. ``%load_ext course_lib`` registers the
+    gpt          the model, its data and config, and the training loop one process runs
+    parallel     the Strategy interface and the strategies (DDP, ZeRO, FSDP), TP, PP, collectives
+    launch       starting ranks: launch, launch_training, the notebook magics, clusters
+    analysis     closed-form models: communication cost, memory, scaling laws, strategy guide
+    experiments  the measured experiments behind the notebooks
+    notebook     what the notebooks display: smoke mode, plots, widgets, diagrams
+    pram         the PRAM simulator of notebook 6
+    exercises    building and grading the exercises
+    cli          ``course``: dispatches to the command each package implements
+    hardware     hardware profiles, peak FLOP/s, ``course info``
+    utils        free ports, atomic writes, where the repository and its data are
+
+ARCHITECTURE.md (top of the repository) shows how they depend on each other. Importing this
+package has no side effects. ``%load_ext course_lib`` registers the
 ``%%torchrun`` and ``%%mpirun`` cell magics (see :mod:`course_lib.launch`).
 """
 
@@ -15,6 +28,6 @@ GITHUB_BRANCH = "main"
 
 
 def load_ipython_extension(ipython):  # pragma: no cover - exercised through a real kernel
-    from course_lib.launch.magics import register
+    from course_lib.launch.magics import register  # IPython and the launcher only on %load_ext
 
     register(ipython)

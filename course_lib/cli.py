@@ -18,11 +18,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sample": ("course_lib.gpt.sample:cli", "generate text from a run directory's checkpoint"),
     "info": ("course_lib.hardware:cli", "show the detected hardware and what it implies"),
     "submit": ("course_lib.launch.cluster:cli", "write (and submit) a SLURM or PBS batch script"),
-    "memory": ("course_lib.analysis.memory:cli", "per-device memory of DP and ZeRO stages 1-3"),
+    "memory": ("course_lib.analysis.memory_cli:cli", "per-device memory of DP and ZeRO stages 1-3"),
     "bench": ("course_lib.experiments.comm_bench:cli", "benchmarks: course bench comm"),
     "check-gpu": ("course_lib.experiments.gpu_check:cli", "check a CUDA GPU: recipe loss, fp16, NCCL, memory, MFU"),
     "pram": ("course_lib.pram.cli:cli", "run a classic algorithm on the PRAM simulator"),
-    "images": ("course_lib.notebook.diagrams:cli", "render Mermaid diagrams (images/diagrams/*.mmd)"),
+    "images": ("course_lib.notebook.diagrams_build:cli", "render Mermaid diagrams (images/diagrams/*.mmd)"),
     "exercises": ("course_lib.exercises:cli", "build student and autograder releases of the exercises"),
     "grade": ("course_lib.exercises:grade_cli", "grade a submitted exercise notebook locally"),
 }

@@ -17,6 +17,8 @@ import os
 import re
 from dataclasses import asdict, dataclass, field, replace
 
+import psutil
+
 TFLOP = 1e12
 GB = 1e9
 GiB = 2**30
@@ -80,8 +82,6 @@ def _match_gpu(device_name: str, total_memory: int) -> str | None:
 
 def cpu_profile(threads: int | None = None) -> HardwareProfile:
     """An estimated CPU profile: cores x 2.5 GHz x FLOP/cycle (32 with AVX2 FMA, 64 with AVX-512)."""
-    import psutil
-
     cores = threads or len(os.sched_getaffinity(0))
     flags = ""
     try:
@@ -96,7 +96,7 @@ def cpu_profile(threads: int | None = None) -> HardwareProfile:
 
 def detect(device: str | None = None) -> HardwareProfile:
     """Profile of the device this process would train on ("cuda" if available, else "cpu")."""
-    import torch
+    import torch  # here: the launching process imports this module without torch
 
     use_cuda = torch.cuda.is_available() if device is None else device.startswith("cuda")
     if not use_cuda:
@@ -120,7 +120,7 @@ def gpu_count() -> int:
     ``torch.cuda.device_count()`` asks NVML first, so it neither creates a CUDA context nor
     "poisons" a later fork (torch.multiprocessing docs, "Poison fork in multiprocessing").
     """
-    import torch
+    import torch  # here: the launching process imports this module without torch
 
     return torch.cuda.device_count()
 
@@ -166,7 +166,7 @@ def environment() -> str:
 
 def info() -> dict:
     """A summary of the machine for ``course info`` and notebook 1."""
-    import torch
+    import torch  # here: the launching process imports this module without torch
 
     profile = detect()
     n_gpu = torch.cuda.device_count()

@@ -1,5 +1,5 @@
 """Dataset preparation: published token counts, the offline GPT-2 tokenizer, idempotence, bad
-input, batch sharding across ranks, and the shipped data inside a built wheel.
+input, batch sharding across ranks. (The shipped data inside a built wheel: tests/test_colab_wheel.py.)
 
 Published counts for Tiny Shakespeare with a 90/10 split by characters: nanoGPT
 ``data/shakespeare_char/prepare.py`` (vocab 65; train 1,003,854 / val 111,540 tokens) and
@@ -8,21 +8,14 @@ Published counts for Tiny Shakespeare with a 90/10 split by characters: nanoGPT
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import shutil
-import subprocess
-import sys
-import zipfile
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from course_lib.gpt import data
-from course_lib.utils import repo_root, shipped_file
+from course_lib.utils import shipped_file
 
 
 @pytest.fixture(scope="module")
@@ -129,38 +122,3 @@ def test_eval_batches_split_evenly_over_ranks():
     assert sum(float(p[2].sum()) for p in parts) == 5 == float(w.sum())
     kept = torch.cat([p[0][p[2] > 0] for p in parts])
     assert torch.equal(kept, full)  # exactly the 1-rank batches, each once
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_built_wheel_ships_the_data(tmp_path):
-    """Build the wheel as pip would from a clone, install it elsewhere, find the data from there."""
-    root = repo_root()
-    assert root is not None, "run from a clone"
-    src = tmp_path / "src"
-    src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(root / name, src / name)
-    shutil.copytree(root / "data", src / "data", ignore=shutil.ignore_patterns("shakespeare*"))
-    shutil.copytree(root / "course_lib", src / "course_lib", symlinks=True,
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    assert (src / "course_lib" / "_data" / "gpt2.tiktoken").is_symlink()  # links, as in the repo
-    env = {**os.environ, "PIP_NO_INDEX": "1"}
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path / "dist"), str(src)], check=True, env=env, cwd=tmp_path)
-    wheel = next((tmp_path / "dist").glob("course_lib-*.whl"))
-    with zipfile.ZipFile(wheel) as z:
-        for name in ("tinyshakespeare.txt", "gpt2.tiktoken"):
-            content = z.read(f"course_lib/_data/{name}")  # real contents, not a link
-            assert content == (root / "data" / name).read_bytes()
-    target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target",
-                    str(target), str(wheel)], check=True, env=env, cwd=tmp_path)
-    # -S: no site-packages, so neither the editable install nor the clone can answer
-    probe = ("import hashlib, course_lib.utils as u; p = u.shipped_file('tinyshakespeare.txt'); "
-             "print(p); print(hashlib.sha256(p.read_bytes()).hexdigest()); print(u.repo_root())")
-    out = subprocess.run([sys.executable, "-S", "-c", probe], capture_output=True, text=True, check=True,
-                         cwd=tmp_path, env={"PYTHONPATH": str(target), "PATH": os.environ["PATH"]}).stdout.split()
-    assert Path(out[0]) == target / "course_lib" / "_data" / "tinyshakespeare.txt"
-    assert out[1] == data.TEXT_SHA256 == hashlib.sha256(shipped_file("tinyshakespeare.txt").read_bytes()).hexdigest()
-    assert out[2] == "None"  # it really ran as an installed package, not from a clone

@@ -1,24 +1,32 @@
-"""The graded exercises: dist/ is fresh, student releases leak nothing, and grading scores right.
+"""The graded exercises: releases are fresh and public, grading scores right and never hangs.
 
     python -m pytest tests/test_exercises.py -q
 
-Grading goes through otter-grader's own code path (``otter run`` without Docker) in two worker
-processes: every instructor solution must score full marks, every blank student release zero, a
-plausible wrong answer must lose exactly the points of the question it breaks, and an answer in
-which one rank never joins the collective must time out with a message. The gradings run with
-an audit hook (a ``sitecustomize`` on PYTHONPATH, inherited by otter, the kernels it starts and
-the ranks they fork) that refuses and records any connection to a non-loopback host and any
-attempt to start Docker.
+Sources live in instructor/ (solutions, hidden tests); student releases in exercises/ (committed);
+autograder releases are built here into a temporary folder, as `make exercises` builds them into
+build/ for an instructor. Grading goes through otter-grader's own code path (``otter run``
+without Docker), each submission in a worker process: every instructor solution must score full
+marks, every blank student release zero, a notebook with a typical mistake in each question must
+lose points in each (with a message that names the mistake), a submission that hard-codes the
+public answers at most a quarter, and a deadlocked, an endless and a tampering answer must each
+cost only their question, within the limits. The gradings run with an audit hook (a
+``sitecustomize`` on PYTHONPATH, inherited by otter, the kernels it starts and the ranks they
+fork) that refuses and records any connection to a non-loopback host and any attempt to start
+Docker. The Gradescope zip is unpacked into a fresh virtual environment (this environment's
+packages through a .pth file, plus the zip's own course_lib wheel) and run with otter's runner.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
+import runpy
 import shutil
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -28,41 +36,32 @@ import pytest
 from course_lib import exercises
 
 ROOT = Path(__file__).resolve().parents[1]
-EXERCISES = exercises.discover(ROOT / "exercises")
+EXERCISES = exercises.discover(ROOT / exercises.SOURCES)
 IDS = [e.name for e in EXERCISES]
 BY_NAME = {e.name: e for e in EXERCISES}
 
-# Seconds a multi-rank grading helper waits for the ranks. The course default is generous for
-# busy JupyterHub nodes; here it bounds how long the hanging answer keeps a worker busy.
-GRADING_TIMEOUT = "12"
+# Seconds a checked call (isolated check, multi-rank run) may take while grading here, and any
+# cell: short, so that the hanging answers below cost little time.
+GRADING_TIMEOUT = "10"
+CELL_TIMEOUT = "45"
 
-# (exercise, question it breaks, text in the solution notebook, wrong replacement, why plausible)
-WRONG_ANSWERS = [
-    ("01_collectives", "q1_ring_all_reduce",
-     ("        request = dist.isend(chunks[send_index].contiguous(), right)\n"
-      "        dist.recv(incoming, left)\n"
-      "        request.wait()\n"),
-     ("        dist.recv(incoming, left)  # every rank waits to receive before anyone sends\n"
-      "        dist.send(chunks[send_index].contiguous(), right)\n"),
-     "hang: blocking receive before send on every rank, a deadlock around the ring"),
-    ("02_data_parallel", "q1_average_gradients",
-     "            p.grad /= world_size\n", "",
-     "sums the gradients instead of averaging them"),
-    ("03_zero", "q1_memory",
-     "    grads = 2 * psi / (n_d if stage >= 2 else 1)\n",
-     "    grads = 2 * psi / (n_d if stage >= 3 else 1)\n",
-     "gradients partitioned only from stage 3"),
-    ("04_pram", "q1_erew_prefix_sum",
-     '            mem["A"][pid] = mem["A"][pid] + mem["B"][pid - d]\n',
-     '            mem["A"][pid] = mem["A"][pid] + mem["A"][pid - d]\n',
-     "reads A[i - d] directly (Hillis-Steele in place): a concurrent read, not EREW"),
-    ("05_nanogpt", "q3_resume",
-     '    torch.set_rng_state(state["rng"])\n', "",
-     "resumes without the RNG state: different batches and dropout masks"),
-]
-HANGING = "01_collectives"
+# A typical mistake in every question: (exercise, {question: (text in the solution, wrong
+# replacement, words the failure message must contain)}). 01 q1 deadlocks; 02 adds a cell that
+# replaces the grading helpers; 04 q1 loops forever.
+TAMPER = ("import course_lib.exercises.grading as _g\n"
+          "_g.assert_close = lambda *a, **k: None\n"
+          "_g.assert_number = lambda *a, **k: None\n"
+          "_g.isolated = lambda check, *a, **k: None\n")
+# Submissions built by patching the solutions: they quote solution lines, so they live with the
+# sources in instructor/ (MISTAKES: a typical mistake in every question; HARD_CODED: the public
+# answers hard-coded; HUNG: questions whose mistake never ends; TAMPERED: the exercise whose
+# mistaken notebook also gets the TAMPER cell).
+CASES = runpy.run_path(str(ROOT / exercises.SOURCES / "grading_cases.py"))
+MISTAKES, HARD_CODED, HUNG, TAMPERED = (CASES[k] for k in ("MISTAKES", "HARD_CODED", "HUNG", "TAMPERED"))
 CLI_GRADED = "04_pram"  # its solution is graded through the `course grade` console script
+CLI_NAME = "Jane Doe - ex4 (final).ipynb"  # any file name: the assignment is in the metadata
 STUDENT_RUN = "02_data_parallel"  # run as a student would, grader.check in every check cell
+GRADESCOPE = "04_pram"  # its zip is run by otter's runner in a fresh virtual environment
 
 EXECUTE = """
 import sys, nbformat
@@ -115,8 +114,25 @@ if _LOG:
 
 
 # --------------------------------------------------------------------------------------------
-# The releases on disk
+# The releases
 # --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Every exercise built from a copy of its source, as `make exercises` does: releases in
+    tmp/exercises, autograder releases in tmp/build/exercises (one course_lib wheel for all)."""
+    tmp = tmp_path_factory.mktemp("built")
+    for ex in EXERCISES:
+        (tmp / exercises.SOURCES / ex.name).mkdir(parents=True)
+        shutil.copy2(ex.source, tmp / exercises.SOURCES / ex.name / ex.source.name)
+    from course_lib.exercises.build import course_wheel
+
+    wheel = course_wheel(tmp / "wheel")
+    copies = exercises.discover(tmp / exercises.SOURCES)
+    for copy in copies:
+        exercises.build(copy, wheel=wheel)
+    return {ex.name: ex for ex in copies}
+
 
 def test_at_least_five_exercises_in_order():
     assert len(EXERCISES) >= 5
@@ -124,34 +140,32 @@ def test_at_least_five_exercises_in_order():
 
 
 @pytest.mark.parametrize("ex", EXERCISES, ids=IDS)
-def test_source_is_clean_and_dist_is_fresh(ex):
+def test_source_is_clean_and_release_is_fresh(ex):
     assert exercises.source_problems(ex) == []  # committed without outputs
     assert exercises.setup_cell_problems(ex) == []  # installs on Colab only, current repository
-    assert exercises.check(ex) == []  # dist/ was built from this source and not edited since
+    assert exercises.check(ex) == []  # the release was built from this source and not edited since
 
 
-@pytest.mark.timeout(180)
-def test_rebuild_reproduces_committed_dist(tmp_path):
-    """otter assign on copies of the sources gives dist/ byte for byte: the manifest is honest
-    and a rebuild after an edit shows as a clean diff."""
-    for ex in EXERCISES:
-        (tmp_path / ex.name).mkdir()
-        shutil.copy2(ex.source, tmp_path / ex.name / ex.source.name)
-    for copy in exercises.discover(tmp_path):
-        exercises.build(copy)
-        original = BY_NAME[copy.name]
-        built = sorted(p.relative_to(copy.dist) for p in copy.dist.rglob("*") if p.is_file())
-        committed = sorted(p.relative_to(original.dist) for p in original.dist.rglob("*") if p.is_file())
-        assert built == committed, f"{copy.name}: rebuilt files differ from the committed ones"
-        for rel in built:
-            assert (copy.dist / rel).read_bytes() == (original.dist / rel).read_bytes(), \
-                f"{copy.name}: dist/{rel} is stale; run `make exercises`"
+@pytest.mark.timeout(300)
+def test_rebuild_reproduces_committed_release(built):
+    """otter assign on copies of the sources gives the student releases byte for byte: the
+    manifest is honest and a rebuild after an edit shows as a clean diff."""
+    for name, copy in built.items():
+        original = BY_NAME[name]
+        rebuilt = sorted(p.relative_to(copy.release) for p in copy.release.rglob("*") if p.is_file())
+        committed = sorted(p.relative_to(original.release) for p in original.release.rglob("*")
+                           if p.is_file() and "__pycache__" not in p.parts)
+        assert rebuilt == committed, f"{name}: rebuilt files differ from the committed ones"
+        for rel in rebuilt:
+            assert (copy.release / rel).read_bytes() == (original.release / rel).read_bytes(), \
+                f"{name}: exercises/{name}/{rel} is stale; run `make exercises`"
 
 
-def test_check_reports_stale_and_hand_edited_dist(tmp_path):
+def test_check_reports_stale_and_hand_edited_release(tmp_path):
     src = EXERCISES[-1]
-    shutil.copytree(src.dir, tmp_path / src.name)
-    ex = exercises.discover(tmp_path)[0]
+    shutil.copytree(src.dir, tmp_path / exercises.SOURCES / src.name)
+    shutil.copytree(src.release, tmp_path / exercises.RELEASES / src.name)
+    ex = exercises.discover(tmp_path / exercises.SOURCES)[0]
     assert exercises.check(ex) == []
 
     student = ex.student_notebook
@@ -159,16 +173,16 @@ def test_check_reports_stale_and_hand_edited_dist(tmp_path):
     assert any("edited by hand" in m for m in exercises.check(ex))
     shutil.copy2(src.student_notebook, student)
 
-    (ex.dist / "student" / "notes.txt").write_text("extra")
+    (ex.release / "notes.txt").write_text("extra")
     assert any("not written by the build" in m for m in exercises.check(ex))
-    (ex.dist / "student" / "notes.txt").unlink()
+    (ex.release / "notes.txt").unlink()
 
     nb = nbformat.read(ex.source, as_version=4)
     nb.cells.append(nbformat.v4.new_markdown_cell("One more paragraph."))
     nbformat.write(nb, ex.source)
-    assert any("changed since dist/ was built" in m for m in exercises.check(ex))
+    assert any("changed since its release was built" in m for m in exercises.check(ex))
 
-    (ex.dist / exercises.MANIFEST).unlink()
+    (ex.release / exercises.MANIFEST).unlink()
     assert any("run `course exercises build" in m for m in exercises.check(ex))
 
 
@@ -204,7 +218,7 @@ def test_build_refuses_a_source_with_outputs(tmp_path):
     ex = exercises.discover(tmp_path)[0]
     with pytest.raises(ValueError, match="has outputs"):
         exercises.build(ex)
-    assert not ex.dist.exists()
+    assert not ex.release.exists() and not ex.build.exists()
 
 
 def _solution_lines(source: Path) -> set[str]:
@@ -274,9 +288,9 @@ def _hidden_test_cases(ex) -> list[tuple[str, list[str]]]:
 
 
 @pytest.mark.parametrize("ex", EXERCISES, ids=IDS)
-def test_student_release_has_no_solutions_and_no_hidden_tests(ex):
-    student_files = [p for p in (ex.dist / "student").rglob("*") if p.is_file()]
-    assert {p.relative_to(ex.dist / "student").parts[0] for p in student_files} == {ex.source.name, "tests"}
+def test_student_release_has_no_solutions_and_no_hidden_tests(ex, built):
+    student_files = [p for p in ex.release.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    assert {p.relative_to(ex.release).parts[0] for p in student_files} == {ex.source.name, "tests", exercises.MANIFEST}
     text = "\n".join(p.read_text(encoding="utf-8") for p in student_files)
     nb = nbformat.read(ex.student_notebook, as_version=4)
     sources = [c.source for c in nb.cells] + [p.read_text() for p in student_files if p.suffix == ".py"]
@@ -291,7 +305,7 @@ def test_student_release_has_no_solutions_and_no_hidden_tests(ex):
     leaked = sorted(solutions & lines)
     assert not leaked, f"{ex.name}: solution lines in the student release: {leaked[:3]}"
 
-    hidden = _hidden_test_cases(ex)
+    hidden = _hidden_test_cases(built[ex.name])
     assert hidden, f"{ex.name}: the autograder has no hidden tests"
     for func, own_lines in hidden:
         assert func not in text, f"{ex.name}: hidden test {func} is in the student release"
@@ -299,50 +313,161 @@ def test_student_release_has_no_solutions_and_no_hidden_tests(ex):
         assert not shown, f"{ex.name}: lines of hidden test {func} are in the student release: {shown[:2]}"
 
     # every question has its public tests next to the student notebook
-    questions = exercises.questions_in(ex.autograder_zip)
-    assert {p.stem for p in (ex.dist / "student" / "tests").glob("*.py")} == set(questions)
+    questions = exercises.questions_in(built[ex.name].autograder_zip)
+    assert {p.stem for p in ex.student_tests.glob("*.py")} == set(questions)
+
+
+def _git_files() -> list[Path]:
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True)
+    return [ROOT / name for name in out.stdout.decode().split("\0") if name]
+
+
+def test_no_solution_and_no_hidden_test_is_committed_outside_instructor(built):
+    """What the public course repository holds (everything but instructor/): no autograder
+    release, and no notebook, release file or test with a solution line or a hidden test. (The
+    library itself implements some of the same ideas, so its code is not compared line by line.)"""
+    public = [p for p in _git_files() if p.relative_to(ROOT).parts[0] != exercises.SOURCES]
+    names = {p.relative_to(ROOT).as_posix() for p in public}
+    assert not [n for n in names if n.endswith(exercises.ZIP_NAME) or n.startswith("build/")], \
+        "an autograder release is committed: it holds the solutions and hidden tests"
+    assert "build/" in ROOT.joinpath(".gitignore").read_text().split()
+    solutions = {ex.name: _solution_lines(ex.source) for ex in EXERCISES}
+    # lines any exercise shows students (a hidden test may share an idiom with another exercise)
+    shown_anywhere = set().union(*(_lines_outside_tests(ex.source) for ex in EXERCISES)) | {
+        ln for ex in built.values() for _, is_hidden, body in _test_cases(ex.autograder_zip) if not is_hidden for ln in body}
+    hidden = {ex.name: [(f, [ln for ln in own if len(ln) >= 40 and ln not in shown_anywhere
+                             and not ln.startswith(("import ", "from "))])
+                        for f, own in _hidden_test_cases(built[ex.name])] for ex in EXERCISES}
+    scanned = [p for p in public if p.is_file() and (p.suffix == ".ipynb" or p.relative_to(ROOT).parts[0]
+                                                     in (exercises.RELEASES, "tests"))]
+    assert any(p.name == "test_exercises.py" for p in scanned) and any(p.suffix == ".ipynb" for p in scanned)
+    for path in scanned:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if path.suffix == ".ipynb":  # the cells' lines, not the JSON's
+            text = "\n".join(c.source for c in nbformat.reads(text, as_version=4).cells)
+        lines = {ln.strip() for ln in text.splitlines()}
+        for name, solution in solutions.items():
+            leaked = sorted(solution & lines)
+            assert not leaked, f"{path.relative_to(ROOT)}: solution lines of {name}: {leaked[:2]}"
+            for func, own in hidden[name]:
+                assert f"def {func}(" not in text, f"{path.relative_to(ROOT)}: hidden test {func} of {name}"
+                shown = [ln for ln in own if ln in lines]
+                assert not shown, f"{path.relative_to(ROOT)}: lines of hidden test {func} of {name}: {shown[:2]}"
 
 
 @pytest.mark.parametrize("ex", EXERCISES, ids=IDS)
-def test_solution_notebook_keeps_solutions_and_zip_has_all_tests(ex):
-    nb = ex.solution_notebook.read_text(encoding="utf-8")
+def test_hidden_tests_carry_most_points(ex, built):
+    """Hard-coding what the public tests check can earn at most a quarter of an exercise."""
+    public = total = 0.0
+    with zipfile.ZipFile(built[ex.name].autograder_zip) as zf:
+        for name in zf.namelist():
+            if name.startswith("tests/") and name.endswith(".py"):
+                from otter.test_files import ExceptionTestFile
+
+                tf = ExceptionTestFile.from_string(zf.read(name).decode(), path=name)
+                public += sum(tc.points for tc in tf.test_cases if not tc.hidden)
+                total += sum(tc.points for tc in tf.test_cases)
+    assert 0 < public <= total / 4, f"{ex.name}: public tests carry {public:g} of {total:g} points"
+
+
+@pytest.mark.parametrize("ex", EXERCISES, ids=IDS)
+def test_solution_notebook_keeps_solutions_and_zip_is_gradescope_ready(ex, built):
+    b = built[ex.name]
+    nb = b.solution_notebook.read_text(encoding="utf-8")
     assert any(s in nb for s in _solution_lines(ex.source))
-    hidden = {f for f, _ in _hidden_test_cases(ex)}
-    with zipfile.ZipFile(ex.autograder_zip) as zf:
-        assert "otter_config.json" in zf.namelist()
+    hidden = {f for f, _ in _hidden_test_cases(b)}
+    with zipfile.ZipFile(b.autograder_zip) as zf:
+        names = zf.namelist()
         config = json.loads(zf.read("otter_config.json"))
+        env, setup = zf.read("environment.yml").decode(), zf.read("setup.sh").decode()
     assert config["assignment_name"] == ex.name
     assert any("CellTimeLimit" in json.dumps(p) for p in config["plugins"])
-    assert len(hidden) >= len(exercises.questions_in(ex.autograder_zip))
+    assert len(hidden) >= len(exercises.questions_in(b.autograder_zip))
+    # Gradescope builds its image from environment.yml and setup.sh: CPU torch and the course package
+    wheel = [n for n in names if re.fullmatch(r"course_lib-[^/]+\.whl", n)]
+    assert len(wheel) == 1, names
+    assert "--extra-index-url https://download.pytorch.org/whl/cpu" in env and "- torch==" in env
+    assert f"pip install --no-deps /autograder/source/{wheel[0]}" in setup
 
 
 def test_fetch_student_tests_from_a_copy_of_the_repository(tmp_path):
     """What the Colab setup cell does, against file:// instead of raw.githubusercontent.com."""
     ex = EXERCISES[0]
     written = exercises.fetch_student_tests(ex.name, tmp_path / "tests", base_url=ROOT.as_uri())
-    assert sorted(p.name for p in written) == sorted(p.name for p in (ex.dist / "student" / "tests").glob("*.py"))
+    assert sorted(p.name for p in written) == sorted(p.name for p in ex.student_tests.glob("*.py"))
     for p in written:
-        assert p.read_bytes() == (ex.dist / "student" / "tests" / p.name).read_bytes()
+        assert p.read_bytes() == (ex.student_tests / p.name).read_bytes()
 
 
 # --------------------------------------------------------------------------------------------
 # Grading
 # --------------------------------------------------------------------------------------------
 
-def _wrong_notebook(ex, old: str, new: str, dest: Path) -> Path:
-    nb = nbformat.read(ex.solution_notebook, as_version=4)
-    hits = [c for c in nb.cells if c.cell_type == "code" and old in c.source]
-    assert len(hits) == 1, f"{ex.name}: the wrong-answer patch no longer matches the solution"
-    hits[0].source = hits[0].source.replace(old, new)
-    dest.mkdir(parents=True)
-    path = dest / ex.solution_notebook.name
+def _patched(solution: Path, patches: dict[str, str], dest: Path, name: str | None = None,
+             first_cell: str | None = None) -> Path:
+    """The solution notebook with each ``old`` text replaced by ``new`` (each must occur once)."""
+    nb = nbformat.read(solution, as_version=4)
+    for old, new in patches.items():
+        hits = [c for c in nb.cells if c.cell_type == "code" and old in c.source]
+        assert len(hits) == 1, f"{solution.name}: the patch no longer matches the solution: {old!r}"
+        hits[0].source = hits[0].source.replace(old, new)
+    if first_cell is not None:  # right after the setup cell
+        setup = next(i for i, c in enumerate(nb.cells) if c.cell_type == "code")
+        nb.cells.insert(setup + 1, nbformat.v4.new_code_cell(first_cell))
+    dest.mkdir(parents=True, exist_ok=True)
+    path = dest / (name or solution.name)
     nbformat.write(nb, path)
     return path
 
 
+def _gradescope_run(zip_path: Path, submissions: dict[str, Path], tmp: Path, env: dict) -> subprocess.Popen:
+    """Start: a fresh venv that sees this environment's packages through a .pth file, the zip's
+    own course_lib wheel installed into it (as its setup.sh does), then otter's Gradescope runner
+    on each submission in a /autograder-like folder. Prints one JSON line of scores."""
+    script = f"""
+import json, os, shutil, subprocess, sys, zipfile, venv
+from pathlib import Path
+tmp, zip_path = Path({str(tmp)!r}), Path({str(zip_path)!r})
+venv.EnvBuilder(with_pip=False).create(tmp / "venv")
+py = tmp / "venv" / "bin" / "python"
+site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                      capture_output=True, text=True, check=True).stdout.strip()
+Path(site, "_course_parent_env.pth").write_text({sysconfig.get_paths()["purelib"]!r} + "\\n")
+scores = {{}}
+for kind, sub in {json.dumps({k: str(v) for k, v in submissions.items()})}.items():
+    ag = tmp / ("autograder_" + kind)
+    (ag / "submission").mkdir(parents=True)
+    (ag / "results").mkdir()
+    with zipfile.ZipFile(zip_path) as zf:
+        zf.extractall(ag / "source")
+    wheel = next((ag / "source").glob("course_lib-*.whl"))
+    if not any(Path(site).glob("course_lib-*.dist-info")):  # what the zip's setup.sh does
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                        "--target", site, str(wheel)], check=True)
+    shutil.copy2(sub, ag / "submission" / Path(sub).name)
+    (ag / "submission_metadata.json").write_text("{{}}")
+    done = subprocess.run([str(py), "-c", "import sys, course_lib; from otter.run.run_autograder import main; "
+                           "print('course_lib from', course_lib.__file__); main(sys.argv[1])", str(ag)],
+                          capture_output=True, text=True)
+    results = ag / "results" / "results.json"
+    out = json.loads(results.read_text()) if results.is_file() else {{}}
+    where = next((ln for ln in done.stdout.splitlines() if ln.startswith("course_lib from")), "")
+    scores[kind] = {{"score": sum(t.get("score", 0) for t in out.get("tests", [])),
+                    "possible": sum(t.get("max_score", 0) for t in out.get("tests", [])),
+                    "course_lib": where, "rc": done.returncode, "tail": (done.stdout + done.stderr)[-3000:]}}
+print(json.dumps(scores))
+"""
+    clean = {k: v for k, v in env.items() if k != "PYTHONPATH"}  # the venv must use its own course_lib
+    clean["PYTHONPATH"] = env["PYTHONPATH"].split(os.pathsep)[0]  # the test guard only
+    tmp.mkdir(parents=True)  # the working directory too: `python -c` puts it on sys.path
+    return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=clean, cwd=tmp)
+
+
 @pytest.fixture(scope="module")
-def graded(tmp_path_factory):
-    """Grade every solution, blank release and wrong answer once, two at a time."""
+def graded(built, tmp_path_factory):
+    """Grade every solution, blank release, mistaken, hard-coded and unstoppable submission once,
+    four at a time (the hanging ones mostly wait), with the console script and the Gradescope runner alongside."""
     tmp = tmp_path_factory.mktemp("grading")
     guard_dir, guard_log = tmp / "guard", tmp / "guard.log"
     guard_dir.mkdir()
@@ -350,62 +475,80 @@ def graded(tmp_path_factory):
     guard_log.touch()
 
     jobs = []  # (key, submission, autograder zip)
-    for ex in EXERCISES:
-        if ex.name != CLI_GRADED:
-            jobs.append((("solution", ex.name), ex.solution_notebook, ex.autograder_zip))
-        jobs.append((("blank", ex.name), ex.student_notebook, ex.autograder_zip))
-    for name, question, old, new, _ in WRONG_ANSWERS:
-        ex = BY_NAME[name]
-        path = _wrong_notebook(ex, old, new, tmp / f"wrong_{name}")
-        jobs.append((("wrong", name), path, ex.autograder_zip))
-    # the slowest (the hanging answer) first, so the other worker gets through the rest meanwhile
-    jobs.sort(key=lambda j: j[0] != ("wrong", HANGING))
+    for name, ex in built.items():
+        if name != CLI_GRADED:
+            jobs.append((("solution", name), ex.solution_notebook, ex.autograder_zip))
+        jobs.append((("blank", name), ex.student_notebook, ex.autograder_zip))
+    for name, questions in MISTAKES.items():
+        ex = built[name]
+        patches = {old: new for old, new, _ in questions.values()}
+        path = _patched(ex.solution_notebook, patches, tmp / f"mistakes_{name}",
+                        first_cell=TAMPER if name == TAMPERED else None)
+        jobs.append((("mistakes", name), path, ex.autograder_zip))
+    name, patches = HARD_CODED
+    jobs.append((("hard-coded", name), _patched(built[name].solution_notebook, patches, tmp / "hard_coded"),
+                 built[name].autograder_zip))
+    # the slowest (the hanging answers) first, so the other workers get through the rest meanwhile
+    jobs.sort(key=lambda j: j[0][0] != "mistakes")
 
     env = {"PYTHONPATH": os.pathsep.join([str(guard_dir), os.environ.get("PYTHONPATH", "")]),
-           "COURSE_TEST_GUARD_LOG": str(guard_log), "COURSE_GRADING_TIMEOUT": GRADING_TIMEOUT}
-    # The console script, as an instructor runs it, alongside the pool (tested below).
-    cli_sub = BY_NAME[CLI_GRADED].solution_notebook
-    cli = subprocess.Popen([str(Path(sys.executable).with_name("course")), "grade", str(cli_sub)],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp,
-                           env={**os.environ, **env})
+           "COURSE_TEST_GUARD_LOG": str(guard_log), "COURSE_GRADING_TIMEOUT": GRADING_TIMEOUT,
+           "COURSE_GRADING_CELL_TIMEOUT": CELL_TIMEOUT}
+    full_env = {**os.environ, **env}
+    course = str(Path(sys.executable).with_name("course"))
+    # The console script, as an instructor runs it, on a file named anything, with a gradebook
+    # and feedback; a second one on a cell that defeats the cell limit, stopped by --time-limit.
+    cli_sub = shutil.copy2(built[CLI_GRADED].solution_notebook, tmp / CLI_NAME)
+    cli = subprocess.Popen([course, "grade", str(cli_sub), "--autograder", str(built[CLI_GRADED].autograder_zip),
+                            "--csv", str(tmp / "grades.csv"), "--feedback", str(tmp / "feedback")],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp, env=full_env)
+    stuck = _patched(built["03_zero"].student_notebook, {}, tmp / "stuck", first_cell=(
+        "import signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)  # the cell limit, switched off\n"
+        "while True:\n    try:\n        pass\n    except BaseException:\n        pass"))
+    stopper = subprocess.Popen([course, "grade", str(stuck), "--autograder", str(built["03_zero"].autograder_zip),
+                                "--time-limit", "20", "--json"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp, env=full_env)
+    gradescope = _gradescope_run(built[GRADESCOPE].autograder_zip,
+                                 {"solution": built[GRADESCOPE].solution_notebook,
+                                  "blank": built[GRADESCOPE].student_notebook}, tmp / "gradescope", full_env)
     # A student who solved STUDENT_RUN: the solutions in the student folder (public tests only).
     student_dir = tmp / "student"
-    shutil.copytree(BY_NAME[STUDENT_RUN].dist / "student", student_dir)
+    shutil.copytree(built[STUDENT_RUN].release, student_dir)
     solved = student_dir / BY_NAME[STUDENT_RUN].source.name
-    shutil.copy2(BY_NAME[STUDENT_RUN].solution_notebook, solved)
+    shutil.copy2(built[STUDENT_RUN].solution_notebook, solved)
     student = subprocess.Popen([sys.executable, "-c", EXECUTE, str(solved), str(tmp / "executed.ipynb")],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, **env})
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    procs = (cli, stopper, gradescope, student)
     try:
-        # three workers on two cores: the one grading the hanging answer mostly waits
-        reports = exercises.grade_many([j[1] for j in jobs], [j[2] for j in jobs], jobs=3)
-        cli_out, cli_err = cli.communicate(timeout=300)
-        _, student_err = student.communicate(timeout=300)
+        reports = exercises.grade_many([j[1] for j in jobs], [j[2] for j in jobs], jobs=4, time_limit=300)
+        outputs = [p.communicate(timeout=600) for p in procs]
     finally:
-        cli.kill()
-        student.kill()
+        for p in procs:
+            p.kill()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
     return {"reports": {j[0]: r for j, r in zip(jobs, reports)}, "guard_log": guard_log,
-            "cli": (cli_sub, cli.returncode, cli_out, cli_err),
-            "student": (student.returncode, student_err, tmp / "executed.ipynb")}
+            "cli": (Path(cli_sub), cli.returncode, *outputs[0], tmp / "grades.csv", tmp / "feedback"),
+            "stopped": (stopper.returncode, *outputs[1]),
+            "gradescope": (gradescope.returncode, *outputs[2]),
+            "student": (student.returncode, outputs[3][1], tmp / "executed.ipynb")}
 
 
 def _explain(report) -> str:
     return report.format(verbose=True)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("ex", EXERCISES, ids=IDS)
-def test_instructor_solution_scores_full_marks(graded, ex):
+def test_instructor_solution_scores_full_marks(graded, ex, built):
     if ex.name == CLI_GRADED:
-        _, returncode, stdout, stderr = graded["cli"]
-        total = sum(exercises.questions_in(ex.autograder_zip).values())
+        _, returncode, stdout, stderr, _, _ = graded["cli"]
+        total = sum(exercises.questions_in(built[ex.name].autograder_zip).values())
         assert returncode == 0 and "cell error" not in stdout, stdout + stderr
         assert stdout.strip().splitlines()[-1] == f"TOTAL: {total:g} / {total:g}", stdout
         return
@@ -415,49 +558,74 @@ def test_instructor_solution_scores_full_marks(graded, ex):
     assert r.cell_errors == [], _explain(r)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("ex", EXERCISES, ids=IDS)
-def test_blank_student_release_scores_zero(graded, ex):
+def test_blank_student_release_scores_zero(graded, ex, built):
     r = graded["reports"][("blank", ex.name)]
-    assert r.possible == sum(exercises.questions_in(ex.autograder_zip).values()) > 0
+    assert r.possible == sum(exercises.questions_in(built[ex.name].autograder_zip).values()) > 0
     assert r.total == 0, _explain(r)
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("case", WRONG_ANSWERS, ids=[c[0] for c in WRONG_ANSWERS])
-def test_wrong_answer_loses_only_the_question_it_breaks(graded, case):
-    name, question, _, _, why = case
-    r = graded["reports"][("wrong", name)]
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", list(MISTAKES), ids=list(MISTAKES))
+def test_a_typical_mistake_loses_its_question_with_a_message_that_names_it(graded, name):
+    r = graded["reports"][("mistakes", name)]
+    assert r.error is None, _explain(r)  # ended by the per-check limits, not the submission's
     for q in r.questions:
-        if q.name == question:
-            assert q.score < q.possible, f"{why}: {question} kept its points\n{_explain(r)}"
-            assert q.failures, _explain(r)
-        else:
-            assert q.score == q.possible, f"{why}: {q.name} lost points too\n{_explain(r)}"
+        _, _, words = MISTAKES[name][q.name]
+        assert q.score < q.possible, f"{q.name} kept its points despite the mistake\n{_explain(r)}"
+        assert any(words in msg for msg in q.failures), f"{q.name}: no message with {words!r}\n{_explain(r)}"
+        if (name, q.name) in HUNG:  # an endless loop or a deadlock: zero for that question
+            assert q.score == 0, _explain(r)
 
 
-@pytest.mark.timeout(600)
-def test_hanging_answer_times_out_with_a_message(graded):
-    r = graded["reports"][("wrong", HANGING)]
-    q = next(q for q in r.questions if q.name == "q1_ring_all_reduce")
-    assert q.score == 0, _explain(r)
-    messages = "\n".join(q.failures + r.cell_errors)
-    assert "TimeoutError" in messages and f"within {GRADING_TIMEOUT} s" in messages, _explain(r)
-    assert "never joined" in messages and re.search(r"rank \d", messages), _explain(r)
+@pytest.mark.timeout(900)
+def test_deadlock_and_endless_loop_end_within_the_limit_with_a_message(graded):
+    deadlock = graded["reports"][("mistakes", "01_collectives")]
+    q = next(q for q in deadlock.questions if q.name == "q1_ring_all_reduce")
+    messages = "\n".join(q.failures)
+    assert f"within {GRADING_TIMEOUT} s" in messages and re.search(r"rank \d", messages), _explain(deadlock)
+    loop = graded["reports"][("mistakes", "04_pram")]
+    q = next(q for q in loop.questions if q.name == "q1_erew_prefix_sum")
+    assert all(f"ran longer than {GRADING_TIMEOUT} s" in m for m in q.failures), _explain(loop)
+    assert any("TimeoutError" in m for m in loop.cell_errors), _explain(loop)  # the notebook's own cell
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
+def test_a_cell_that_replaces_the_grading_helpers_changes_nothing(graded):
+    r = graded["reports"][("mistakes", TAMPERED)]
+    q = next(q for q in r.questions if q.name == "q1_average_gradients")
+    assert q.score == 0 and any("a factor of the world size" in m for m in q.failures), _explain(r)
+
+
+@pytest.mark.timeout(900)
+def test_hard_coding_the_public_answers_earns_at_most_a_quarter(graded):
+    r = graded["reports"][("hard-coded", HARD_CODED[0])]
+    assert r.error is None, _explain(r)
+    assert 0 < r.total <= r.possible / 4, _explain(r)
+
+
+@pytest.mark.timeout(900)
+def test_a_submission_that_defeats_the_cell_limit_is_stopped_and_scores_zero(graded):
+    returncode, stdout, stderr = graded["stopped"]
+    (report,) = json.loads(stdout)
+    assert returncode == 1, stderr  # a grading that did not complete
+    assert report["total"] == 0 and "limit of 20 s" in report["error"], report
+    assert all("limit of 20 s" in q["failures"][0] for q in report["questions"]), report
+
+
+@pytest.mark.timeout(900)
 def test_grading_used_no_network_and_no_docker(graded):
     assert graded["guard_log"].read_text() == ""
     assert all(r.error is None for r in graded["reports"].values())
 
 
-@pytest.mark.timeout(600)
-def test_course_grade_command_prints_scores_then_total(graded):
+@pytest.mark.timeout(900)
+def test_course_grade_command_prints_scores_then_total_for_any_file_name(graded, built):
     """The console script, as an instructor runs it: one line per question, TOTAL last."""
-    submission, returncode, stdout, stderr = graded["cli"]
+    submission, returncode, stdout, stderr, _, _ = graded["cli"]
     assert returncode == 0, stderr
-    zip_path = BY_NAME[CLI_GRADED].autograder_zip
+    zip_path = built[CLI_GRADED].autograder_zip
     lines = [ln for ln in stdout.splitlines() if ln.strip()]
     assert lines[0].startswith(str(submission))
     for question, points in exercises.questions_in(zip_path).items():
@@ -466,15 +634,58 @@ def test_course_grade_command_prints_scores_then_total(graded):
     assert lines[-1] == f"TOTAL: {total:g} / {total:g}"
 
 
-@pytest.mark.timeout(600)
-def test_grader_check_passes_for_a_student_who_solved_it(graded):
+@pytest.mark.timeout(900)
+def test_gradebook_csv_has_a_row_per_question_and_a_total(graded, built):
+    submission, _, _, _, grades, _ = graded["cli"]
+    rows = list(csv.DictReader(grades.open(encoding="utf-8")))
+    points = exercises.questions_in(built[CLI_GRADED].autograder_zip)
+    assert [r["question"] for r in rows] == [*points, "TOTAL"]
+    assert {r["student"] for r in rows} == {submission.stem} and {r["assignment"] for r in rows} == {CLI_GRADED}
+    assert [float(r["score"]) for r in rows] == [*points.values(), sum(points.values())]
+    # and from reports directly: several students, a failed question
+    r = graded["reports"][("mistakes", "03_zero")]
+    path = exercises.write_csv([r, graded["reports"][("solution", "03_zero")]], submission.parent / "two.csv")
+    rows = list(csv.DictReader(path.open(encoding="utf-8")))
+    assert len(rows) == 2 * (len(r.questions) + 1)
+    assert rows[len(r.questions)]["question"] == "TOTAL" and float(rows[len(r.questions)]["score"]) == r.total
+
+
+@pytest.mark.timeout(900)
+def test_feedback_is_student_safe(graded, built, tmp_path):
+    _, _, _, _, _, folder = graded["cli"]
+    (written,) = folder.iterdir()
+    assert written.name == Path(CLI_NAME).stem + ".txt" and "TOTAL: 10 / 10" in written.read_text()
+    r = graded["reports"][("mistakes", "05_nanogpt")]
+    (path,) = exercises.write_feedback([r], tmp_path)
+    text = path.read_text()
+    hidden = _hidden_test_cases(built["05_nanogpt"])
+    assert "a hidden test failed" in text and "expected" in text  # a public message, and that hidden ones failed
+    for func, own in hidden:
+        assert func not in text and not [ln for ln in own if len(ln) >= 20 and ln in text], text
+    assert "(hidden)" in _explain(r)  # the instructor's report has the details
+
+
+@pytest.mark.timeout(900)
+def test_gradescope_zip_grades_in_a_fresh_environment_with_otters_runner(graded, built):
+    returncode, stdout, stderr = graded["gradescope"]
+    assert returncode == 0, stderr[-3000:]
+    scores = json.loads(stdout.strip().splitlines()[-1])
+    total = sum(exercises.questions_in(built[GRADESCOPE].autograder_zip).values())
+    for kind, want in (("solution", total), ("blank", 0)):
+        s = scores[kind]
+        assert "venv" in s["course_lib"], s["course_lib"]  # the zip's wheel, not this checkout
+        assert s["possible"] == pytest.approx(total) and s["score"] == pytest.approx(want), s["tail"]
+
+
+@pytest.mark.timeout(900)
+def test_grader_check_passes_for_a_student_who_solved_it(graded, built):
     """In the student folder (public tests as files, no grading mode) grader.check runs the
     public tests; a notebook with correct answers passes every one of them."""
     returncode, stderr, executed = graded["student"]
     assert returncode == 0, stderr
     nb = nbformat.read(executed, as_version=4)
     checks = [c for c in nb.cells if c.cell_type == "code" and c.source.startswith("grader.check(")]
-    assert len(checks) == len(exercises.questions_in(BY_NAME[STUDENT_RUN].autograder_zip))
+    assert len(checks) == len(exercises.questions_in(built[STUDENT_RUN].autograder_zip))
     for cell in checks:
         text = "".join(o.get("data", {}).get("text/plain", "") for o in cell.outputs)
         assert "All test cases passed!" in text, f"{cell.source}: {text or cell.outputs}"
@@ -488,77 +699,5 @@ def test_course_grade_refuses_bad_input(tmp_path, capsys):
     assert exercises.grade_cli([str(plain)]) == 2
     assert "assignment name" in capsys.readouterr().err
     assert exercises.grade_cli([str(plain), "--cell-timeout", "0"]) == 2
-
-
-# --------------------------------------------------------------------------------------------
-# The grading helpers on their own
-# --------------------------------------------------------------------------------------------
-
-def _deadlock(rank, world_size):
-    import torch
-    import torch.distributed as dist
-
-    buf = torch.empty(2)
-    dist.recv(buf, (rank - 1) % world_size)  # every rank receives first: nobody ever sends
-    dist.send(buf, (rank + 1) % world_size)
-
-
-def _boom(rank, world_size):
-    if rank == 1:
-        raise ValueError("boom on rank 1")
-    return rank
-
-
-def _p2p(rank, world_size):
-    import torch
-    import torch.distributed as dist
-
-    from course_lib.exercises.grading import p2p_only
-
-    with p2p_only() as sent:
-        if rank == 0:
-            dist.send(torch.zeros(5, dtype=torch.float64), 1)
-        else:
-            dist.recv(torch.empty(5, dtype=torch.float64), 0)
-        try:
-            dist.all_reduce(torch.ones(1))
-            refused = ""
-        except RuntimeError as e:
-            refused = str(e)
-    x = torch.ones(1)
-    dist.all_reduce(x)  # restored on exit
-    return sent.bytes, refused, x.item()
-
-
-@pytest.mark.timeout(120)
-def test_run_ranks_bounds_hangs_and_reports_failures():
-    from course_lib.exercises.grading import RankError, RanksTimeoutError, run_ranks
-
-    for bad in ({"nproc": 0}, {"nproc": 2, "timeout": 0}, {"nproc": 99}):
-        with pytest.raises(ValueError):
-            run_ranks(_boom, **bad)
-    with pytest.raises(RanksTimeoutError, match=r"within 2 s .*never joined"):
-        run_ranks(_deadlock, 2, timeout=2)
-    with pytest.raises(RankError, match="boom on rank 1"):
-        run_ranks(_boom, 2, timeout=30)
-    (b0, refused0, total0), (b1, _, total1) = run_ranks(_p2p, 2, timeout=30)
-    assert (b0, b1) == (40, 0) and "not allowed" in refused0 and total0 == total1 == 2.0
-
-
-@pytest.mark.timeout(120)
-def test_cell_time_limit_stops_an_endless_cell_and_grading_goes_on():
-    from nbclient import NotebookClient
-
-    nb = nbformat.v4.new_notebook(cells=[
-        nbformat.v4.new_code_cell("x = 1"),
-        nbformat.v4.new_code_cell("while True:\n    pass"),
-        nbformat.v4.new_code_cell("y = x + 1\ny"),
-    ])
-    plugin = exercises.CellTimeLimit("sub.ipynb", {}, {"cell_timeout": 2})
-    nb = plugin.before_execution(nb)
-    nb.cells.append(nbformat.v4.new_code_cell("import time\ntime.sleep(3)\n'tests ran'"))  # otter's cell
-    NotebookClient(nb, timeout=60, kernel_name="python3", allow_errors=True).execute()
-    loop, after, last = nb.cells[2], nb.cells[3], nb.cells[-1]
-    assert loop.outputs[0]["ename"] == "TimeoutError" and "longer than 2 s" in loop.outputs[0]["evalue"]
-    assert after.outputs[0]["data"]["text/plain"] == "2"
-    assert last.outputs[0]["data"]["text/plain"] == "'tests ran'"  # disarmed before otter's cells
+    assert exercises.grade_cli([str(plain), "--time-limit", "0"]) == 2
+    assert "--time-limit must be > 0" in capsys.readouterr().err

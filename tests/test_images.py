@@ -20,7 +20,6 @@ from urllib.parse import unquote
 
 import pytest
 
-from course_lib import GITHUB_REPO
 from course_lib.notebook import diagrams, diagrams_build
 from course_lib.utils import free_port, repo_root
 
@@ -144,9 +143,9 @@ def test_build_renders_only_stale_diagrams_and_records_hashes(tmp_repo, tmp_path
 
 def test_build_says_how_to_get_mermaid_cli(monkeypatch, capsys):
     monkeypatch.setenv("COURSE_MMDC", "/nonexistent/mmdc")
-    assert diagrams.cli(["build"]) == 1
+    assert diagrams_build.cli(["build"]) == 1
     assert "make images" in capsys.readouterr().err
-    assert diagrams.cli(["check"]) == 0
+    assert diagrams_build.cli(["check"]) == 0
 
 
 # ------------------------------------------------------------------ the diagrams say what the course teaches
@@ -306,12 +305,18 @@ def test_service_errors_and_timeouts_fall_back(fake_ink):
     assert fig.how == "committed" and "no answer from" in fig.note
 
 
-def test_without_a_clone_the_copy_on_github_is_shown(monkeypatch):
+def test_without_a_clone_the_packaged_copy_is_shown(monkeypatch, tmp_path):
+    """An installed wheel (Colab) has no images/: the package's _diagrams, a link to images/diagrams
+    here and a copy in the wheel (tests/test_colab_wheel.py checks the wheel's bytes)."""
+    assert diagrams.PACKAGED.resolve() == (ROOT / diagrams.SOURCES).resolve()
     monkeypatch.setattr(diagrams, "repo_root", lambda: None)
     fig = diagrams.diagram("dp_step")
-    assert fig.how == "github"
-    assert fig.url == f"https://raw.githubusercontent.com/{GITHUB_REPO}/main/images/diagrams/rendered/dp_step.svg"
-    assert "needs a network" in fig.note and f'src="{fig.url}"' in fig._repr_html_()
+    assert fig.how == "committed" and fig.svg == (ROOT / diagrams.RENDERED / "dp_step.svg").read_text()
+    assert diagrams.mermaid_source("broadcast") == (ROOT / diagrams.SOURCES / "broadcast.mmd").read_text()
+    assert diagrams.names() == sorted(p.stem for p in (ROOT / diagrams.SOURCES).glob("*.mmd"))
     monkeypatch.setenv("MERMAID_INK_SERVER", f"http://127.0.0.1:{free_port()}")
     fig = diagrams.diagram("dp_step", source="flowchart LR\n a --> b", live=True)
     assert fig.how == "source" and fig.source == "flowchart LR\n a --> b"
+    monkeypatch.setattr(diagrams, "PACKAGED", tmp_path / "missing")
+    with pytest.raises(FileNotFoundError, match="reinstall course-lib"):
+        diagrams.mermaid_source("broadcast")

@@ -220,6 +220,60 @@ def test_refuses_training_config_that_does_not_fit(nothing_spawned):
         launch_training(cfg)
 
 
+# ---------------------------------------------------------------- a machine with one GPU (Colab's T4)
+
+def test_more_ranks_than_gpus_run_as_cpu_ranks_with_a_note(monkeypatch, capsys):
+    monkeypatch.setattr(checks, "gpu_count", lambda: 1)
+    assert checks.resolve_device("auto", 2) == "cpu" and checks.resolve_device("auto", "3") == "cpu"
+    err = capsys.readouterr().err
+    assert "note: 2 ranks but 1 GPU(s) here: the ranks run as CPU processes (gloo)" in err
+    assert err.count("\n") == 2  # one line each
+    assert checks.resolve_device("auto", 1) == "cuda" and checks.resolve_device("auto", "auto") == "cuda"
+    assert checks.resolve_device("auto") == "cuda" and capsys.readouterr().err == ""
+    assert checks.resolve_device("cuda", 2) == "cuda"  # asked for explicitly: refused, not changed
+    with pytest.raises(checks.LaunchConfigError, match=r"2 GPU ranks asked for but this machine has 1 GPU"):
+        checks.resolve_nproc(2, "cuda")
+    monkeypatch.setattr(checks, "gpu_count", lambda: 0)
+    assert checks.resolve_device("auto", 2) == "cpu" and capsys.readouterr().err == ""
+
+
+def test_launch_training_with_more_ranks_than_gpus_trains_on_cpu(monkeypatch, tmp_path, capsys):
+    from course_lib.gpt.config import TrainConfig, make_config
+    from course_lib.gpt.data import prepare
+    from course_lib.launch import training
+
+    monkeypatch.setattr(checks, "gpu_count", lambda: 1)
+    launched = {}
+    monkeypatch.setattr(training, "launch", lambda target, args, **kw: launched.update(kw, args=args))
+    prepare("shakespeare_char", data_dir=tmp_path / "data", quiet=True)
+    cfg = make_config("shakespeare_char_cpu", {"nproc": 2, "max_iters": 2, "out_dir": str(tmp_path / "run"),
+                                               "data_dir": str(tmp_path / "data")})
+    assert cfg.device == "auto"
+    training.launch_training(cfg, progress=False)
+    assert launched["device"] == "cpu" and launched["nproc"] == 2
+    assert TrainConfig.load(tmp_path / "run" / "config.json").device == "cpu"  # what every rank reads
+    assert "the ranks run as CPU processes" in capsys.readouterr().err
+
+
+def test_run_ranks_forks_cpu_ranks_after_cuda_init(monkeypatch):
+    """gloo ranks fork even after the parent initialised CUDA (as DataLoader workers do), so a
+    function defined in a notebook still works on a 1-GPU machine; NCCL ranks are spawned."""
+    import torch
+
+    from course_lib.parallel import spawn
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert spawn.default_start_method("gloo") == "fork" and spawn.default_start_method("nccl") == "spawn"
+    offset = 5
+
+    def local_fn(rank, world_size):  # a closure: "spawn" could not pickle it, "fork" needs not
+        return rank + offset
+
+    assert spawn.run_ranks(local_fn, 2) == [5, 6]
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert spawn.default_start_method("nccl") == "fork"
+
+
 # ---------------------------------------------------------------- diagnosis
 
 

@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from course_lib.analysis import memory
+from course_lib.analysis import memory_cli
 from course_lib.analysis.activations import (
     activation_bytes,
     activation_bytes_outside_layers,
@@ -291,19 +291,19 @@ def test_breakdown_and_fits_on_a_t4():
 
 
 def test_cli_json_and_table(capsys):
-    assert memory.cli(["--params", "7.5e9", "--dp", "64", "--json"]) == 0
+    assert memory_cli.cli(["--params", "7.5e9", "--dp", "64", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     totals = [r["total"] for r in rep["stages"]]
     assert totals == pytest.approx([120e9, 31.40625e9, 16.640625e9, 1.875e9])
     assert rep["unit"] == "bytes" and rep["dp"] == 64 and rep["k"] == 12
-    assert memory.cli(["--preset", "gpt2-xl", "--gpu", "t4", "--stage", "0", "--stage", "3"]) == 0
+    assert memory_cli.cli(["--preset", "gpt2-xl", "--gpu", "t4", "--stage", "0", "--stage", "3"]) == 0
     out = capsys.readouterr().out
     assert "fits t4" in out and "ZeRO-3" in out and "ZeRO-1" not in out
     with pytest.raises(SystemExit) as e:
-        memory.cli(["--params", "1e9", "--stage", "4"])
+        memory_cli.cli(["--params", "1e9", "--stage", "4"])
     assert e.value.code == 2
     with pytest.raises(SystemExit):
-        memory.cli(["--dp", "4"])
+        memory_cli.cli(["--dp", "4"])
     assert "give --params" in capsys.readouterr().err
 
 

@@ -1,4 +1,4 @@
-"""course_lib.experiments.profiling: one training step per rank split into compute and communication.
+"""course_lib.experiments.profiling and step_intervals: one training step per rank split into compute and communication.
 
 The interval arithmetic is checked on hand-made cases; the profiler on real gloo processes:
 communication is found (> 0) on 2 ranks and absent on one, compute and communication together
@@ -12,15 +12,9 @@ import json
 
 import pytest
 
-from course_lib.experiments.profiling import (
-    classify,
-    intersect,
-    merge,
-    merge_traces,
-    profile_step,
-    subtract,
-    total,
-)
+from course_lib.experiments.profiling import merge_traces, profile_step
+from course_lib.experiments.step_intervals import classify, intersect, merge, subtract, total
+from course_lib.notebook.plots import plot_step_timeline
 
 GPT = {"block_size": 32, "vocab_size": 65, "n_layer": 2, "n_head": 2, "n_embd": 64}
 
@@ -58,6 +52,21 @@ def test_classify_synthetic_step():
     assert r["phases"] == {"forward": (0.0, 0.040), "backward": (0.040, 0.080)}
     with pytest.raises(ValueError, match="train_step"):
         classify(events[1:])
+
+
+def test_step_timeline_draws_what_classify_found():
+    r = classify([_ev("train_step", 0, 100), _ev("forward", 0, 40), _ev("aten::mm", 0, 80),
+                  _ev("gloo:all_reduce", 60, 90, thread=7)])
+    fig = plot_step_timeline([dict(r, rank=0, strategy="ddp")])
+    lanes = fig.axes[0].collections  # broken_barh: one per phase, then compute, then comm
+    assert len(lanes) == 3
+    def extent(lane):  # (x from, x to) in ms of a lane's bars
+        xs = [x for path in lane.get_paths() for x, _ in path.vertices]
+        return pytest.approx((min(xs), max(xs)))
+
+    assert extent(lanes[0]) == (0.0, 0.040)  # the forward phase
+    assert extent(lanes[1]) == (0.0, 0.080) and extent(lanes[2]) == (0.060, 0.090)  # compute, comm
+    assert [lbl.get_text() for lbl in fig.axes[0].get_yticklabels()] == ["rank 0 phases", "compute", "comm"]
 
 
 def test_classify_gpu_kernels():

@@ -1,4 +1,4 @@
-"""Amdahl, Gustafson and Karp-Flatt against their sources; the measured workload and its table.
+"""Amdahl, Gustafson and Karp-Flatt against their sources; training cost; the speedup table.
 
 Sources:
 - Amdahl, AFIPS 1967: S = 1 / (s + (1 - s)/p), bounded by 1/s.
@@ -57,31 +57,6 @@ def test_training_time_is_six_n_d_over_throughput():
         sl.training_time_s(1, 1, peak_flops=1, mfu=0)
 
 
-def test_work_is_split_evenly():
-    assert sl._split(10, 3) == [4, 3, 3] and sum(sl._split(7, 7)) == 7
-    assert sl.burn(1) == sl.burn(1)  # deterministic work, not a sleep
-
-
-@pytest.mark.timeout(120)
-def test_measurements_are_consistent():
-    strong = sl.measure_strong([2, 1], serial_units=1, parallel_units=4, repeats=1)
-    assert [r["p"] for r in strong] == [1, 2]
-    assert strong[0]["speedup"] == 1.0 and strong[0]["karp_flatt"] is None
-    r = strong[1]
-    assert r["efficiency"] == pytest.approx(r["speedup"] / 2)
-    assert r["karp_flatt"] == pytest.approx(sl.karp_flatt(r["speedup"], 2))
-    weak = sl.measure_weak([1, 2], serial_units=1, parallel_units_per_proc=2, repeats=1)
-    assert weak[0]["scaled_speedup"] == 1.0
-    for w in weak:
-        assert 0 < w["serial_share"] <= 1
-        assert w["gustafson"] == pytest.approx(w["serial_share"] + (1 - w["serial_share"]) * w["p"])
-        assert w["scaled_speedup"] == pytest.approx(w["seconds_1"] / w["seconds"])
-    fig = sl.plot_scaling(strong, 0.05, weak, s_written=1 / 5, p_max=64)
-    assert len(fig.axes) == 2 and len(fig.axes[1].get_lines()) == 5  # ideal, 2 x Amdahl, Gustafson, measured
-    with pytest.raises(ValueError, match="procs"):
-        sl.measure_strong([0, 1])
-
-
 def test_speedup_table():
     runs = [{"ranks": 1, "ms_per_iter": 100.0, "tokens_per_iter": 1000},
             {"ranks": 2, "ms_per_iter": 125.0, "tokens_per_iter": 2000, "strategy": "ddp"}]
@@ -91,13 +66,3 @@ def test_speedup_table():
     assert two["strategy"] == "ddp"
     with pytest.raises(ValueError, match="ms_per_iter > 0"):
         sl.speedup_table([{"ranks": 1, "ms_per_iter": math.nan, "tokens_per_iter": 1}])
-
-
-@pytest.mark.timeout(120)
-def test_command_line(capsys):
-    assert sl.main(["--procs", "1,2", "--serial-units", "1", "--parallel-units", "2", "--repeats", "1"]) == 0
-    out = capsys.readouterr().out
-    assert "serial part written in: s = 0.333" in out and "Karp-Flatt e =" in out and "fitted Amdahl" in out
-    with pytest.raises(SystemExit):
-        sl.main(["--procs", "one,two"])
-    assert "--procs takes whole numbers" in capsys.readouterr().err

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from course_lib.analysis.memory import GB, breakdown
-from course_lib.analysis.strategy_guide import STRATEGIES, choose_strategy, scenarios
+from course_lib.analysis.strategy_guide import RECOMMENDATIONS, choose_strategy, scenarios
 
 
 def test_one_gpu():
@@ -60,8 +60,8 @@ def test_recomputation_changes_the_answer():
 def test_scenarios_run_and_print():
     for title, kwargs in scenarios():
         advice = choose_strategy(**kwargs)
-        assert advice.strategy in STRATEGIES
-        assert STRATEGIES[advice.strategy] in str(advice) and "<ol>" in advice._repr_html_()
+        assert advice.strategy in RECOMMENDATIONS
+        assert RECOMMENDATIONS[advice.strategy] in str(advice) and "<ol>" in advice._repr_html_()
 
 
 def test_bad_input():

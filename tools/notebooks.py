@@ -7,8 +7,8 @@ Housekeeping for the course notebooks (``make notebooks-clear`` runs ``clear``):
     python tools/notebooks.py sync             # rewrite badges + Colab setup cells (notebooks/)
     python tools/notebooks.py new 04_zero_and_fsdp "ZeRO and FSDP"   # a notebook skeleton
 
-Without NOTEBOOK arguments ``clear`` covers notebooks/*.ipynb and exercises/*/*.ipynb (the
-exercises' generated dist/ folders are left alone). ``sync`` is for when course_lib.GITHUB_REPO
+Without NOTEBOOK arguments ``clear`` covers notebooks/*.ipynb and instructor/*/*.ipynb (the
+exercise sources; their generated releases in exercises/ are left alone). ``sync`` is for when course_lib.GITHUB_REPO
 changes: every lesson notebook's Colab badge and first code cell are generated from it by
 course_lib.notebook.smoke, and tests/test_notebooks.py checks that they match.
 """
@@ -36,8 +36,8 @@ def _shown(path: Path) -> str:
 
 
 def course_notebooks(root: Path = ROOT) -> list[Path]:
-    """Every notebook the course commits: lessons and exercise sources (not exercises' dist/)."""
-    return sorted(root.glob("notebooks/*.ipynb")) + sorted(root.glob("exercises/*/*.ipynb"))
+    """Every notebook the course commits by hand: lessons and exercise sources (not releases)."""
+    return sorted(root.glob("notebooks/*.ipynb")) + sorted(root.glob("instructor/*/*.ipynb"))
 
 
 def dirt(nb) -> list[str]:

@@ -4,7 +4,7 @@
     memory          per-device training memory: model states (DP, ZeRO 1-3) and activations
     activations     activation memory of a transformer layer (Korthikanti et al. 2022)
     memory_cli      ``course memory``
-    scaling_laws    Amdahl and Gustafson, and fitting a serial fraction
+    scaling_laws    Amdahl, Gustafson, Karp-Flatt; fitting a serial fraction; 6 N D training cost
     dp_recipes      global batch, learning-rate scaling, data per rank
     strategy_guide  choosing a parallelism strategy from the models above
 """

@@ -38,6 +38,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
+from course_lib.analysis.memory import model_state_bytes
+
 ALGORITHMS: dict[str, tuple[str, ...]] = {
     "broadcast": ("binomial", "linear", "scatter_allgather"),
     "reduce": ("binomial", "linear", "rabenseifner"),
@@ -172,9 +176,7 @@ def zero_comm_volume(num_params: float, stage: int, dp: int, bytes_per_elem: flo
     the parameters for the forward and again for the backward and reduce-scatters the gradients
     (3 Psi, 1.5x DP). ``exact`` keeps the (N-1)/N of a ring; False gives the paper's 2 Psi / 3 Psi.
     """
-    from course_lib.analysis.memory import model_state_bytes  # validates num_params, dp and stage
-
-    model_state_bytes(num_params, dp, stage)
+    model_state_bytes(num_params, dp, stage)  # validates num_params, dp and stage
     size = float(num_params) * bytes_per_elem
     frac = (dp - 1) / dp if exact else 1.0
     if stage == 0:
@@ -192,8 +194,6 @@ def fit_alpha_beta(op: str, p: int, sizes, seconds, algorithm: str | None = None
     least-squares fit, each row weighted by 1/time so that small (latency-bound) and large
     (bandwidth-bound) messages count alike; alpha is kept >= 0.
     """
-    import numpy as np
-
     if len(sizes) != len(seconds) or len(sizes) < 2:
         raise ValueError("fit_alpha_beta needs at least two (size, seconds) pairs")
     t = np.asarray(seconds, dtype=float)

@@ -35,6 +35,9 @@ from __future__ import annotations
 
 import math
 
+import torch
+from torch.utils.data import DistributedSampler
+
 RULES = ("linear", "sqrt")
 METHODS = ("shard", "seed", "global_slice", "same_seed")
 
@@ -86,8 +89,6 @@ def scale_lr(base_lr: float, base_batch: int, batch: int, rule: str = "linear") 
 def rank_samples(method: str, n_samples: int, n_draws: int, rank: int, dp_world_size: int,
                  seed: int = 0):
     """The ``n_draws`` sample indices (a LongTensor) that ``rank`` reads under ``method``."""
-    import torch
-
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     n_samples, n_draws = _positive_int("n_samples", n_samples), _positive_int("n_draws", n_draws)
@@ -95,8 +96,6 @@ def rank_samples(method: str, n_samples: int, n_draws: int, rank: int, dp_world_
     if not 0 <= rank < dp_world_size:
         raise ValueError(f"rank must be in 0..{dp_world_size - 1}, got {rank!r}")
     if method == "shard":
-        from torch.utils.data import DistributedSampler
-
         if n_draws > n_samples // dp_world_size:
             raise ValueError(f"one epoch of {n_samples} samples gives each of {dp_world_size} ranks "
                              f"{n_samples // dp_world_size}; ask for at most that many draws")
@@ -112,7 +111,6 @@ def rank_samples(method: str, n_samples: int, n_draws: int, rank: int, dp_world_
 
 def duplicate_fraction(reference, other) -> float:
     """Fraction of ``other``'s draws whose sample also occurs among ``reference``'s draws."""
-    import torch
 
     other = torch.as_tensor(other)
     if other.numel() == 0:

@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from course_lib.analysis.activations import RECOMPUTE, activation_bytes
+from course_lib.hardware import PROFILES
 
 GB = 1e9  # the ZeRO paper's gigabyte
 GiB = 2**30  # what nvidia-smi and torch.cuda report
@@ -140,8 +141,6 @@ def resolve_gpu(gpu) -> tuple[str, float]:
             raise ValueError(f"GPU memory must be > 0 bytes, got {gpu!r}")
         return f"{gpu / GB:g} GB", float(gpu)
     if isinstance(gpu, str):
-        from course_lib.hardware import PROFILES
-
         key = gpu.lower()
         if key not in PROFILES or PROFILES[key].memory_bytes <= 0:
             names = ", ".join(n for n, p in PROFILES.items() if p.memory_bytes > 0)
@@ -180,7 +179,7 @@ class ModelShape:
         return (self.vocab_size + self.block_size) * h + self.n_layer * per_layer + ln * h
 
     def gpt_config(self):
-        from course_lib.gpt.model import GPTConfig
+        from course_lib.gpt.model import GPTConfig  # torch: `course memory` and launch checks start without it
 
         return GPTConfig(block_size=self.block_size, vocab_size=self.vocab_size,
                          n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd,
@@ -272,10 +271,3 @@ def breakdown(num_params: float | None = None, *, preset: str | ModelShape | Non
         raise ValueError("activations need a model shape: pass preset=... as well")
     return MemoryBreakdown(states.params, states.grads, states.optimizer, acts, stage,
                            float(num_params))
-
-
-def cli(argv: list[str] | None = None) -> int:
-    """``course memory``: see :mod:`course_lib.analysis.memory_cli`."""
-    from course_lib.analysis.memory_cli import main
-
-    return main(argv)

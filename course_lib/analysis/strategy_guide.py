@@ -28,7 +28,9 @@ from html import escape
 
 from course_lib.analysis.memory import GB, breakdown, get_preset, resolve_gpu
 
-STRATEGIES = {
+# The guide's outcomes -> what to do. Not trainer strategies: ``"tp_pp"`` or ``"does_not_fit"`` name
+# an answer of the diagram, not a :data:`course_lib.parallel.strategy.STRATEGIES` entry.
+RECOMMENDATIONS = {
     "single": "one GPU: mixed precision, gradient accumulation for a larger batch",
     "single_memory": "one GPU, with less memory: activation recomputation, a smaller micro-batch, "
                      "CPU offload of the optimizer (ZeRO-Offload), or more GPUs",
@@ -44,7 +46,7 @@ STRATEGIES = {
 
 @dataclass
 class Advice:
-    """The guide's answer: a strategy key of :data:`STRATEGIES`, and why."""
+    """The guide's answer: a key of :data:`RECOMMENDATIONS`, and why."""
 
     strategy: str
     path: list[tuple[str, str]] = field(default_factory=list)  # (question, answer)
@@ -54,7 +56,7 @@ class Advice:
 
     @property
     def description(self) -> str:
-        return STRATEGIES[self.strategy]
+        return RECOMMENDATIONS[self.strategy]
 
     def __str__(self) -> str:
         lines = [f"{q} {a}" for q, a in self.path]
@@ -85,15 +87,7 @@ def choose_strategy(model: str | float, n_gpus: int, gpus_per_node: int | None =
     advice). ``fast_internode``: InfiniBand-class links between nodes, which ZeRO-3's all-gathers
     of parameters need to run at speed across nodes.
     """
-    if isinstance(n_gpus, bool) or not isinstance(n_gpus, int) or n_gpus < 1:
-        raise ValueError(f"n_gpus must be a whole number >= 1, got {n_gpus!r}")
-    per_node = n_gpus if gpus_per_node is None else gpus_per_node
-    if isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1:
-        raise ValueError(f"gpus_per_node must be a whole number >= 1, got {gpus_per_node!r}")
-    if n_gpus > per_node and n_gpus % per_node:
-        raise ValueError(f"n_gpus ({n_gpus}) must be a multiple of gpus_per_node ({per_node}) "
-                         "when it spans several nodes")
-    per_node = min(per_node, n_gpus)
+    per_node = _gpus_per_node(n_gpus, gpus_per_node)
     gpu_name, gpu_bytes = resolve_gpu(gpu)
     if isinstance(model, str):
         shape = get_preset(model)
@@ -142,7 +136,26 @@ def choose_strategy(model: str | float, n_gpus: int, gpus_per_node: int | None =
     if sharded:
         advice.strategy, advice.degrees = "zero3", {"dp": n_gpus}
         return advice
-    # Split the model: tensor parallel inside a node (heads must divide), then pipeline stages.
+    return _split_model(advice, shape, what, dtype, n_gpus, per_node, gpu_bytes)
+
+
+def _gpus_per_node(n_gpus: int, gpus_per_node: int | None) -> int:
+    """GPUs per node (default: all ``n_gpus`` in one), or a ValueError saying what is wrong."""
+    if isinstance(n_gpus, bool) or not isinstance(n_gpus, int) or n_gpus < 1:
+        raise ValueError(f"n_gpus must be a whole number >= 1, got {n_gpus!r}")
+    per_node = n_gpus if gpus_per_node is None else gpus_per_node
+    if isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1:
+        raise ValueError(f"gpus_per_node must be a whole number >= 1, got {gpus_per_node!r}")
+    if n_gpus > per_node and n_gpus % per_node:
+        raise ValueError(f"n_gpus ({n_gpus}) must be a multiple of gpus_per_node ({per_node}) "
+                         "when it spans several nodes")
+    return min(per_node, n_gpus)
+
+
+def _split_model(advice: Advice, shape, what: dict, dtype: str, n_gpus: int, per_node: int,
+                 gpu_bytes: float) -> Advice:
+    """The guide's last question: tensor parallel inside a node (the heads must divide), then the
+    fewest pipeline stages that make one GPU's share fit; ZeRO-1 over the model replicas."""
     tp = _largest_divisor(shape.n_head, per_node) if shape is not None else per_node
     n_layer = shape.n_layer if shape is not None else None
     for pp in range(1, (n_gpus // tp) + 1):
@@ -153,8 +166,7 @@ def choose_strategy(model: str | float, n_gpus: int, gpus_per_node: int | None =
         states = breakdown(**what, dtype=dtype, tp=tp, dp=n_gpus // (tp * pp), stage=1)
         t = states.model_states / pp + states.activations
         if t <= gpu_bytes:
-            label = f"TP {tp} x PP {pp}, ZeRO-1 over the rest (GB)"
-            advice.totals_gb[label] = t / GB
+            advice.totals_gb[f"TP {tp} x PP {pp}, ZeRO-1 over the rest (GB)"] = t / GB
             advice.path.append((f"With tensor parallel {tp} in the node and {pp} pipeline stage(s)?",
                                 f"fits: {t / GB:.3g} GB"))
             advice.strategy = "tp" if pp == 1 else "tp_pp"

@@ -1,32 +1,33 @@
 """Graded exercises: build student and autograder releases with otter-grader, grade locally.
 
     course exercises build [NAME ...]      # = make exercises
-    course exercises check                 # is every dist/ up to date with its source?
-    course grade SUBMISSION.ipynb [...]    # score per question, then TOTAL: x / y
+    course exercises check                 # is every student release up to date with its source?
+    course grade subs/*.ipynb --jobs 2 --csv grades.csv --feedback feedback/
 
-Layout: ``exercises/NN_topic/NN_topic.ipynb`` is the instructor source in otter-grader's assign
-format (questions, solutions, public and hidden tests, committed without outputs). ``build`` runs
-``otter assign`` on it and writes
+Layout (:mod:`.layout`): ``instructor/NN_topic/NN_topic.ipynb`` is the instructor source in
+otter-grader's assign format (questions, solutions, public and hidden tests, committed without
+outputs; the private part of the repository). ``build`` runs ``otter assign`` on it and writes
 
-    exercises/NN_topic/dist/student/NN_topic.ipynb      what students get (public tests only)
-    exercises/NN_topic/dist/autograder/NN_topic.ipynb   the solution notebook
-    exercises/NN_topic/dist/autograder/autograder.zip   tests incl. hidden ones, for grading
-    exercises/NN_topic/dist/MANIFEST.json               source hash + hash of every file above
+    exercises/NN_topic/NN_topic.ipynb          what students get (committed, public)
+    exercises/NN_topic/tests/*.py              its public tests
+    exercises/NN_topic/MANIFEST.json           source hash + hash of every file above
+    build/exercises/NN_topic/                  solution notebook, all tests, autograder.zip
+                                               (gitignored: only on the instructor's machine)
 
 otter writes random cell ids and a time-stamped zip; we replace both with deterministic ones, so a
-rebuild of an unchanged source reproduces dist/ byte for byte, and the manifest lets a test tell
-a stale or hand-edited dist/ from a fresh one. Generated files are never edited by hand.
+rebuild of an unchanged source reproduces the release byte for byte, and the manifest lets a test
+tell a stale or hand-edited release from a fresh one. Generated files are never edited by hand.
 
-Grading runs ``otter run``'s code path in this process (``otter.api.grade_submission``): no Docker,
-no network; the notebook executes in a local Python kernel. The :class:`CellTimeLimit` plugin (set
-in each exercise's ``generate: plugins``) bounds every submission cell, so an answer that hangs
-costs its points instead of stalling the grader; multi-rank answers are also bounded by
-:mod:`course_lib.exercises.grading`.
+Grading runs ``otter run``'s code path (``otter.api.grade_submission``, no Docker, no network),
+each submission in a worker process that is killed at its time limit; inside, every check of an
+answer runs in a killable child (:mod:`course_lib.exercises.grading`), and the
+:class:`CellTimeLimit` plugin bounds every submission cell. The autograder zip also runs on
+Gradescope (its environment installs CPU torch and this package's wheel).
 
 Modules: :mod:`.layout` (where exercises live), :mod:`.colab` (badge and setup cell, public tests
-on Colab), :mod:`.build` (otter assign, manifest, staleness), :mod:`.grade` (local grading, the
-cell time limit), :mod:`.cli` (the two commands). Importing the package imports neither otter
-nor torch.
+on Colab), :mod:`.build` (otter assign, manifest, staleness, Gradescope files), :mod:`.grade`
+(grading and its limits), :mod:`.gradebook` (CSV, feedback files), :mod:`.cli` (the commands), :mod:`.grading` (what the
+tests use). Importing the package imports neither otter nor torch.
 """
 
 from course_lib.exercises.build import (
@@ -53,10 +54,14 @@ from course_lib.exercises.grade import (
     find_autograder,
     grade,
     grade_many,
+    grading_env,
     questions_in,
 )
+from course_lib.exercises.gradebook import write_csv, write_feedback
 from course_lib.exercises.layout import (
     MANIFEST,
+    RELEASES,
+    SOURCES,
     ZIP_NAME,
     Exercise,
     default_root,
@@ -65,9 +70,36 @@ from course_lib.exercises.layout import (
 )
 
 __all__ = [
-    "BUILD_FORMAT", "CELL_TIMEOUT_ENV", "MANIFEST", "ZIP_NAME", "CellTimeLimit", "Exercise",
-    "GradeReport", "QuestionScore", "build", "check", "cli", "colab_badge_line", "colab_setup_cell",
-    "default_root", "discover", "fetch_student_tests", "find_autograder", "grade", "grade_cli",
-    "grade_many", "install_spec", "otter_version", "questions_in", "select", "setup_cell_problems",
-    "source_problems", "sync_setup_cell",
+    "BUILD_FORMAT",
+    "CELL_TIMEOUT_ENV",
+    "MANIFEST",
+    "RELEASES",
+    "SOURCES",
+    "ZIP_NAME",
+    "CellTimeLimit",
+    "Exercise",
+    "GradeReport",
+    "QuestionScore",
+    "build",
+    "check",
+    "cli",
+    "colab_badge_line",
+    "colab_setup_cell",
+    "default_root",
+    "discover",
+    "fetch_student_tests",
+    "find_autograder",
+    "grade",
+    "grade_cli",
+    "grade_many",
+    "grading_env",
+    "install_spec",
+    "otter_version",
+    "questions_in",
+    "select",
+    "setup_cell_problems",
+    "source_problems",
+    "sync_setup_cell",
+    "write_csv",
+    "write_feedback",
 ]

@@ -1,9 +1,15 @@
 """``course exercises build``: otter assign, made deterministic, with a manifest to detect staleness.
 
-otter writes random cell ids and a time-stamped zip; we replace both with deterministic ones, so a
-rebuild of an unchanged source reproduces dist/ byte for byte, and the manifest (hash of the
-source and of every generated file) lets ``check`` tell a stale or hand-edited dist/ from a fresh
-one.
+From ``instructor/NN_topic/NN_topic.ipynb`` it writes the student release to ``exercises/NN_topic/``
+(committed) and the autograder release to ``build/exercises/NN_topic/`` (gitignored). otter writes
+random cell ids and a time-stamped zip; we replace both with deterministic ones, so a rebuild of
+an unchanged source reproduces the release byte for byte, and the manifest (hash of the source and
+of every released file) lets ``check`` tell a stale or hand-edited release from a fresh one.
+
+The autograder zip is made ready for Gradescope: its ``environment.yml`` adds the CPU build of
+torch and the libraries the tests use, and the zip carries this package as a wheel that its
+``setup.sh`` installs (``--no-deps``: the environment has the rest), because the grading config
+loads ``course_lib.exercises.CellTimeLimit`` and the tests import ``course_lib``.
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import subprocess
+import sys
 import tempfile
 import zipfile
 from pathlib import Path
@@ -19,8 +27,8 @@ from course_lib.exercises.colab import setup_cell_problems
 from course_lib.exercises.layout import MANIFEST, ZIP_NAME, Exercise, sha256
 from course_lib.exercises.layout import quiet as silenced
 
-BUILD_FORMAT = 1  # bump when the post-processing below changes, so every dist/ reads as stale
-ZIP_DATE = (1980, 1, 1, 0, 0, 0)  # the earliest date a zip entry can hold: no build time in dist/
+BUILD_FORMAT = 2  # bump when the post-processing below changes, so every release reads as stale
+ZIP_DATE = (1980, 1, 1, 0, 0, 0)  # the earliest date a zip entry can hold: no build time in a release
 
 
 def otter_version() -> str:
@@ -53,10 +61,58 @@ def _normalise_notebook(path: Path, name: str) -> None:
     path.write_text(nbformat.writes(nb) + "\n", encoding="utf-8")
 
 
-def _normalise_zip(src: Path, dest: Path) -> None:
-    """Rewrite otter's time-stamped zip with sorted entries and a fixed date."""
+TORCH_INDEX = "https://download.pytorch.org/whl/cpu"  # the CPU build: no CUDA downloads on Gradescope
+GRADING_REQUIREMENTS = ("torch==2.13.0", "numpy", "pandas", "psutil", "tqdm", "matplotlib")
+
+
+def course_wheel(dest: Path) -> Path:
+    """Build this package's wheel into ``dest``, from a clean copy of the clone's package (a
+    build in the clone itself could pick up stale modules from an old ``build/lib``)."""
+    from course_lib.utils import repo_root
+
+    root = repo_root()
+    if root is None or not (root / "pyproject.toml").is_file():
+        raise FileNotFoundError("building the autograder needs a clone of the course repository "
+                                "(its pyproject.toml) to make the course_lib wheel")
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="course_wheel_src_") as src:
+        for name in ("pyproject.toml", "README.md"):
+            shutil.copy2(root / name, Path(src) / name)
+        shutil.copytree(root / "course_lib", Path(src) / "course_lib",
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                        "-w", str(dest), src], check=True, capture_output=True)
+    wheels = sorted(dest.glob("course_lib-*.whl"))
+    if len(wheels) != 1:
+        raise RuntimeError(f"pip wheel wrote {len(wheels)} course_lib wheels into {dest}, expected 1")
+    return wheels[0]
+
+
+def _gradescope_files(entries: dict[str, bytes], wheel: Path) -> dict[str, bytes]:
+    """otter's environment.yml and setup.sh, plus torch (CPU), the tests' libraries and the wheel."""
+    env = entries["environment.yml"].decode()
+    marker = "  - pip:\n"
+    if marker not in env:
+        raise RuntimeError("otter's environment.yml has no pip section; update _gradescope_files")
+    extra = "".join(f"      - {line}\n" for line in (f"--extra-index-url {TORCH_INDEX}", *GRADING_REQUIREMENTS))
+    env = env.replace(marker, marker + extra, 1)
+    setup = entries["setup.sh"].decode().rstrip("\n") + (
+        "\n\n# course_lib (the tests and the CellTimeLimit plugin import it), without its other "
+        "dependencies\n"
+        f"mamba run -n otter-env pip install --no-deps /autograder/source/{wheel.name}\n")
+    return {**entries, "environment.yml": env.encode(), "setup.sh": setup.encode(),
+            wheel.name: wheel.read_bytes()}
+
+
+def _normalise_zip(src: Path, dest: Path, wheel: Path | None = None) -> None:
+    """Rewrite otter's time-stamped zip with sorted entries and a fixed date (and, given the
+    course wheel, ready for Gradescope)."""
     with zipfile.ZipFile(src) as zin:
-        entries = sorted((info.filename, zin.read(info)) for info in zin.infolist() if not info.is_dir())
+        entries = {info.filename: zin.read(info) for info in zin.infolist() if not info.is_dir()}
+    if wheel is not None:
+        entries = _gradescope_files(entries, wheel)
+    entries = sorted(entries.items())
     with zipfile.ZipFile(dest, "w", compression=zipfile.ZIP_DEFLATED) as zout:
         for filename, data in entries:
             info = zipfile.ZipInfo(filename, date_time=ZIP_DATE)
@@ -66,9 +122,15 @@ def _normalise_zip(src: Path, dest: Path) -> None:
             zout.writestr(info, data)
 
 
-def _manifest(ex: Exercise, dist: Path) -> dict:
-    files = {p.relative_to(dist).as_posix(): sha256(p)
-             for p in sorted(dist.rglob("*")) if p.is_file() and p.name != MANIFEST}
+def _released(release: Path) -> dict[str, Path]:
+    """The files of a student release that the build wrote (the notebook and tests/)."""
+    return {p.relative_to(release).as_posix(): p for p in sorted(release.rglob("*"))
+            if p.is_file() and p.name != MANIFEST and "__pycache__" not in p.parts
+            and not any(part.startswith(".") for part in p.relative_to(release).parts)}
+
+
+def _manifest(ex: Exercise, release: Path) -> dict:
+    files = {rel: sha256(p) for rel, p in _released(release).items()}
     return {
         "exercise": ex.name,
         "source": ex.source.name,
@@ -79,11 +141,11 @@ def _manifest(ex: Exercise, dist: Path) -> dict:
     }
 
 
-def build(ex: Exercise, run_tests: bool = False, quiet: bool = True) -> Path:
-    """Run ``otter assign`` on ``ex`` and replace ``ex.dist`` with its normalised output.
-
-    ``run_tests`` makes otter run the tests against the solution notebook while building (slow;
-    ``course exercises build --verify`` and tests/test_exercises.py grade the releases instead).
+def build(ex: Exercise, run_tests: bool = False, quiet: bool = True, wheel: Path | None = None) -> Path:
+    """Run ``otter assign`` on ``ex``: the student release replaces ``ex.release``, the autograder
+    release ``ex.build``. ``wheel``: the course_lib wheel for the Gradescope zip (built here
+    when not given). ``run_tests`` makes otter run the tests against the solution while
+    building (slow; ``course exercises build --verify`` and tests/test_exercises.py grade instead).
     """
     from otter.assign import main as otter_assign
 
@@ -91,6 +153,7 @@ def build(ex: Exercise, run_tests: bool = False, quiet: bool = True) -> Path:
     if problems:
         raise ValueError("\n".join(problems))
     with tempfile.TemporaryDirectory(prefix=f"course_assign_{ex.name}_") as tmp:
+        wheel = wheel or course_wheel(Path(tmp) / "wheel")
         work = Path(tmp) / ex.name
         work.mkdir()
         shutil.copy2(ex.source, work / ex.source.name)
@@ -100,44 +163,46 @@ def build(ex: Exercise, run_tests: bool = False, quiet: bool = True) -> Path:
         zips = sorted((out / "autograder").glob("*.zip"))
         if len(zips) != 1:
             raise RuntimeError(f"otter assign wrote {len(zips)} autograder zips for {ex.name}, expected 1")
-        _normalise_zip(zips[0], out / "autograder" / ZIP_NAME)
+        _normalise_zip(zips[0], out / "autograder" / ZIP_NAME, wheel)
         zips[0].unlink()
         for nb_path in out.rglob("*.ipynb"):
             _normalise_notebook(nb_path, ex.name)
-        manifest = _manifest(ex, out)
-        (out / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        # Swap in the new dist/ only once it is complete: a failed build leaves the old one.
-        staged = ex.dir / ".dist.new"
-        shutil.rmtree(staged, ignore_errors=True)
-        shutil.copytree(out, staged)
-    shutil.rmtree(ex.dist, ignore_errors=True)
-    staged.rename(ex.dist)
-    return ex.dist
+        student = out / "student"
+        (student / MANIFEST).write_text(json.dumps(_manifest(ex, student), indent=2, sort_keys=True) + "\n",
+                                        encoding="utf-8")
+        # Swap in each release only once it is complete: a failed build leaves the old ones.
+        for built, target in ((student, ex.release), (out / "autograder", ex.build)):
+            staged = target.with_name(f".{target.name}.new")
+            shutil.rmtree(staged, ignore_errors=True)
+            staged.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copytree(built, staged)
+            shutil.rmtree(target, ignore_errors=True)
+            staged.rename(target)
+    return ex.release
 
 
 def check(ex: Exercise) -> list[str]:
-    """Reasons ``ex.dist`` does not match its source (empty list: up to date)."""
-    manifest_path = ex.dist / MANIFEST
+    """Reasons ``ex.release`` does not match its source (empty list: up to date)."""
+    manifest_path = ex.release / MANIFEST
     if not manifest_path.is_file():
-        return [f"{ex.name}: no {manifest_path.relative_to(ex.dir)}; run `course exercises build {ex.name}`"]
+        return [f"{ex.name}: no {manifest_path}; run `course exercises build {ex.name}`"]
     manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
     problems = []
     rebuild = f"run `course exercises build {ex.name}` (or make exercises)"
     if manifest.get("source_sha256") != sha256(ex.source):
-        problems.append(f"{ex.name}: {ex.source.name} changed since dist/ was built; {rebuild}")
+        problems.append(f"{ex.name}: {ex.source.name} changed since its release was built; {rebuild}")
     if manifest.get("build_format") != BUILD_FORMAT:
-        problems.append(f"{ex.name}: dist/ was built by an older course_lib.exercises; {rebuild}")
+        problems.append(f"{ex.name}: the release was built by an older course_lib.exercises; {rebuild}")
     if manifest.get("otter_grader") != otter_version():
-        problems.append(f"{ex.name}: dist/ was built with otter-grader {manifest.get('otter_grader')}, "
+        problems.append(f"{ex.name}: the release was built with otter-grader {manifest.get('otter_grader')}, "
                         f"this is {otter_version()}; {rebuild}")
-    present = {p.relative_to(ex.dist).as_posix(): p for p in ex.dist.rglob("*")
-               if p.is_file() and p.name != MANIFEST}
+    present = _released(ex.release)
     for rel, digest in manifest.get("files", {}).items():
         if rel not in present:
-            problems.append(f"{ex.name}: dist/{rel} is missing; {rebuild}")
+            problems.append(f"{ex.name}: {rel} is missing from the release; {rebuild}")
         elif sha256(present[rel]) != digest:
-            problems.append(f"{ex.name}: dist/{rel} differs from what the build wrote (edited by "
+            problems.append(f"{ex.name}: {rel} differs from what the build wrote (edited by "
                             f"hand?); generated files are never edited: {rebuild}")
     for rel in sorted(set(present) - set(manifest.get("files", {}))):
-        problems.append(f"{ex.name}: dist/{rel} was not written by the build; remove it or {rebuild}")
+        problems.append(f"{ex.name}: {rel} was not written by the build; remove it or {rebuild}")
     return problems

@@ -12,10 +12,12 @@ from course_lib.exercises.build import build, check
 from course_lib.exercises.colab import setup_cell_problems, sync_setup_cell
 from course_lib.exercises.grade import (
     CELL_TIMEOUT_ENV,
+    SUBMISSION_LIMIT_S,
     find_autograder,
     grade_many,
     points_text,
 )
+from course_lib.exercises.gradebook import write_csv, write_feedback
 from course_lib.exercises.layout import select
 
 
@@ -23,14 +25,15 @@ def cli(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="course exercises",
                                 description="Build the graded exercises with otter-grader.")
     sub = p.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build", help="run otter assign: dist/student and dist/autograder")
+    b = sub.add_parser("build", help="run otter assign: exercises/NN_topic (student release) and "
+                                      "build/exercises/NN_topic (autograder release)")
     b.add_argument("names", nargs="*", help="exercises to build (NN or NN_topic; default: all)")
-    b.add_argument("--root", type=Path, help="exercises folder (default: exercises/ of this clone)")
+    b.add_argument("--root", type=Path, help="folder of instructor sources (default: instructor/ of this clone)")
     b.add_argument("--verify", action="store_true",
                    help="then grade each solution (must score full marks) and blank release (zero)")
     b.add_argument("--jobs", type=int, default=2, help="gradings at once for --verify (default 2)")
     b.add_argument("-v", "--verbose", action="store_true", help="show otter's output")
-    c = sub.add_parser("check", help="fail if a dist/ is stale or was edited by hand")
+    c = sub.add_parser("check", help="fail if a student release is stale or was edited by hand")
     c.add_argument("names", nargs="*")
     c.add_argument("--root", type=Path)
     ls = sub.add_parser("list", help="list the exercises")
@@ -63,15 +66,21 @@ def cli(argv: list[str] | None = None) -> int:
         print(f"{sum(not m for m in stale.values())}/{len(exercises)} exercises up to date")
         return 1 if problems else 0
 
+    import tempfile
+
     from tqdm import tqdm
 
-    for ex in tqdm(exercises, desc="otter assign", unit="exercise", disable=len(exercises) < 2):
-        try:
-            build(ex, quiet=not args.verbose)
-        except Exception as e:  # noqa: BLE001 - otter's errors vary; report which exercise failed
-            print(f"course exercises: building {ex.name} failed: {e}", file=sys.stderr)
-            return 1
-        tqdm.write(f"built {ex.dist}")
+    from course_lib.exercises.build import course_wheel
+
+    with tempfile.TemporaryDirectory(prefix="course_wheel_") as tmp:
+        wheel = course_wheel(Path(tmp))  # once for all the autograder zips
+        for ex in tqdm(exercises, desc="otter assign", unit="exercise", disable=len(exercises) < 2):
+            try:
+                build(ex, quiet=not args.verbose, wheel=wheel)
+            except Exception as e:  # noqa: BLE001 - otter's errors vary; report which exercise failed
+                print(f"course exercises: building {ex.name} failed: {e}", file=sys.stderr)
+                return 1
+            tqdm.write(f"built {ex.release} (student) and {ex.build} (autograder)")
     if not args.verify:
         return 0
     subs = [ex.solution_notebook for ex in exercises] + [ex.student_notebook for ex in exercises]
@@ -96,11 +105,18 @@ def grade_cli(argv: list[str] | None = None) -> int:
     p.add_argument("submissions", nargs="+", type=Path, help="submitted .ipynb notebooks")
     p.add_argument("--autograder", type=Path,
                    help="autograder zip (default: found from the notebook's assignment name in "
-                        "exercises/NN_topic/dist/autograder/)")
-    p.add_argument("--root", type=Path, help="exercises folder (default: exercises/ of this clone)")
+                        "build/exercises/NN_topic/, made by `make exercises`)")
+    p.add_argument("--root", type=Path, help="folder of instructor sources (default: instructor/ of this clone)")
     p.add_argument("--jobs", type=int, default=1, help="notebooks graded at once")
     p.add_argument("--cell-timeout", type=float,
                    help=f"seconds any cell may run (default from the exercise; env {CELL_TIMEOUT_ENV})")
+    p.add_argument("--time-limit", type=float, default=SUBMISSION_LIMIT_S,
+                   help=f"seconds one submission may take in all, then it is stopped and scores "
+                        f"zero (default {SUBMISSION_LIMIT_S:g})")
+    p.add_argument("--csv", type=Path, help="write the gradebook: one row per student and question, plus TOTAL")
+    p.add_argument("--feedback", type=Path,
+                   help="write one student-safe report per submission into this folder "
+                        "(scores and public test messages, no hidden-test source)")
     p.add_argument("--json", action="store_true", help="print the reports as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no failure messages, scores only")
     args = p.parse_args(argv)
@@ -112,6 +128,12 @@ def grade_cli(argv: list[str] | None = None) -> int:
     if args.autograder is not None and not args.autograder.is_file():
         print(f"course grade: autograder zip {args.autograder} does not exist", file=sys.stderr)
         return 2
+    if not args.time_limit > 0:
+        print("course grade: --time-limit must be > 0 seconds", file=sys.stderr)
+        return 2
+    if args.jobs < 1:
+        print("course grade: --jobs must be >= 1", file=sys.stderr)
+        return 2
     if args.cell_timeout is not None:
         if args.cell_timeout <= 0:
             print("course grade: --cell-timeout must be > 0 seconds", file=sys.stderr)
@@ -122,7 +144,11 @@ def grade_cli(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"course grade: {e}", file=sys.stderr)
         return 2
-    reports = grade_many(args.submissions, zips, args.root, jobs=args.jobs)
+    reports = grade_many(args.submissions, zips, args.root, jobs=args.jobs, time_limit=args.time_limit)
+    if args.csv:
+        write_csv(reports, args.csv)
+    if args.feedback:
+        write_feedback(reports, args.feedback)
     if args.json:
         print(json.dumps([r.to_dict() for r in reports], indent=2))
     else:

@@ -9,42 +9,48 @@ import os
 from pathlib import Path
 
 from course_lib.exercises.layout import MANIFEST, Exercise
+from course_lib.utils import PACKAGE_DIR
 
 
 def install_spec() -> str:
-    """What pip installs on Colab: the course package with otter-grader, from the repository."""
-    from course_lib import GITHUB_BRANCH, GITHUB_REPO
+    """What pip installs on Colab: the lessons' spec (course_lib.notebook.smoke.install_spec),
+    whose ``colab`` extra brings otter-grader."""
+    from course_lib.notebook.smoke import install_spec as lesson_spec
 
-    return f"course-lib[grading] @ git+https://github.com/{GITHUB_REPO}@{GITHUB_BRANCH}"
+    return lesson_spec()
 
 
 def colab_setup_cell(name: str) -> str:
     """Source of an exercise's first code cell. otter needs its public tests as files next to
     the notebook; Colab opens the notebook alone, so the cell fetches them there."""
+    from course_lib.notebook.smoke import INSTALL_SPEC_VAR, colab_install_lines
+
     return (
         "# Setup. On Google Colab: install the course package and fetch this exercise's public tests.\n"
         "# Anywhere else (JupyterHub, your laptop) the package and tests/ are already there.\n"
-        "import os, sys\n"
-        'if "google.colab" in sys.modules or "COLAB_RELEASE_TAG" in os.environ:\n'
-        f'    %pip install --quiet "{install_spec()}"\n'
-        "    from course_lib.exercises import fetch_student_tests\n"
-        f'    fetch_student_tests("{name}")\n'
-        "import otter\n"
+        f"# A fork or a mirror of the course: edit the spec below, or set {INSTALL_SPEC_VAR}.\n"
+        + colab_install_lines(then=("from course_lib.exercises import fetch_student_tests",
+                                    f'fetch_student_tests("{name}")'))
+        + "\nimport otter\n"
         f'grader = otter.Notebook("{name}.ipynb")'
     )
 
 
 def fetch_student_tests(name: str, dest: str | os.PathLike = "tests", base_url: str | None = None) -> list[Path]:
-    """Download the public tests of exercise ``name`` (its ``dist/student/tests/*.py``) into
-    ``dest``, for ``grader.check`` on Colab. ``base_url`` defaults to the repository's raw files
-    on GitHub; any URL urllib opens works (``file:///path/to/clone`` for a local copy)."""
+    """Copy the public tests of exercise ``name`` (its ``exercises/NN_topic/tests/*.py``) into
+    ``dest``, for ``grader.check`` on Colab. ``base_url`` defaults to the copy inside the installed
+    package (``course_lib/_course``, the public tests as package data: offline, and from the same
+    fork or mirror as the package), else the repository's raw files on GitHub; any URL urllib
+    opens works (``file:///path/to/clone`` for a local copy)."""
     import urllib.request
 
+    if base_url is None and (PACKAGE_DIR / "_course" / "exercises" / name).is_dir():
+        base_url = (PACKAGE_DIR / "_course").as_uri()
     if base_url is None:
         from course_lib import GITHUB_BRANCH, GITHUB_REPO
 
         base_url = f"https://raw.githubusercontent.com/{GITHUB_REPO}/{GITHUB_BRANCH}"
-    base = f"{base_url.rstrip('/')}/exercises/{name}/dist"
+    base = f"{base_url.rstrip('/')}/exercises/{name}"
     try:
         with urllib.request.urlopen(f"{base}/{MANIFEST}", timeout=30) as r:
             manifest = json.loads(r.read().decode("utf-8"))
@@ -54,7 +60,7 @@ def fetch_student_tests(name: str, dest: str | os.PathLike = "tests", base_url: 
     dest.mkdir(parents=True, exist_ok=True)
     written = []
     for rel in sorted(manifest["files"]):
-        if rel.startswith("student/tests/") and rel.endswith(".py"):
+        if rel.startswith("tests/") and rel.endswith(".py"):
             with urllib.request.urlopen(f"{base}/{rel}", timeout=30) as r:
                 data = r.read()
             if hashlib.sha256(data).hexdigest() != manifest["files"][rel]:
@@ -69,7 +75,7 @@ def colab_badge_line(name: str) -> str:
     """The "Open in Colab" badge that starts an exercise: it opens the student release."""
     from course_lib.notebook.smoke import colab_badge
 
-    return colab_badge(f"exercises/{name}/dist/student/{name}.ipynb")
+    return colab_badge(f"exercises/{name}/{name}.ipynb")
 
 
 def _first(nb, cell_type: str):

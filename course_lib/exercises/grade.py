@@ -1,76 +1,42 @@
-"""``course grade``: otter's local grading (``otter run``, no Docker) in this Python, with a
-per-cell time limit, a score per question and the failure messages of each test case."""
+"""``course grade``: otter's local grading (``otter run``, no Docker), one killable process per
+submission, a score per question and the failure messages of each test case.
+
+    python -m course_lib.exercises.grade SUBMISSION.ipynb AUTOGRADER.zip REPORT.json   # one worker
+
+Limits, all enforced from outside the student's code:
+
+- every check of an answer runs in a forked child (``grading.isolated``) or on forked ranks
+  (``grading.run_ranks``) that the test's process kills after ``COURSE_GRADING_TIMEOUT`` seconds
+  (``course grade`` sets 10 unless the environment says otherwise): an endless loop or a
+  deadlock costs its question, about 10-25 s;
+- every cell of the submission gets ``cell_timeout`` seconds (:class:`CellTimeLimit`);
+- the whole submission is graded in a process of its own (this module's ``__main__``) that
+  :func:`grade_many` kills, with its kernel and ranks, after ``time_limit`` seconds: whatever
+  happens, ``course grade`` returns and a batch never stalls.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from course_lib.exercises.cell_limit import CELL_TIMEOUT_ENV, CellTimeLimit  # noqa: F401 - re-exported
 from course_lib.exercises.layout import quiet as silenced
 from course_lib.exercises.layout import select
 
-CELL_TIMEOUT_ENV = "COURSE_GRADING_CELL_TIMEOUT"
-
-
-class CellTimeLimit:
-    """otter plugin: every cell of a submission gets at most ``cell_timeout`` seconds.
-
-    Inserted as the first and last cells of the submission before otter adds its own: the first
-    arms SIGALRM before each cell runs and raises ``TimeoutError`` in the kernel when it fires, the
-    last disarms it so otter's own test-running cell is not cut short. The tests themselves bound
-    multi-rank work through :mod:`course_lib.exercises.grading`. Configure in an exercise's assignment
-    config (``generate: plugins: - course_lib.exercises.CellTimeLimit: {cell_timeout: 120}``);
-    the environment variable ``COURSE_GRADING_CELL_TIMEOUT`` overrides it.
-    """
-
-    ARM = '''\
-# course_lib.exercises.CellTimeLimit: no cell may run longer than {seconds} s during grading
-import signal as _course_signal
-
-def _course_cell_timeout(signum, frame):
-    raise TimeoutError("this cell ran longer than {seconds} s during grading and was stopped "
-                       "(an endless loop, or a process that never finished?)")
-
-def _course_arm(*args):
-    _course_signal.alarm({seconds})
-
-def _course_disarm(*args):
-    _course_signal.alarm(0)
-
-if hasattr(_course_signal, "SIGALRM"):  # POSIX; elsewhere cells are not bounded
-    _course_signal.signal(_course_signal.SIGALRM, _course_cell_timeout)
-    get_ipython().events.register("pre_run_cell", _course_arm)
-    get_ipython().events.register("post_run_cell", _course_disarm)
-'''
-    DISARM = '''\
-# course_lib.exercises.CellTimeLimit: grading cells from here on are bounded by their own timeouts
-if hasattr(_course_signal, "SIGALRM"):
-    _course_signal.alarm(0)
-    get_ipython().events.unregister("pre_run_cell", _course_arm)
-    get_ipython().events.unregister("post_run_cell", _course_disarm)
-'''
-
-    def __init__(self, submission_path, submission_metadata, plugin_config):
-        self.submission_path = submission_path
-        self.plugin_config = plugin_config or {}
-
-    def seconds(self) -> int:
-        value = os.environ.get(CELL_TIMEOUT_ENV) or self.plugin_config.get("cell_timeout", 120)
-        return max(1, int(float(value)))
-
-    def before_execution(self, submission):
-        import nbformat
-
-        if isinstance(submission, str):  # a .py submission: nothing to bound per cell
-            return submission
-        submission.cells.insert(0, nbformat.v4.new_code_cell(self.ARM.format(seconds=self.seconds())))
-        submission.cells.append(nbformat.v4.new_code_cell(self.DISARM))
-        return submission
-
-    # otter calls only the events a plugin has (hasattr), so the others are simply absent.
+GRADING_TIMEOUT_S = 10.0  # seconds per checked call while grading (COURSE_GRADING_TIMEOUT)
+SUBMISSION_LIMIT_S = 600.0  # wall clock for one submission, kernel and ranks included
+HIDDEN_FAILED = "a hidden test failed"
 
 
 @dataclass
@@ -78,7 +44,8 @@ class QuestionScore:
     name: str
     score: float
     possible: float
-    failures: list[str] = field(default_factory=list)  # messages of failed test cases
+    failures: list[str] = field(default_factory=list)  # messages of failed test cases (instructor)
+    public: list[str] = field(default_factory=list)  # what a student may read about the failures
 
 
 @dataclass
@@ -104,15 +71,23 @@ class GradeReport:
     def to_dict(self) -> dict:
         return {**asdict(self), "total": self.total, "possible": self.possible}
 
-    def format(self, verbose: bool = True) -> str:
+    @property
+    def student(self) -> str:
+        """Who handed it in, as far as we know: the file's name without .ipynb."""
+        return Path(self.submission).stem
+
+    def format(self, verbose: bool = True, student_safe: bool = False) -> str:
+        """The report: scores, then per question the failure messages (``student_safe``: public
+        tests' messages only, a hidden test's failure as one line without its source)."""
         width = max([len(q.name) for q in self.questions] + [8])
-        lines = [f"{self.submission}  (autograder: {self.autograder})"]
+        head = self.submission if not student_safe else Path(self.submission).name
+        lines = [f"{head}  (autograder: {self.autograder})" if not student_safe else head]
         if verbose:
             lines += [f"  cell error: {msg}" for msg in self.cell_errors]
         for q in self.questions:
             lines.append(f"  {q.name:<{width}}  {points_text(q.score):>5} / {points_text(q.possible)}")
             if verbose:
-                for msg in q.failures:
+                for msg in (q.public if student_safe else q.failures):
                     lines += ["      " + line for line in msg.strip().splitlines()[-6:]]
         if self.error:
             lines.append(f"ERROR: grading did not complete: {self.error}")
@@ -149,7 +124,7 @@ def find_autograder(submission: Path, root: Path | None = None) -> Path:
     name = assignment_name(submission)
     if not name:
         raise ValueError(f"{submission} carries no otter assignment name in its metadata; is it an "
-                         "exercise notebook from exercises/*/dist/student/? Pass --autograder ZIP")
+                         "exercise notebook from exercises/NN_topic/? Pass --autograder ZIP")
     ex = select([name], root)[0]
     if not ex.autograder_zip.is_file():
         raise FileNotFoundError(f"{ex.autograder_zip} not found; run `course exercises build {name}`")
@@ -169,31 +144,57 @@ def grade(submission: str | os.PathLike, autograder: str | os.PathLike | None = 
     if not autograder.is_file():
         raise FileNotFoundError(f"autograder zip {autograder} does not exist")
     possible = questions_in(autograder)
+    assignment = assignment_of_zip(autograder)
 
     t0 = time.perf_counter()
     error, results = None, None
-    try:
-        from otter.api import grade_submission
+    with tempfile.TemporaryDirectory(prefix="course_grade_") as tmp:
+        # Under the name the notebook itself uses (otter.Notebook("NN_topic.ipynb")), whatever
+        # the student called the file.
+        canonical = Path(tmp) / f"{assignment or submission.stem}.ipynb"
+        shutil.copy2(submission, canonical)
+        try:
+            from otter.api import grade_submission
 
-        with silenced(quiet):
-            results = grade_submission(str(submission), str(autograder), quiet=quiet)
-        if results.catastrophic_error is not None:
-            error = repr(results.catastrophic_error)
-    except Exception as e:  # noqa: BLE001 - a broken submission can make otter fail: it scores zero
-        error = f"{type(e).__name__}: {e}"
+            with silenced(quiet):
+                results = grade_submission(str(canonical), str(autograder), quiet=quiet)
+            if results.catastrophic_error is not None:
+                error = repr(results.catastrophic_error)
+        except Exception as e:  # noqa: BLE001 - a broken submission can make otter fail: it scores zero
+            error = f"{type(e).__name__}: {e}"
     questions = []
     for name, pts in possible.items():
         tf = results.results.get(name) if results is not None and error is None else None
         if tf is None:
-            questions.append(QuestionScore(name, 0.0, pts, [] if error else ["not graded"]))
+            questions.append(QuestionScore(name, 0.0, pts, [] if error else ["not graded"],
+                                           [] if error else ["not graded"]))
             continue
+        failed = [r for r in tf.test_case_results if not r.passed]
         failures = [f"{r.test_case.name}{' (hidden)' if r.test_case.hidden else ''}: "
-                    + r.message.replace("❌ Test case failed", "").strip()
-                    for r in tf.test_case_results if not r.passed]
-        questions.append(QuestionScore(name, float(tf.score), float(tf.possible), failures))
+                    + r.message.replace("❌ Test case failed", "").strip() for r in failed]
+        public = [HIDDEN_FAILED if r.test_case.hidden else f"{r.test_case.name}: {_last_error(r.message)}"
+                  for r in failed]
+        questions.append(QuestionScore(name, float(tf.score), float(tf.possible), failures, public))
     cell_errors = _cell_errors(results.notebook) if results is not None and results.notebook else []
     return GradeReport(str(submission), str(autograder), questions, error, cell_errors,
                        time.perf_counter() - t0)
+
+
+def assignment_of_zip(autograder_zip: Path) -> str | None:
+    with zipfile.ZipFile(autograder_zip) as zf:
+        if "otter_config.json" not in zf.namelist():
+            return None
+        return json.loads(zf.read("otter_config.json")).get("assignment_name")
+
+
+def _last_error(message: str) -> str:
+    """The exception line of a test's traceback (and what follows it), without the source lines."""
+    lines = [ln for ln in message.replace("❌ Test case failed", "").strip().splitlines() if ln.strip()]
+    for i, line in enumerate(lines):
+        if not line.startswith((" ", "Traceback")) and ("Error" in line.split(":", 1)[0]
+                                                         or "Exception" in line.split(":", 1)[0]):
+            return "\n".join(lines[i:])
+    return lines[-1] if lines else "failed"
 
 
 def _cell_errors(executed_nb) -> list[str]:
@@ -208,32 +209,83 @@ def _cell_errors(executed_nb) -> list[str]:
     return errors
 
 
-def _grade_job(job: tuple) -> dict:
-    submission, autograder, root = job
-    try:
-        return grade(submission, autograder, root).to_dict()
-    except Exception as e:  # noqa: BLE001 - one bad submission must not stop the others
-        return {"submission": str(submission), "autograder": str(autograder), "questions": [],
-                "error": f"{type(e).__name__}: {e}", "seconds": 0.0}
-
-
 def _report_from_dict(d: dict) -> GradeReport:
     return GradeReport(d["submission"], d["autograder"], [QuestionScore(**q) for q in d["questions"]],
                        d.get("error"), d.get("cell_errors", []), d.get("seconds", 0.0))
 
 
+def _stopped_report(submission: str, autograder: str, why: str, seconds: float) -> GradeReport:
+    """Every question zero, with the reason: what a killed or crashed grading worker leaves."""
+    questions = [QuestionScore(n, 0.0, p, [why], [why]) for n, p in questions_in(Path(autograder)).items()]
+    return GradeReport(submission, autograder, questions, why, [], seconds)
+
+
+def _grade_in_process(submission: str, autograder: str, time_limit: float, env: dict) -> GradeReport:
+    """Grade one submission in a worker process of its own session; kill the whole session
+    (worker, kernel, ranks) at ``time_limit``."""
+    with tempfile.TemporaryDirectory(prefix="course_grade_job_") as tmp:
+        out = Path(tmp) / "report.json"
+        log = Path(tmp) / "worker.log"
+        t0 = time.monotonic()
+        with open(log, "wb") as log_file:
+            proc = subprocess.Popen([sys.executable, "-m", "course_lib.exercises.grade", submission,
+                                     autograder, str(out)], stdout=log_file, stderr=subprocess.STDOUT,
+                                    env=env, start_new_session=True)
+            try:
+                proc.wait(timeout=time_limit)
+            except subprocess.TimeoutExpired:
+                pass
+            finally:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)  # also the kernel and any ranks left over
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+        seconds = time.monotonic() - t0
+        if out.is_file():
+            return _report_from_dict(json.loads(out.read_text(encoding="utf-8")))
+        if seconds >= time_limit:
+            why = (f"grading was stopped after the submission's limit of {time_limit:g} s (a cell "
+                   "that never ends and ignored its own time limit?); every question scores zero")
+        else:
+            said = log.read_text(errors="replace").strip().splitlines()[-3:]
+            why = f"the grading process failed (exit code {proc.returncode}): {' / '.join(said)}"
+        return _stopped_report(submission, autograder, why, seconds)
+
+
+def grading_env(base: dict | None = None) -> dict:
+    """The environment of a grading worker: the grading timeout defaults to 10 s per call."""
+    env = dict(os.environ if base is None else base)
+    env.setdefault("COURSE_GRADING_TIMEOUT", str(GRADING_TIMEOUT_S))
+    return env
+
+
 def grade_many(submissions: list, autograders: list | None = None, root: Path | None = None,
-               jobs: int = 1) -> list[GradeReport]:
-    """Grade several notebooks, ``jobs`` at a time (each worker process grades many in turn)."""
+               jobs: int = 1, time_limit: float = SUBMISSION_LIMIT_S) -> list[GradeReport]:
+    """Grade several notebooks, ``jobs`` at a time, each in a worker process that is killed after
+    ``time_limit`` seconds (its questions then score zero, with the reason)."""
     autograders = list(autograders) if autograders is not None else [None] * len(submissions)
     if len(autograders) != len(submissions):
         raise ValueError("give one autograder per submission (or none)")
-    work = [(str(s), str(a) if a else None, str(root) if root else None)
+    if not time_limit > 0:
+        raise ValueError(f"time_limit must be > 0 seconds, got {time_limit!r}")
+    work = [(str(Path(s).resolve()), str(Path(a or find_autograder(Path(s), root)).resolve()))
             for s, a in zip(submissions, autograders)]
-    if jobs <= 1 or len(work) <= 1:
-        return [_report_from_dict(_grade_job(w)) for w in work]
-    import multiprocessing as mp
+    env = grading_env()
+    with ThreadPoolExecutor(max(1, min(jobs, len(work)))) as pool:
+        return list(pool.map(lambda w: _grade_in_process(*w, time_limit, env), work))
 
-    # spawn: a clean process (no inherited threads or sockets); otter is imported once per worker
-    with mp.get_context("spawn").Pool(min(jobs, len(work))) as pool:
-        return [_report_from_dict(d) for d in pool.map(_grade_job, work, chunksize=1)]
+
+def _main(argv: list[str]) -> int:
+    """The worker: grade one submission in this process, write the report as JSON."""
+    submission, autograder, out = argv
+    try:
+        report = grade(submission, autograder).to_dict()
+    except Exception as e:  # noqa: BLE001 - reported as the submission's error
+        report = _stopped_report(submission, autograder, f"{type(e).__name__}: {e}", 0.0).to_dict()
+    Path(out).write_text(json.dumps(report), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

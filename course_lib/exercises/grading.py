@@ -1,28 +1,38 @@
-"""Helpers for graded exercises: run a notebook function on N gloo ranks, never hang, compare.
+"""Helpers for graded exercises: run an answer on N gloo ranks or in a process of its own, never
+hang, compare with a reference and say what is wrong.
 
-    from course_lib.exercises.grading import run_ranks, assert_close, p2p_only
-    results = run_ranks(fn, 2)          # fn(rank, world_size) on 2 ranks -> [value of rank 0, 1]
+    from course_lib.exercises.grading import run_ranks, assert_close, isolated, p2p_only
+    results = run_ranks(fn, 2)              # fn(rank, world_size) on 2 ranks -> [value of rank 0, 1]
+    value = isolated(check, timeout=10)     # check() in a forked process, killed after 10 s
 
 Students call :func:`run_ranks` in the exercise notebooks to try their multi-rank code; the
-exercises' tests call it too, and compare what the ranks return with a single-process
-reference (:func:`assert_close`). The ranks are forked from the calling process (the notebook's
-kernel) by course_lib's notebook launcher, so ``fn`` may be defined in the notebook or inside a
-test function; values come back pickled.
+exercises' tests call it too (it is :func:`course_lib.parallel.spawn.run_ranks`, with the
+grading timeout), and run every single-process check through :func:`isolated`: the answer runs in
+a forked child that the test's process kills when it runs past its limit, so an endless loop
+costs its question, never the grader. ``isolated(..., forbid=[f, ...])`` makes the course's own
+reference implementations raise inside that child, so an answer that calls one where the
+question says "write your own" fails.
+
+Tests load a fresh copy of this module (:func:`fresh_copy`'s three lines, written into each
+test): a notebook cell that replaces ``assert_close`` here changes the kernel's copy only.
 
 A wrong answer must never stall grading: every collective has a timeout
-(``COURSE_GRADING_TIMEOUT`` seconds, default 60, or ``timeout=``) and the whole run a wall-clock
-limit, after which the ranks are stopped and :class:`RanksTimeoutError` says what happened. A
-rank that raises or exits while others wait for it stops the run with :class:`RankError`.
-:func:`p2p_only` lets a test forbid the library collectives and count the bytes a rank sends.
+(``COURSE_GRADING_TIMEOUT`` seconds, default 60; ``course grade`` sets 10) and the whole run a
+wall-clock limit, after which the ranks are stopped and :class:`RanksTimeoutError` says what
+happened. A rank that raises stops the run with :class:`RankError`. :func:`p2p_only` lets a test
+forbid the library collectives and count the bytes a rank sends.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import pickle
+import select
+import signal
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+import traceback
+from collections.abc import Callable, Iterable
 from typing import Any
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -30,12 +40,19 @@ TIMEOUT_ENV = "COURSE_GRADING_TIMEOUT"
 MAX_RANKS = 8
 
 
-class RankError(RuntimeError):
-    """A rank raised; the message holds its traceback."""
+def fresh_copy(name: str = "course_lib.exercises.grading"):
+    """A new module object for ``name``, executed from its file: not the one in ``sys.modules``
+    that a notebook cell may have patched. (Tests inline these lines rather than call this.)"""
+    import importlib.util
+
+    spec = importlib.util.find_spec(name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-class RanksTimeoutError(TimeoutError):
-    """Some ranks did not finish in time (a collective or a receive another rank never joined)."""
+_spawn = fresh_copy("course_lib.parallel.spawn")  # the one run_ranks, as its file says
+RankError, RanksTimeoutError = _spawn.RankError, _spawn.RanksTimeoutError
 
 
 def default_timeout() -> float:
@@ -51,24 +68,14 @@ def default_timeout() -> float:
     return seconds
 
 
-def _with_rank(fn, args):
-    """What each rank runs: the exercises' functions take (rank, world_size, *args)."""
-    import torch.distributed as dist
-
-    return fn(dist.get_rank(), dist.get_world_size(), *args)
-
-
 def run_ranks(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float | None = None) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``nproc`` gloo ranks forked from this process
-    (course_lib's :func:`~course_lib.launch.notebook.notebook_launcher`); return their values.
+    """Run ``fn(rank, world_size, *args)`` on ``nproc`` gloo ranks forked from this process and
+    return their values (:func:`course_lib.parallel.spawn.run_ranks`).
 
     ``timeout`` (default ``COURSE_GRADING_TIMEOUT`` or 60 s) bounds every collective; the whole
-    call gets 1.5 x timeout + 5 s of wall clock. Raises :class:`RanksTimeoutError` when ranks
-    hang, :class:`RankError` when a rank raises or dies.
+    call gets timeout + 5 s of wall clock. Raises :class:`RanksTimeoutError` when ranks hang,
+    :class:`RankError` when a rank raises or dies.
     """
-    from course_lib.launch.checks import LaunchConfigError
-    from course_lib.launch.notebook import NotebookLaunchError, notebook_launcher
-
     if not callable(fn):
         raise TypeError(f"run_ranks needs a function fn(rank, world_size, ...), got {fn!r}")
     if isinstance(nproc, bool) or not isinstance(nproc, int) or not 1 <= nproc <= MAX_RANKS:
@@ -76,49 +83,172 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float | N
     timeout = default_timeout() if timeout is None else float(timeout)
     if not timeout > 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
-    import torch.distributed  # noqa: F401 - imported once here, the forked ranks inherit it
+    return _spawn.run_ranks(fn, nproc, args, timeout=timeout, start_method="fork")
 
-    start = time.monotonic()
+
+# --------------------------------------------------------------------------------------------
+# One check in a process of its own
+# --------------------------------------------------------------------------------------------
+
+REFUSED = ("this answer called the course's own implementation, which this question asks you to "
+           "write yourself")
+
+
+def _refuse(*args, **kwargs):
+    # Only literals and builtins: this code object runs with the globals of the function it replaces.
+    raise PermissionError("this answer called the course's own implementation, which this "
+                          "question asks you to write yourself")
+
+
+def _disable(functions: Iterable) -> None:
+    """Make every function in ``functions`` raise, wherever it is referenced from (its code object
+    is swapped, so ``from module import f`` copies are caught too)."""
+    for f in functions:
+        f = getattr(f, "__func__", f)  # a bound or class method
+        if f.__code__.co_freevars:  # a closure: the swap must keep the cell count
+            raise ValueError(f"cannot forbid {f.__qualname__}: it is a closure")
+        f.__code__ = _refuse.__code__
+
+
+class AnswerTimeoutError(AssertionError):
+    """The answer ran past its limit in :func:`isolated` and was stopped."""
+
+
+def isolated(check: Callable[..., Any], *args: Any, timeout: float | None = None,
+             forbid: Iterable = ()) -> Any:
+    """Run ``check(*args)`` in a forked child and return its value; kill it after ``timeout``
+    seconds (default: the grading timeout) and raise :class:`AnswerTimeoutError`.
+
+    An ``AssertionError`` in the child is raised here with the same message; any other exception
+    becomes an ``AssertionError`` that names it (the answer crashed). ``forbid``: functions that
+    raise ``PermissionError`` inside the child (reference implementations the answer must not
+    use). The child never runs the parent's exit handlers.
+    """
+    timeout = default_timeout() if timeout is None else float(timeout)
+    forbid = list(forbid)
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: run, report, leave without cleaning up the parent's state
+        os.close(read_fd)
+        code = 0
+        try:
+            _disable(forbid)
+            message = ("ok", check(*args))
+        except AssertionError as e:
+            message = ("assert", str(e) or "a check failed (no message)")
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            refused = isinstance(e, PermissionError) and str(e) == REFUSED
+            message = ("refused" if refused else "error", f"{type(e).__name__}: {e}",
+                       "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next)[-6:]))
+        try:
+            data = pickle.dumps(message)
+        except Exception as e:  # noqa: BLE001 - an unpicklable result
+            why = f"the answer returned something that cannot be sent back ({type(e).__name__}: {e})"
+            data = pickle.dumps(("error", why, ""))
+        try:
+            with os.fdopen(write_fd, "wb") as out:
+                out.write(data)
+        except BaseException:  # noqa: BLE001
+            code = 1
+        os._exit(code)
+    os.close(write_fd)
+    chunks, deadline = [], time.monotonic() + timeout
     try:
-        return notebook_launcher(_with_rank, (fn, args), nproc=nproc, timeout=timeout,
-                                 time_limit=1.5 * timeout + 5)
-    except LaunchConfigError:
-        raise
-    except NotebookLaunchError as e:
-        message, elapsed = str(e), time.monotonic() - start
-        # When one rank's collective times out it exits, and the ranks still waiting on it see
-        # their connection close: which report arrives first is a race, so judge by the clock.
-        if "time limit" in message or "timed out" in message or elapsed >= timeout:
-            raise RanksTimeoutError(f"the {nproc} ranks did not finish within {timeout:g} s (is "
-                                    "there a collective or a receive that some rank never joined?)"
-                                    f"\n{message}") from None
-        raise RankError(message + (f"\n{e.traceback}" if e.traceback else "")) from None
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AnswerTimeoutError(
+                    f"the answer ran longer than {timeout:g} s and was stopped (an endless loop, "
+                    "or a wait that never ends?)")
+            ready, _, _ = select.select([read_fd], [], [], min(left, 1.0))
+            if ready:
+                chunk = os.read(read_fd, 1 << 16)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+    finally:
+        os.close(read_fd)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    if not chunks:
+        raise AssertionError("the answer's process died without a result (it called os._exit, "
+                             "or was killed for memory?)")
+    message = pickle.loads(b"".join(chunks))
+    if message[0] == "ok":
+        return message[1]
+    if message[0] == "assert":
+        raise AssertionError(message[1])
+    if message[0] == "refused":
+        raise AssertionError(f"{REFUSED}:\n{message[2]}")
+    raise AssertionError(f"the answer raised {message[1]}\n{message[2]}")
 
 
 # --------------------------------------------------------------------------------------------
-# Comparing with a reference
+# Comparing with a reference, and saying what the mistake probably is
 # --------------------------------------------------------------------------------------------
 
-def assert_close(actual, expected, what: str = "result", atol: float = 1e-6, rtol: float = 1e-5) -> None:
-    """Assert two tensors (or equally long lists of tensors) match; the message says where not."""
+def factor_hint(found: float, expected: float, factors: dict[str, float] | None) -> str:
+    """' (found / expected = 3 = the world size: ...)' when ``found`` is a named factor (or its
+    inverse) times ``expected``; '' otherwise."""
+    if not factors or expected == 0 or found == 0:
+        return ""
+    ratio = found / expected
+    for name, k in factors.items():
+        if k not in (0, 1) and abs(ratio - k) <= 1e-3 * abs(k):
+            return f" (found = {k:g} x expected: a factor of {name} too many?)"
+        if k not in (0, 1) and abs(ratio * k - 1) <= 1e-3:
+            return f" (found = expected / {k:g}: divided by {name} once too often?)"
+    return ""
+
+
+def assert_number(found, expected, what: str, rel: float = 1e-9, abs_tol: float = 1e-12,
+                  factors: dict[str, float] | None = None, hint: str = "") -> None:
+    """``found`` must be within ``abs_tol + rel * |expected|`` of ``expected``; the message says
+    both, and the likely mistake (a named factor, or ``hint``)."""
+    if not isinstance(found, (int, float)) or isinstance(found, bool):
+        try:
+            found = float(found)
+        except (TypeError, ValueError):
+            raise AssertionError(f"{what}: expected the number {expected!r}, found "
+                                 f"{type(found).__name__} {found!r}") from None
+    if abs(found - expected) > abs_tol + rel * abs(expected):
+        raise AssertionError(f"{what}: expected {expected!r}, found {found!r}"
+                             + (factor_hint(found, expected, factors) or (f" ({hint})" if hint else "")))
+
+
+def assert_close(actual, expected, what: str = "result", atol: float = 1e-6, rtol: float = 1e-5,
+                 factors: dict[str, float] | None = None) -> None:
+    """Assert two tensors (or equally long lists of tensors) match; the message gives the first
+    element that differs (expected and found) and, with ``factors`` ({"the world size": 3}),
+    the factor by which the whole result is off."""
     import torch
 
     if isinstance(expected, torch.Tensor):
         actual, expected = [actual], [expected]
     actual, expected = list(actual), list(expected)
     if len(actual) != len(expected):
-        raise AssertionError(f"{what}: {len(actual)} tensors, expected {len(expected)}")
+        raise AssertionError(f"{what}: expected {len(expected)} tensors, found {len(actual)}")
     for i, (a, e) in enumerate(zip(actual, expected)):
         if not isinstance(a, torch.Tensor):
             # a failed check like the others below, not a caller's type error
-            raise AssertionError(f"{what}: item {i} is {type(a).__name__}, expected a tensor")  # noqa: TRY004
+            raise AssertionError(f"{what}: item {i}: expected a tensor, found {type(a).__name__}")  # noqa: TRY004
         e = e.detach()
         if a.shape != e.shape:
-            raise AssertionError(f"{what}: item {i} has shape {tuple(a.shape)}, expected {tuple(e.shape)}")
+            raise AssertionError(f"{what}: item {i}: expected shape {tuple(e.shape)}, found {tuple(a.shape)}")
         a = a.detach().to(e.dtype)
         if not torch.allclose(a, e, atol=atol, rtol=rtol):
-            err = (a - e).abs().max().item()
-            raise AssertionError(f"{what}: item {i} differs by up to {err:.3g} (allowed {atol:g} + {rtol:g} x |expected|)")
+            bad = (~torch.isclose(a, e, atol=atol, rtol=rtol)).nonzero()[0].tolist()
+            where = tuple(bad)
+            ratio = ""
+            if factors and e.abs().sum() > 0:  # the whole tensor off by one factor?
+                k = (a.double() * e.double()).sum() / (e.double() ** 2).sum()
+                if torch.allclose(a.double(), k * e.double(), atol=atol, rtol=1e-3):
+                    ratio = factor_hint(float(k), 1.0, factors)
+            raise AssertionError(
+                f"{what}: item {i} at {list(where)}: expected {e[where].item():.6g}, found "
+                f"{a[where].item():.6g}; max difference {(a - e).abs().max().item():.3g} (allowed "
+                f"{atol:g} + {rtol:g} x |expected|){ratio}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -131,12 +261,13 @@ COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_in
                "gather", "scatter")
 
 
-@dataclass
 class Sent:
-    """What this rank sent point-to-point inside :func:`p2p_only`."""
+    """What this rank sent point-to-point inside :func:`p2p_only`. (A plain class: tests execute
+    this module outside ``sys.modules``, where ``@dataclass`` cannot find it.)"""
 
-    bytes: int = 0
-    messages: int = 0
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.messages = 0
 
 
 @contextlib.contextmanager

@@ -1,4 +1,16 @@
-"""Where the exercises live: ``exercises/NN_topic/NN_topic.ipynb`` and its ``dist/``; shared helpers."""
+"""Where the exercises live. Three places, so that solutions and hidden tests stay out of what
+students can see:
+
+    instructor/NN_topic/NN_topic.ipynb          source: questions, solutions, public and hidden tests
+    exercises/NN_topic/NN_topic.ipynb           student release (committed, public): the notebook,
+    exercises/NN_topic/tests/*.py                 its public tests and a MANIFEST.json of hashes
+    build/exercises/NN_topic/                   autograder release (gitignored, made by
+                                                  `make exercises`): solution notebook, all tests,
+                                                  autograder.zip for `course grade` and Gradescope
+
+``instructor/`` is the instructor's private part (see exercises/README.md: publish the course
+without it, or keep it as a private repository); ``exercises/`` and everything else is public.
+"""
 
 from __future__ import annotations
 
@@ -16,50 +28,57 @@ from course_lib.utils import repo_root
 
 MANIFEST = "MANIFEST.json"
 ZIP_NAME = "autograder.zip"
+SOURCES = "instructor"  # the private folder of instructor sources, at the top of the repository
+RELEASES = "exercises"  # the public student releases
+AUTOGRADERS = Path("build") / "exercises"  # local autograder releases (gitignored)
 
 
 @dataclass(frozen=True)
 class Exercise:
     name: str  # NN_topic
-    dir: Path  # exercises/NN_topic
+    dir: Path  # instructor/NN_topic: the source's folder
+    release: Path  # exercises/NN_topic: the student release
+    build: Path  # build/exercises/NN_topic: the autograder release
 
     @property
     def source(self) -> Path:
         return self.dir / f"{self.name}.ipynb"
 
     @property
-    def dist(self) -> Path:
-        return self.dir / "dist"
+    def student_notebook(self) -> Path:
+        return self.release / f"{self.name}.ipynb"
 
     @property
-    def student_notebook(self) -> Path:
-        return self.dist / "student" / f"{self.name}.ipynb"
+    def student_tests(self) -> Path:
+        return self.release / "tests"
 
     @property
     def solution_notebook(self) -> Path:
-        return self.dist / "autograder" / f"{self.name}.ipynb"
+        return self.build / f"{self.name}.ipynb"
 
     @property
     def autograder_zip(self) -> Path:
-        return self.dist / "autograder" / ZIP_NAME
+        return self.build / ZIP_NAME
 
 
 def default_root() -> Path:
-    """``exercises/`` of this clone (the exercises are not shipped inside the wheel)."""
+    """``instructor/`` of this clone: the sources (not shipped inside the wheel)."""
     root = repo_root()
-    if root is None or not (root / "exercises").is_dir():
+    if root is None or not (root / SOURCES).is_dir():
         raise FileNotFoundError(
-            "no exercises/ folder found: run from a clone of the course repository, or pass "
-            "--root (build) / --autograder (grade)")
-    return root / "exercises"
+            f"no {SOURCES}/ folder with the exercise sources found: the instructor sources are "
+            "private (exercises/README.md says where to keep them); pass --root, or for grading "
+            "--autograder ZIP")
+    return root / SOURCES
 
 
 def discover(root: Path | None = None) -> list[Exercise]:
-    """Every ``root/NN_topic/NN_topic.ipynb``, in order."""
+    """Every ``root/NN_topic/NN_topic.ipynb``, in order; releases go next to ``root``
+    (``root/../exercises``, ``root/../build/exercises``)."""
     root = Path(root) if root is not None else default_root()
-    found = [Exercise(d.name, d) for d in sorted(root.iterdir())
-             if d.is_dir() and (d / f"{d.name}.ipynb").is_file()]
-    return found
+    top = root.resolve().parent
+    return [Exercise(d.name, d, top / RELEASES / d.name, top / AUTOGRADERS / d.name)
+            for d in sorted(root.iterdir()) if d.is_dir() and (d / f"{d.name}.ipynb").is_file()]
 
 
 def select(names: list[str], root: Path | None = None) -> list[Exercise]:

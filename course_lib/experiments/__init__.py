@@ -3,7 +3,13 @@
     data_parallel_check    DP variants vs one process, bucket counts (notebook 3)
     model_parallel_check   tensor and pipeline parallel vs one process, bubble (notebook 5)
     memory_measure         saved activations and model states of real processes (notebook 4)
-    profiling              compute vs communication per rank of a profiled step (notebook 8)
-    comm_bench(_workers)   the collectives benchmark, ``course bench comm`` (notebook 2)
+    scaling_measure        strong and weak scaling of a job with a known serial part (notebook 2)
+    profiling              one training step per rank under torch.profiler, its Chrome trace (notebook 8)
+    step_intervals         a profiled step as compute, communication, overlap and exposed time
+    strategy_comparison    every strategy x ranks, repeated runs and medians (notebook 8, benchmarks/strategies.py)
+    comm_bench             the collectives benchmark, ``course bench comm`` (notebook 2)
+    comm_bench_workers     what each rank of that benchmark runs (torch.distributed or MPI)
     hang                   a deliberate hang turned into an error (notebook 2)
+    gpu_check              ``course check-gpu``: the course on one CUDA GPU, a verdict per check
+    gpu_check_steps        the measurements behind each of those checks
 """

@@ -28,7 +28,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from course_lib.experiments.comm_bench_workers import ITEMSIZE, OPS
+import psutil
+
+from course_lib.experiments.comm_bench_workers import ITEMSIZE, OPS, torch_worker
+from course_lib.utils import atomic_write_bytes, free_port
 
 BACKENDS = ("gloo", "nccl", "mpi")
 _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "M": 2**20, "MB": 2**20, "G": 2**30, "GB": 2**30}
@@ -83,14 +86,12 @@ def _check_config(backend: str, nproc: int, ops, sizes, iters: int, warmup: int)
     if iters < 1 or warmup < 0:
         raise ValueError(f"need iters >= 1 and warmup >= 0, got iters={iters}, warmup={warmup}")
     # Each rank holds about 2 S (in + out buffers): refuse what cannot fit in RAM.
-    import psutil
-
     need = 2 * max(sizes) * nproc
     if backend != "nccl" and need > 0.8 * psutil.virtual_memory().available:
         raise ValueError(f"{nproc} ranks x 2 x {max(sizes) / 2**20:.0f} MiB buffers need "
                          f"{need / 2**30:.1f} GiB; lower the largest size or --nproc")
     if backend == "nccl":
-        import torch
+        import torch  # only for NCCL: `course bench comm --help` and gloo runs start without it
 
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if gpus < nproc:
@@ -98,7 +99,7 @@ def _check_config(backend: str, nproc: int, ops, sizes, iters: int, warmup: int)
                              "use --backend gloo or mpi, or --nproc <= number of GPUs")
     if backend == "mpi":
         try:
-            import mpi4py  # noqa: F401
+            import mpi4py  # noqa: F401  # is it installed? (imported by the workers, not here)
         except ImportError as e:
             raise ValueError("the mpi backend needs mpi4py: pip install mpi4py mpich") from e
         find_mpiexec()
@@ -138,10 +139,7 @@ def run_benchmark(backend: str = "gloo", nproc: int = 2, sizes=("1K", "1M"), ops
                 raise RuntimeError(f"{' '.join(cmd)} failed with exit code {proc.returncode}:\n"
                                    f"{proc.stdout}{proc.stderr or ''}")
         else:
-            import torch.multiprocessing as mp
-
-            from course_lib.experiments.comm_bench_workers import torch_worker
-            from course_lib.utils import free_port
+            import torch.multiprocessing as mp  # torch only once a benchmark really starts
 
             mp.start_processes(torch_worker, args=(cfg, free_port(), str(out)), nprocs=nproc,
                                join=True, start_method="spawn")
@@ -204,11 +202,9 @@ def cli(argv: list[str] | None = None) -> int:
         p.error(str(e))
     print(json.dumps(rows, indent=1) if args.json else format_table(rows))
     if args.csv:
-        from course_lib.utils import atomic_write_bytes
-
         atomic_write_bytes(args.csv, to_csv(rows).encode())
     if args.plot:
-        from course_lib.notebook.plots import plot_comm_bench
+        from course_lib.notebook.plots import plot_comm_bench  # matplotlib only for --plot
 
         plot_comm_bench(rows).savefig(args.plot, dpi=120)
     return 0 if all(r["correct"] for r in rows) else 1

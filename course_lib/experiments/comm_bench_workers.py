@@ -19,7 +19,13 @@ import json
 import os
 import sys
 import time
+from datetime import timedelta
 from functools import partial
+
+import numpy as np
+from tqdm import tqdm
+
+from course_lib.analysis.comm_cost import algbw, busbw, bytes_per_rank
 
 OPS = ("all_reduce", "broadcast", "reduce", "reduce_scatter", "all_gather")
 ITEMSIZE = 4  # float32
@@ -46,8 +52,6 @@ def expected(op: str, rank: int, p: int):
 
 
 def make_row(backend, op, p, size, seconds, iters, in_bytes, out_bytes, correct) -> dict:
-    from course_lib.analysis.comm_cost import algbw, busbw, bytes_per_rank
-
     return {"backend": backend, "op": op, "nproc": p, "size_bytes": size,
             "count": size // ITEMSIZE, "dtype": "float32", "in_bytes": in_bytes,
             "out_bytes": out_bytes, "iters": iters, "time_us": seconds * 1e6,
@@ -58,17 +62,13 @@ def make_row(backend, op, p, size, seconds, iters, in_bytes, out_bytes, correct)
 def _progress(items, enabled: bool, desc: str):
     if not enabled:
         return items
-    from tqdm import tqdm
-
     return tqdm(items, desc=desc, unit="size", file=sys.stderr)
 
 
 # ---------------------------------------------------------------- torch.distributed (gloo, nccl)
 def torch_worker(rank: int, cfg: dict, port: int, out_path: str) -> None:
     """One rank of the torch.distributed benchmark (spawned by course_lib.experiments.comm_bench)."""
-    from datetime import timedelta
-
-    import torch
+    import torch  # here, not at the top: MPI ranks import this module and must not load torch
     import torch.distributed as dist
 
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -139,8 +139,7 @@ def torch_worker(rank: int, cfg: dict, port: int, out_path: str) -> None:
 # ------------------------------------------------------------------------------------- mpi4py
 def mpi_main(cfg: dict, out_path: str) -> None:
     """One rank of the mpi4py benchmark (run under mpiexec)."""
-    import numpy as np
-    from mpi4py import MPI
+    from mpi4py import MPI  # here, not at the top: importing mpi4py.MPI initialises MPI
 
     comm = MPI.COMM_WORLD
     rank, p = comm.Get_rank(), comm.Get_size()

@@ -28,6 +28,11 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+from course_lib.analysis.comm_cost import collective_time
+from course_lib.gpt.model import GPT, GPTConfig
+from course_lib.parallel.strategy import build_strategy
 
 from course_lib.parallel.buckets import bucket_indices
 
@@ -49,8 +54,6 @@ def param_checksum(model: torch.nn.Module) -> float:
 def _ddp_bucket_counter(ddp_model) -> dict:
     """Count DDP's bucket all-reduces: a comm hook that records each bucket, then all-reduces it
     with PyTorch's default hook (average over ranks), so training is unchanged."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
     counter = {"calls": 0, "bytes": 0}
 
     def hook(state, bucket):
@@ -79,8 +82,6 @@ def global_batches(cfg, steps: int, global_batch: int, seed: int):
 
 def reference_run(cfg, batches, lr: float, seed: int):
     """One process, the whole global batch per step, from the seed rank 0 uses: (model, losses)."""
-    from course_lib.gpt.model import GPT
-
     torch.manual_seed(seed)
     model = GPT(cfg)
     opt = _adamw(lr)(model)
@@ -105,9 +106,6 @@ def compare_with_single_process(variants: dict[str, tuple[str, dict]] = VARIANTS
     (mean over the steps after the first) and ``comm_ms`` (exposed wait in collectives per step,
     ours only: DDP's happens inside backward).
     """
-    from course_lib.gpt.model import GPT, GPTConfig
-    from course_lib.parallel.strategy import build_strategy
-
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(**(gpt_kwargs or SMALL_GPT))
     per_rank = micro_batch * grad_accum
@@ -182,8 +180,6 @@ def allreduce_seconds(tensor_bytes, p: int, *, bandwidth: float, alpha: float,
 
     Communication only, none of it hidden behind backward: what overlap can save, not what it does.
     """
-    from course_lib.analysis.comm_cost import collective_time
-
     messages = list(tensor_bytes) if cap_bytes is None else bucket_sizes(tensor_bytes, cap_bytes)
     return len(messages), sum(collective_time("all_reduce", n, p, bandwidth=bandwidth, alpha=alpha)
                               for n in messages)

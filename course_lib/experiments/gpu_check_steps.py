@@ -19,10 +19,15 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from course_lib.analysis.memory import ModelShape, breakdown, get_preset
+from course_lib.experiments.comm_bench import run_benchmark
+from course_lib.gpt.checkpoint import load_checkpoint
+from course_lib.gpt.data import prepare
 from course_lib.gpt.model import GPT
 from course_lib.hardware import PROFILES, detect, pick_dtype
+from course_lib.launch.train_cli import build_config
 
 GiB = 2**30
 # nanoGPT's recipe (config/train_shakespeare_char.py) in bf16, and the T4 path forced on the same
@@ -48,8 +53,6 @@ def profile_step(out: Path, device: str = "cuda") -> dict:
 
 def data_step(out: Path, data_dir: str | None = None) -> dict:
     """Prepare shakespeare_char (nothing to do when it is already there)."""
-    from course_lib.gpt.data import prepare
-
     t0 = time.perf_counter()
     folder = prepare("shakespeare_char", data_dir, quiet=True)
     return {"data_dir": str(folder), "seconds": round(time.perf_counter() - t0, 2)}
@@ -67,10 +70,6 @@ def train_runs(out: Path, runs: dict[str, Sequence[str]], timeout_s: float = 900
     """``course train`` for each of ``runs`` (name -> arguments) side by side, each in its own
     process and run folder (``out/NAME``, log in ``out/NAME.log``); one progress bar follows
     their metrics.csv. Returns each run's summary.json and run.json figures and its wall time."""
-    from tqdm.auto import tqdm
-
-    from course_lib.launch.train_cli import build_config
-
     procs, totals, t0 = {}, {}, time.perf_counter()
     for name, args in runs.items():
         argv = [*args, f"--out_dir={out / name}", "--overwrite", "--no-progress"]
@@ -103,8 +102,6 @@ def train_runs(out: Path, runs: dict[str, Sequence[str]], timeout_s: float = 900
                         "backend": info.get("backend"), "torchrun": "torchrun_run_id" in info.get("launcher", {}),
                         "wall_s": round(walls[name], 1)}
         if info["dtype"] == "float16":  # evidence of loss scaling: the GradScaler's scale at the end
-            from course_lib.gpt.checkpoint import load_checkpoint
-
             scaler = load_checkpoint(out / name / "last.pt", mmap=True)["scaler"]
             result[name]["loss_scale"] = scaler["state"]["scale"] if scaler else None
     return result
@@ -117,8 +114,6 @@ def recipes_step(out: Path, runs: dict[str, Sequence[str]] = RECIPES) -> dict:
 def nccl_step(out: Path, train_args: Sequence[str] = NCCL_RUN, backend: str = "nccl",
               sizes: Sequence[str] = ("1M", "256M")) -> dict:
     """The trainer as one torchrun rank in a process group (NCCL on a GPU), then ``course bench comm``."""
-    from course_lib.experiments.comm_bench import run_benchmark
-
     run = train_runs(out, {"nccl_run": train_args})["nccl_run"]
     rows = run_benchmark(backend, 1, sizes, iters=20, warmup=5, timeout_s=300)
     return {"run": run, "bench_backend": backend, "bench_all_correct": all(r["correct"] for r in rows),

@@ -25,10 +25,16 @@ import time
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
 
+from course_lib.analysis.comm_cost import zero_comm_volume
+from course_lib.analysis.memory import model_state_bytes
+from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.parallel.footprint import measure_model_states
+from course_lib.parallel.strategy import build_strategy
 
 # ------------------------------------------------------------------ counting bytes of tensors
 
@@ -112,8 +118,6 @@ def full_recomputation(model: nn.Module):
     """Inside the ``with``, every transformer block (each entry of an ``nn.ModuleList``) runs under
     ``torch.utils.checkpoint``: backward recomputes the block, so only its input is kept
     (Korthikanti et al. 2022's "full recomputation", 2sbh bytes per layer in 16-bit)."""
-    from torch.utils.checkpoint import checkpoint
-
     blocks = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
     for block in blocks:
         plain = type(block).forward.__get__(block)  # the class's forward, bound to this block
@@ -182,11 +186,6 @@ def measure_strategies(names: list[str], gpt_kwargs: dict, batch_size: int, step
     before zero_grad, optimizer), ``peak`` (largest params/grads/comm buffers during the last
     forward and backward), ``volume`` and ``calls`` (collectives of the last step), ``step_s``.
     """
-    import torch.distributed as dist
-
-    from course_lib.gpt.model import GPT, GPTConfig
-    from course_lib.parallel.strategy import build_strategy
-
     rank, world_size = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(**gpt_kwargs)
     results = {}
@@ -243,9 +242,6 @@ def compare_with_formulas(results: dict[str, dict], world_size: int) -> list[dic
     parameter). Communication: the step's collective volume against
     :func:`course_lib.analysis.comm_cost.zero_comm_volume` (paper accounting, 4-byte elements).
     """
-    from course_lib.analysis.comm_cost import zero_comm_volume
-    from course_lib.analysis.memory import model_state_bytes
-
     rows = []
     for name, r in results.items():
         stage = STAGE_OF[name]

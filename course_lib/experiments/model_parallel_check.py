@@ -2,8 +2,8 @@
 process computing the same thing.
 
     from course_lib.launch import notebook_launcher
-    from course_lib.experiments.model_parallel_check import split_weights_demo, tensor_parallel_demo
-    results = notebook_launcher(split_weights_demo, (64, 96, 48), nproc=3)
+    from course_lib.experiments.model_parallel_check import compare_split_weights
+    results = notebook_launcher(compare_split_weights, (64, 96, 48), nproc=3)   # a list, one dict per rank
 
 * :func:`chain_matmul`: the split-weights example y = x0 W0 + x1 W1 + x2 W2 as in the diagram
   ``model_parallel_split``: rank i holds only W_i, adds its term to the partial sum it receives
@@ -11,9 +11,12 @@ process computing the same thing.
   the other (this is what pipeline parallelism then fills with micro-batches).
 * The same product with all ranks working at once and one all-reduce
   (:func:`course_lib.parallel.tensor_parallel.split_matmul_example`): tensor parallelism.
-* :func:`tensor_parallel_demo`: Megatron's MLP and a whole GPT split over the ranks, against the
+  :func:`compare_split_weights` runs both and compares them with x @ W on one process.
+* :func:`compare_tensor_parallel`: Megatron's MLP and a whole GPT split over the ranks, against the
   unsplit model: same outputs and gradients, 1/N of the big matrices per rank, and the number of
   all-reduces in forward and backward (Shoeybi et al. 2019, Sec. 3: two per block each way).
+* :func:`measure_pipeline_bubble`: a GPT cut into pipeline stages, the bubble of each schedule
+  against the number of micro-batches (drawn by :func:`course_lib.notebook.plots.plot_pipeline_bubble`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.parallel.comms import Comms
+from course_lib.parallel.pipeline_parallel import Pipeline, gpt_stage
+from course_lib.parallel.tensor_parallel import TensorParallelMLP, split_matmul_example, tensor_parallel_gpt
 
 
 def chain_matmul(x: torch.Tensor, W: torch.Tensor, comms: Comms) -> torch.Tensor:
@@ -48,15 +54,13 @@ def chain_matmul(x: torch.Tensor, W: torch.Tensor, comms: Comms) -> torch.Tensor
     return y
 
 
-def split_weights_demo(batch: int, d: int, out: int, repeats: int = 3, seed: int = 0) -> dict:
+def compare_split_weights(batch: int, d: int, out: int, repeats: int = 3, seed: int = 0) -> dict:
     """Run both versions of the split-weights example; compare with x @ W on one process.
 
     Returns, for this rank: the largest difference from the one-process result, the bytes of W
     it needs, the bytes it sent, and the time of each version (best of ``repeats``).
     """
     rank, n = dist.get_rank(), dist.get_world_size()
-    from course_lib.parallel.tensor_parallel import split_matmul_example
-
     g = torch.Generator().manual_seed(seed)
     x, W = torch.randn(batch, d, generator=g), torch.randn(d, out, generator=g)  # same on every rank
     reference = x @ W
@@ -78,7 +82,7 @@ def split_weights_demo(batch: int, d: int, out: int, repeats: int = 3, seed: int
     return out_
 
 
-def tensor_parallel_demo(n_embd: int = 64, n_head: int = 4, n_layer: int = 2, batch: int = 4,
+def compare_tensor_parallel(n_embd: int = 64, n_head: int = 4, n_layer: int = 2, batch: int = 4,
                          block_size: int = 32, seed: int = 0) -> dict:
     """Split a GPT's MLP, then the whole GPT, over the ranks; compare with the unsplit model.
 
@@ -88,12 +92,6 @@ def tensor_parallel_demo(n_embd: int = 64, n_head: int = 4, n_layer: int = 2, ba
     checked through the LayerNorm and embedding gradients, which are replicated), and the
     parameter bytes per rank of both.
     """
-    from course_lib.gpt.model import GPT, GPTConfig
-    from course_lib.parallel.tensor_parallel import (
-        TensorParallelMLP,
-        tensor_parallel_gpt,
-    )
-
     rank = dist.get_rank()
     comms = Comms()
     cfg = GPTConfig(block_size=block_size, vocab_size=65, n_layer=n_layer, n_head=n_head,
@@ -151,7 +149,7 @@ def tensor_parallel_demo(n_embd: int = 64, n_head: int = 4, n_layer: int = 2, ba
     return result
 
 
-def pipeline_demo(schedules: tuple[str, ...] = ("afab", "1f1b"), n_micros: tuple[int, ...] = (1, 2, 4, 8),
+def measure_pipeline_bubble(schedules: tuple[str, ...] = ("afab", "1f1b"), n_micros: tuple[int, ...] = (1, 2, 4, 8),
                   n_layer: int = 4, n_embd: int = 32, n_head: int = 4, block_size: int = 16,
                   micro_batch: int = 2, seed: int = 0) -> list[dict]:
     """One training step of a GPT cut into ``world_size`` pipeline stages, for every schedule and
@@ -162,9 +160,6 @@ def pipeline_demo(schedules: tuple[str, ...] = ("afab", "1f1b"), n_micros: tuple
     (p - 1) / (m + p - 1) to compare with, the most micro-batches in flight on this stage, the
     pipeline's loss and the loss of the unsplit model on the same batch (one process).
     """
-    from course_lib.gpt.model import GPT, GPTConfig
-    from course_lib.parallel.pipeline_parallel import Pipeline, gpt_stage
-
     rank, p = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(block_size=block_size, vocab_size=65, n_layer=n_layer, n_head=n_head,
                     n_embd=n_embd, bias=True)
@@ -188,36 +183,3 @@ def pipeline_demo(schedules: tuple[str, ...] = ("afab", "1f1b"), n_micros: tuple
                          "micro-batches in flight": stats.peak_in_flight,
                          "loss": loss, "loss (one process)": reference, "step ms": 1e3 * stats.step_s})
     return rows
-
-
-def plot_bubble(rows: list[dict], ax=None):
-    """Measured bubble against the number of micro-batches m, per schedule, with the formula
-    (p - 1) / (m + p - 1) as a line. ``rows``: :func:`pipeline_demo`'s dicts of all ranks."""
-    from course_lib.notebook.plots import _axes
-
-    if not rows:
-        raise ValueError("plot_bubble needs the rows of pipeline_demo")
-    fig, ax = _axes(ax)
-    p = rows[0]["p"]
-    ms = sorted({r["m"] for r in rows})
-    fine = [m / 4 for m in range(4, 4 * max(ms) + 1)]
-    ax.plot(fine, [(p - 1) / (m + p - 1) for m in fine], color="black", linewidth=1,
-            label="(p-1)/(m+p-1)")
-    for schedule, marker, size in (("afab", "o", 11), ("1f1b", "s", 5)):  # equal bubbles: nest them
-        for key, fill in (("bubble (ticks)", True), ("bubble (wall)", False)):
-            pts = [(m, sum(r[key] for r in rows if r["m"] == m and r["schedule"] == schedule) /
-                    max(1, sum(1 for r in rows if r["m"] == m and r["schedule"] == schedule)))
-                   for m in ms if any(r["schedule"] == schedule for r in rows)]
-            if pts:
-                ax.plot(*zip(*pts), marker=marker, linestyle="none", markersize=size,
-                        fillstyle="full" if fill else "none",
-                        label=f"{schedule}, {'logical clock' if fill else 'wall time'}")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(ms, labels=[str(m) for m in ms])
-    ax.set_xlabel("micro-batches per step m")
-    ax.set_ylabel("idle fraction of the step (bubble)")
-    ax.set_title(f"Pipeline bubble, p = {p} stages (mean over stages)")
-    ax.set_ylim(0, 1)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    return fig

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 from pathlib import Path
 
 import torch
@@ -52,7 +53,6 @@ def copy_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     try:
         os.link(src, tmp)
     except OSError:  # a file system without hard links
-        import shutil
         shutil.copyfile(src, tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())

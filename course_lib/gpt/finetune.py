@@ -4,7 +4,7 @@
     text = speeches(shakespeare, ["ROMEO", "JULIET"])            # the new, smaller corpus
     data_dir = prepare_finetune_data(text, "runs/ft-data", base_meta=meta)
     cfg = finetune_config("runs/pretrain", "runs/finetune", data_dir, iters=500)
-    course_lib.notebook.live_plot.train_live(cfg)                          # or course_lib.launch.training.train_in_process(cfg)
+    course_lib.notebook.live_plot.train_live(cfg)           # or course_lib.launch.training.train_in_process(cfg)
 
 Pre-training learns the language from a large corpus starting from random weights; fine-tuning
 starts from those weights and trains on a smaller, more specific corpus (for a chat model:
@@ -33,6 +33,11 @@ from pathlib import Path
 
 import numpy as np
 
+from course_lib.gpt import checkpoint as ckpt_io
+from course_lib.gpt.config import TrainConfig
+from course_lib.gpt.data import tokenizer
+from course_lib.utils import atomic_write_bytes
+
 SPEAKER = re.compile(r"^([A-Z][A-Za-z' ]*[A-Za-z]):$")  # a speech's first line: "ROMEO:", "First Citizen:"
 # the same after a blank line (or at the start): a verse line may end with a colon too
 HEADING = re.compile(r"(?:\A|(?<=\n\n))([A-Z][A-Za-z' ]*[A-Za-z]):(?=\n)")
@@ -56,9 +61,6 @@ def speaker_counts(text: str) -> Counter:
 def prepare_finetune_data(text: str, data_dir: str | os.PathLike, base_meta: dict, val_fraction: float = 0.1) -> Path:
     """Write ``DATA_DIR/DATASET/{train.bin,val.bin,meta.json}`` for ``text``, encoded with the
     tokenizer of ``base_meta`` (the pre-training dataset's meta.json); returns DATA_DIR."""
-    from course_lib.gpt.data import tokenizer
-    from course_lib.utils import atomic_write_bytes
-
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
     encode, _ = tokenizer(base_meta)
@@ -80,9 +82,6 @@ def finetune_config(pretrained_dir: str | os.PathLike, out_dir: str | os.PathLik
     """A config that continues ``pretrained_dir``'s checkpoint for ``iters`` more iterations on the
     data in ``data_dir``, as a new run in ``out_dir``. ``changes``: fields a resumed run may change
     (eval_interval, eval_iters, log_interval, device, ...; see course_lib.gpt.checkpoint)."""
-    from course_lib.gpt import checkpoint as ckpt_io
-    from course_lib.gpt.config import TrainConfig
-
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")
     if which not in ("best", "last"):

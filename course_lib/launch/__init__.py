@@ -6,15 +6,29 @@
 
     from course_lib.launch import launch, launch_training, notebook_launcher, mpirun
 
-Modules: :mod:`.api` (launch, LaunchResult), :mod:`.training` (the one training path:
-check_request, run_training behind launch_training and ``course train``), :mod:`.train_cli`
-(``course train``), :mod:`.demo` (``make demo``),
-:mod:`.mpi` (mpirun), :mod:`.notebook` (notebook_launcher: fork N processes running a notebook function),
-:mod:`.magics`, :mod:`.cluster` (SLURM/PBS), :mod:`.torchrun` (command lines),
-:mod:`.procs` (process trees), :mod:`.supervise` and :mod:`.monitor` (the launcher's loop),
-:mod:`.bootstrap` (what each rank runs first), :mod:`.agent` (torchrun on loopback),
-:mod:`.checks` (input validation). Names are imported lazily: importing this package is cheap,
-which matters because every rank imports it.
+Modules:
+
+    api         launch(), LaunchResult: any script or module on N ranks, supervised
+    training    the one training path: check_request, run_training behind launch_training()
+                and ``course train``
+    train_cli   ``course train``
+    demo        ``make demo``: the instructor's end-to-end run
+    checks      refusing bad launches before anything is spawned
+    mpi         mpirun(): the same for MPI ranks (mpi4py)
+    forked      notebook_launcher(): N processes forked from the kernel, running a notebook function
+    magics      the %%torchrun and %%mpirun cell magics
+    cluster     ``course submit``: SLURM and PBS batch scripts
+    allocation  the SLURM or PBS job this process runs in
+    slurm_local a real two-node SLURM on this machine, to try ``course submit`` (make slurm-local)
+    torchrun    the torchrun command lines
+    agent       torchrun with its stores on loopback only
+    bootstrap   what each rank runs first (logs, process group, the target)
+    supervise   the launcher's loop: wait, stop on the first failure, explain it
+    monitor     watching a running launch: per-rank output, rank states, where a hung rank waits
+    procs       process trees: spawn with a parent-death signal, stop them all
+
+Names are imported lazily: importing this package is cheap, which matters because every rank
+imports it.
 """
 
 from __future__ import annotations
@@ -28,8 +42,8 @@ _EXPORTS = {
     "LaunchConfigError": "course_lib.launch.checks",
     "launch_training": "course_lib.launch.training",
     "mpirun": "course_lib.launch.mpi",
-    "notebook_launcher": "course_lib.launch.notebook",
-    "NotebookLaunchError": "course_lib.launch.notebook",
+    "notebook_launcher": "course_lib.launch.forked",
+    "NotebookLaunchError": "course_lib.launch.forked",
     "RankFailure": "course_lib.launch.supervise",
 }
 

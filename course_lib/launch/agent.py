@@ -21,12 +21,14 @@ import sys
 import traceback
 from datetime import timedelta
 
+from course_lib.launch.procs import set_parent_death_signal
+
 LOOPBACK_ENV = "COURSE_LOOPBACK_STORE"
 
 
 def loopback_store_class():
     """A ``torch.distributed.TCPStore`` whose server side listens on 127.0.0.1 only."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # torch in functions: main sets the parent-death signal first
 
     base = dist.TCPStore
 
@@ -55,7 +57,7 @@ def loopback_store_class():
 
 def install_loopback_store() -> None:
     """Make torch.distributed and torchrun's rendezvous modules create loopback stores."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # (torch only after main has set the parent-death signal)
     import torch.distributed.elastic.rendezvous.c10d_rendezvous_backend
     import torch.distributed.elastic.rendezvous.dynamic_rendezvous
     import torch.distributed.elastic.rendezvous.static_tcp_rendezvous  # noqa: F401
@@ -68,15 +70,13 @@ def install_loopback_store() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from course_lib.launch.procs import set_parent_death_signal
-
     # Belt and braces: the launcher sets this too (preexec); a hand-started agent gets it here.
     if os.environ.get("COURSE_PDEATHSIG") == "1":
         set_parent_death_signal()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # where is the agent? (kill -USR1)
     if os.environ.get(LOOPBACK_ENV) == "1":
         install_loopback_store()
-    from torch.distributed.run import main as torchrun_main
+    from torch.distributed.run import main as torchrun_main  # seconds of import: after the signal
 
     code = 0
     try:

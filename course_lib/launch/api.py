@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from course_lib.hardware import threads_per_rank
 from course_lib.launch import checks, torchrun
 from course_lib.launch.supervise import Agent, RankFailure, supervise
 
@@ -96,8 +97,6 @@ def base_env(env: Mapping[str, str] | None, nproc_per_node: int, run_id: str, *,
              nccl_debug: str | None = None, nccl_debug_subsys: str | None = None,
              nccl_debug_file=None) -> dict[str, str]:
     """Environment for the agent and its workers (a copy of ours, plus the launch's settings)."""
-    from course_lib.hardware import threads_per_rank
-
     out = dict(os.environ)
     out.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc_per_node)))
     out.update(PYTHONUNBUFFERED="1", COURSE_LAUNCH_ID=run_id, COURSE_PDEATHSIG="1")
@@ -136,7 +135,7 @@ def launch(target, args: Sequence[str] = (), *, nproc="auto", nnodes: int = 1,
         for byte, as a terminal would show that process, its progress bar included; other
         ranks' stderr still prefixed).
     """
-    device = checks.resolve_device(device)
+    device = checks.resolve_device(device, nproc)
     nproc = checks.resolve_nproc(nproc, device)
     nnodes = checks.check_nnodes(nnodes)
     timeout = checks.check_timeout("timeout", timeout)
@@ -201,7 +200,7 @@ def _read_metrics(run_dir: Path):
     path = run_dir / "metrics.csv"
     if not path.is_file():
         return None
-    import pandas as pd
+    import pandas as pd  # a second of import: only once a run has written metrics
 
     try:
         return pd.read_csv(path)

@@ -28,6 +28,9 @@ import socket
 import sys
 import time
 import traceback
+from datetime import timedelta
+
+from course_lib.launch.procs import set_parent_death_signal
 
 RANK_ENVS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
 SIZE_ENVS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
@@ -91,9 +94,7 @@ def _redirect(log_dir: str, rank: int) -> None:
 
 
 def _init_torch(backend: str, timeout_s: float, local_rank: int) -> dict:
-    from datetime import timedelta
-
-    import torch
+    import torch  # only ranks that ask for a process group pay for torch (the launcher imports us too)
     import torch.distributed as dist
 
     if backend == "auto":
@@ -108,7 +109,7 @@ def _init_torch(backend: str, timeout_s: float, local_rank: int) -> dict:
 
 
 def _init_mpi() -> dict:
-    from mpi4py import MPI
+    from mpi4py import MPI  # importing mpi4py.MPI initialises MPI: only --mpi ranks may
 
     comm = MPI.COMM_WORLD
     return {"MPI": MPI, "comm": comm, "RANK": comm.rank, "WORLD_SIZE": comm.size}
@@ -124,9 +125,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("target")
     p.add_argument("args", nargs=argparse.REMAINDER)
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
-
-    from course_lib.launch.procs import set_parent_death_signal
-
     set_parent_death_signal(signal.SIGKILL)  # the agent stops us with SIGTERM; this is the backstop
     if os.getppid() == 1:
         return 1  # our parent died before the line above

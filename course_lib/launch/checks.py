@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 from course_lib.gpt.config import ConfigError
 from course_lib.hardware import default_nproc, gpu_count
-from course_lib.launch.cluster import check_allocation, detect_allocation
+from course_lib.launch.allocation import check_allocation, detect_allocation
 
 
 class LaunchConfigError(ConfigError):
@@ -22,13 +23,23 @@ class LaunchConfigError(ConfigError):
     ValueError): ``course train`` reports both the same way."""
 
 
-def resolve_device(device: str) -> str:
-    """'auto' -> 'cuda' when this machine has a GPU, else 'cpu'."""
+def resolve_device(device: str, nproc=None) -> str:
+    """'auto' -> 'cuda' when this machine has a GPU for each of ``nproc`` ranks, else 'cpu'.
+
+    More ranks than GPUs (2 ranks on Colab's one T4, say) run as CPU processes with gloo, with a
+    one-line note on stderr: the course's multi-rank demos work anywhere. An explicit 'cuda' is
+    never changed (:func:`resolve_nproc` refuses too many ranks for it).
+    """
     if device not in ("auto", "cpu", "cuda"):
         raise LaunchConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
-    if device == "auto":
-        return "cuda" if gpu_count() > 0 else "cpu"
-    return device
+    if device != "auto":
+        return device
+    n_gpu = gpu_count()
+    ranks = int(nproc) if isinstance(nproc, str) and nproc.isdigit() else nproc
+    if n_gpu and isinstance(ranks, int) and not isinstance(ranks, bool) and ranks > n_gpu:
+        print(f"note: {ranks} ranks but {n_gpu} GPU(s) here: the ranks run as CPU processes (gloo)", file=sys.stderr)
+        return "cpu"
+    return "cuda" if n_gpu > 0 else "cpu"
 
 
 def resolve_nproc(nproc, device: str) -> int:

@@ -1,16 +1,12 @@
 """course submit --scheduler slurm|pbs --nodes N --gpus-per-node G [--dry-run] -- TRAIN ARGS
 
-Clusters: what the scheduler gave this job (read from its environment), and batch scripts that
-run the trainer on N nodes x G GPUs. SLURM starts one ``torchrun`` per node with ``srun``; PBS
+Batch scripts that run the trainer on N nodes x G GPUs (what the scheduler gave a running job is
+:mod:`course_lib.launch.allocation`). SLURM starts one ``torchrun`` per node with ``srun``; PBS
 with ``mpiexec -n N -ppn 1`` (MPICH / Cray PALS / Intel MPI syntax). The torchrun agents meet
 in a c10d rendezvous on the first node of the allocation, under the job id, at a port derived
 from it (unless --port), with an explicit join timeout. The trainer's arguments are checked before
 anything is submitted. Training arguments are quoted for the shell (``shlex.quote``), so spaces and ``;``
 reach the trainer literally.
-
-Variables read: SLURM_JOB_ID, SLURM_JOB_NUM_NODES/SLURM_NNODES, SLURM_GPUS_ON_NODE,
-SLURM_CPUS_ON_NODE, SLURM_JOB_NODELIST (https://slurm.schedmd.com/sbatch.html#SECTION_OUTPUT-ENVIRONMENT-VARIABLES);
-PBS_JOBID, PBS_NODEFILE, NCPUS (PBS Professional reference guide, "PBS environment variables").
 """
 
 from __future__ import annotations
@@ -23,80 +19,11 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
 SCHEDULERS = ("slurm", "pbs")
 DEFAULT_MODULE = "course_lib.gpt.train"
-
-
-@dataclass(frozen=True)
-class Allocation:
-    """The resources a batch job was given (None where the scheduler does not say)."""
-
-    scheduler: str
-    job_id: str
-    nodes: int | None
-    gpus_per_node: int | None
-    cpus_per_node: int | None
-    hosts: tuple[str, ...] = ()
-
-
-def _int(value: str | None) -> int | None:
-    m = re.match(r"\d+", value or "")
-    return int(m.group()) if m else None
-
-
-def expand_nodelist(nodelist: str) -> list[str]:
-    """'gpu[01-03,07],login1' -> ['gpu01', 'gpu02', 'gpu03', 'gpu07', 'login1'] (SLURM syntax)."""
-    hosts = []
-    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", nodelist):
-        if plain:
-            hosts.append(plain)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            for i in range(int(lo), int(hi or lo) + 1):
-                hosts.append(f"{prefix}{i:0{len(lo)}d}")
-    return hosts
-
-
-def detect_allocation(env: Mapping[str, str] | None = None) -> Allocation | None:
-    """The SLURM or PBS job this process runs in, or None outside a batch job."""
-    env = os.environ if env is None else env
-    if env.get("SLURM_JOB_ID"):
-        hosts = tuple(expand_nodelist(env.get("SLURM_JOB_NODELIST", "")))
-        nodes = _int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")) or (len(hosts) or None)
-        return Allocation("slurm", env["SLURM_JOB_ID"], nodes, _int(env.get("SLURM_GPUS_ON_NODE")),
-                          _int(env.get("SLURM_CPUS_ON_NODE")), hosts)
-    if env.get("PBS_JOBID"):
-        hosts: tuple[str, ...] = ()
-        try:
-            with open(env.get("PBS_NODEFILE", "")) as f:
-                hosts = tuple(dict.fromkeys(line.strip() for line in f if line.strip()))
-        except OSError:
-            pass
-        return Allocation("pbs", env["PBS_JOBID"], len(hosts) or None, None, _int(env.get("NCPUS")), hosts)
-    return None
-
-
-def check_allocation(nnodes: int, nproc_per_node: int, uses_gpus: bool,
-                     alloc: Allocation | None) -> None:
-    """Refuse nodes x GPUs that the batch job does not have, saying what to change."""
-    if alloc is None:
-        return
-    var = {"slurm": "SLURM_JOB_NUM_NODES", "pbs": "PBS_NODEFILE"}[alloc.scheduler]
-    if alloc.nodes is not None and nnodes > alloc.nodes:
-        raise ValueError(
-            f"nnodes={nnodes} but this {alloc.scheduler.upper()} job ({alloc.job_id}) has "
-            f"{alloc.nodes} node(s) ({var}); use nnodes<={alloc.nodes} or submit a job with "
-            f"{nnodes} nodes (course submit --nodes {nnodes})")
-    if uses_gpus and alloc.gpus_per_node is not None and nproc_per_node > alloc.gpus_per_node:
-        raise ValueError(
-            f"{nproc_per_node} GPU ranks per node but this job has {alloc.gpus_per_node} GPU(s) per "
-            f"node (SLURM_GPUS_ON_NODE); use nproc={alloc.gpus_per_node} or submit with "
-            f"--gpus-per-node {nproc_per_node}")
 
 
 def _port_lines(port: int | None, job_number: str) -> list[str]:

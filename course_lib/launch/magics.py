@@ -24,6 +24,10 @@ from pathlib import Path
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 
+from course_lib.launch.api import LaunchError, default_run_dir, launch
+from course_lib.launch.checks import LaunchConfigError
+from course_lib.launch.mpi import mpirun
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # IPython shows UsageError as one line instead of exiting
@@ -89,16 +93,11 @@ class LaunchMagics(Magics):
     def _finish(self, name: str, result):
         self.shell.user_ns[f"{name}_result"] = result
         if not result.ok:
-            from course_lib.launch.api import LaunchError
-
             raise LaunchError(result.error or f"failed with exit code {result.returncode}", result)
 
     @cell_magic
     def torchrun(self, line: str, cell: str):
         """%%torchrun -n N [--nnodes M] [--timeout S] [--time-limit S] [--ranks all|0,1] ..."""
-        from course_lib.launch.api import default_run_dir, launch
-        from course_lib.launch.checks import LaunchConfigError
-
         a = torchrun_parser().parse_args(shlex.split(line))
         nproc = a.nproc if a.nproc == "auto" else _int(a.nproc, "-n")
         run_dir = Path(a.run_dir) if a.run_dir else default_run_dir("torchrun")
@@ -115,10 +114,6 @@ class LaunchMagics(Magics):
     @cell_magic
     def mpirun(self, line: str, cell: str):
         """%%mpirun -n N [--time-limit S] [--ranks all|0,1]"""
-        from course_lib.launch.api import default_run_dir
-        from course_lib.launch.checks import LaunchConfigError
-        from course_lib.launch.mpi import mpirun
-
         a = mpirun_parser().parse_args(shlex.split(line))
         run_dir = Path(a.run_dir) if a.run_dir else default_run_dir("mpirun")
         try:

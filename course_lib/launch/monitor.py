@@ -226,7 +226,7 @@ class MetricsProgress:
     STEP_COLUMNS = ("iter", "step", "iteration")
 
     def __init__(self, path: str, total: int | None, desc: str = "train", file=None):
-        from tqdm.auto import tqdm
+        from tqdm.auto import tqdm  # in a notebook this imports ipywidgets: only once a bar is shown
 
         self.path, self.size = path, -1
         self.bar = tqdm(total=total, desc=desc, unit="it", dynamic_ncols=True, file=file)

@@ -133,8 +133,12 @@ def check_request(config: TrainConfig, *, nproc=None, nnodes: int = 1, overwrite
     """
     if not isinstance(config, TrainConfig):
         raise LaunchConfigError(f"expected a TrainConfig (course_lib.gpt.config.make_config), got {type(config).__name__}")
-    device = checks.resolve_device(config.device.split(":")[0])
-    nproc = checks.resolve_nproc(config.nproc if nproc is None else nproc, device)
+    nproc = config.nproc if nproc is None else nproc
+    asked = config.device.split(":")[0]
+    device = checks.resolve_device(asked, nproc)
+    nproc = checks.resolve_nproc(nproc, device)
+    if device == "cpu" and checks.resolve_device(asked) == "cuda":  # 'auto', more ranks than GPUs:
+        config = config.replace(device="cpu")  # every worker must train on the CPU, as decided here
     req = TrainRequest(config.replace(nproc=nproc), checks.check_nnodes(nnodes), device, overwrite)
     for check in CHECKS:
         check(req)

@@ -1,8 +1,4 @@
-"""The course's Mermaid diagrams in notebooks, and the ``course images`` command.
-
-    course images build [NAME ...] [--force]   # `make images` installs mermaid-cli first
-    course images check                         # are the committed renderings up to date?
-    course images list
+"""The course's Mermaid diagrams in notebooks: the committed renderings, or rendered live.
 
 Each diagram is a Mermaid source ``images/diagrams/NAME.mmd``, rendered to
 ``images/diagrams/rendered/NAME.svg`` and ``.png`` by :mod:`course_lib.notebook.diagrams_build`. The
@@ -13,6 +9,10 @@ renderings are committed, so a notebook shows them offline, on Colab and on GitH
     src = diagrams.mermaid_source("broadcast")     # edit it ...
     diagrams.show("broadcast", source=src.replace("rank 3", "rank 7"))   # ... rendered live
 
+The sources and renderings travel inside the package too (``course_lib/_diagrams`` links to
+``images/diagrams``; the wheel carries copies), so all of this works from a plain
+``pip install`` with no clone, as on Colab.
+
 Live rendering goes through mermaid-py (the mermaid.ink web service, or $MERMAID_INK_SERVER).
 When that fails (offline, say) the committed image is shown instead, or, for an edited source
 that has no rendering, the source itself, each time with a note saying why.
@@ -20,12 +20,10 @@ that has no rendering, the source itself, each time with a note saying why.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import os
 import re
 import socket
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass
@@ -33,28 +31,38 @@ from html import escape
 from pathlib import Path
 from urllib.parse import urlparse
 
-from course_lib import GITHUB_BRANCH, GITHUB_REPO
-from course_lib.utils import repo_root
+from course_lib.utils import PACKAGE_DIR, repo_root
 
 SOURCES = Path("images") / "diagrams"  # relative to the repository root
 RENDERED = SOURCES / "rendered"
 CONFIG = "mermaid-config.json"
 MANIFEST = "manifest.json"
+PACKAGED = PACKAGE_DIR / "_diagrams"  # a link to images/diagrams; in a wheel, a copy (package data)
 
 
 def _root(root: Path | None) -> Path:
+    """The clone to build renderings in (``course images build`` needs the repository)."""
     root = root or repo_root()
     if root is None:
-        raise FileNotFoundError("the diagram sources are in the course repository: run this from a clone")
+        raise FileNotFoundError("rendering diagrams needs a clone of the course repository (images/diagrams/)")
     return Path(root)
+
+
+def _folder(root: Path | None) -> Path:
+    """Where the sources are: ``root/images/diagrams``, a clone's, or else the package's copy."""
+    root = root or repo_root()
+    folder = Path(root) / SOURCES if root is not None else PACKAGED
+    if not folder.is_dir():
+        raise FileNotFoundError(f"no diagram sources in {folder}: reinstall course-lib, or restore images/diagrams/")
+    return folder
 
 
 def names(root: Path | None = None) -> list[str]:
     """The diagram names: the stems of ``images/diagrams/*.mmd``."""
-    return sorted(p.stem for p in (_root(root) / SOURCES).glob("*.mmd"))
+    return sorted(p.stem for p in _folder(root).glob("*.mmd"))
 
 
-def _check_name(name: str, root: Path) -> None:
+def _check_name(name: str, root: Path | None) -> None:
     known = names(root)
     if name not in known:
         raise ValueError(f"no diagram named {name!r}; the diagrams are: {', '.join(known)}")
@@ -62,9 +70,8 @@ def _check_name(name: str, root: Path) -> None:
 
 def mermaid_source(name: str, root: Path | None = None) -> str:
     """The Mermaid text of diagram ``name``: copy it, edit it, pass it to ``show(name, source=...)``."""
-    root = _root(root)
     _check_name(name, root)
-    return (root / SOURCES / f"{name}.mmd").read_text(encoding="utf-8")
+    return (_folder(root) / f"{name}.mmd").read_text(encoding="utf-8")
 
 
 # ---------------------------------------------------------------- showing in notebooks
@@ -75,13 +82,12 @@ class LiveRenderError(RuntimeError):
 
 @dataclass(frozen=True, repr=False)
 class Figure:
-    """What ``show`` displays: an SVG/PNG, an image on GitHub, or the Mermaid source, plus a note."""
+    """What ``show`` displays: an SVG/PNG or the Mermaid source, plus a note."""
 
     name: str
-    how: str  # "committed", "live", "github" or "source"
+    how: str  # "committed", "live" or "source"
     svg: str | None = None
     png: bytes | None = None
-    url: str | None = None
     source: str | None = None
     note: str = ""
 
@@ -98,8 +104,6 @@ class Figure:
         elif self.png is not None:
             data = base64.b64encode(self.png).decode()
             body = f'<img {alt} style="max-width:100%" src="data:image/png;base64,{data}"/>'
-        elif self.url is not None:
-            body = f'<img {alt} style="max-width:100%" src="{escape(self.url)}"/>'
         else:
             body = f'<pre class="diagram-source">{escape(self.source or "")}</pre>'
         note = f'<div class="diagram-note" style="font-size:90%;color:#8a4b08">{escape(self.note)}</div>' if self.note else ""
@@ -117,7 +121,7 @@ def _render_live(text: str, timeout: float) -> tuple[str, bytes]:
     server = os.environ.get("MERMAID_INK_SERVER", "https://mermaid.ink")
 
     def work() -> tuple[str, bytes]:
-        import mermaid  # mermaid-py, imported here: it talks to the network
+        import mermaid  # mermaid-py: 0.6 s of import (requests, ...), only for live rendering
 
         url = urlparse(server)
         # fail fast when offline: mermaid-py's own requests have no timeout
@@ -143,28 +147,23 @@ def _render_live(text: str, timeout: float) -> tuple[str, bytes]:
         pool.shutdown(wait=False)
 
 
-def _committed(name: str, root: Path | None, note: str = "") -> Figure:
-    if root is not None:
-        svg, png = (root / RENDERED / f"{name}.svg"), (root / RENDERED / f"{name}.png")
-        if svg.is_file() and png.is_file():
-            return Figure(name, "committed", svg=svg.read_text(encoding="utf-8"), png=png.read_bytes(), note=note)
-    url = f"https://raw.githubusercontent.com/{GITHUB_REPO}/{GITHUB_BRANCH}/{RENDERED.as_posix()}/{name}.svg"
-    extra = "No local rendering found (no clone of the course here): showing the copy on GitHub, which needs a network."
-    return Figure(name, "github", url=url, note=f"{note} {extra}".strip())
+def _committed(name: str, folder: Path, note: str = "") -> Figure:
+    svg, png = folder / "rendered" / f"{name}.svg", folder / "rendered" / f"{name}.png"
+    if not (svg.is_file() and png.is_file()):
+        raise FileNotFoundError(f"diagram {name!r} has no rendering in {folder / 'rendered'}: run `make images`")
+    return Figure(name, "committed", svg=svg.read_text(encoding="utf-8"), png=png.read_bytes(), note=note)
 
 
 def diagram(name: str, source: str | None = None, live: bool = False, timeout: float = 10.0,
             root: Path | None = None) -> Figure:
     """The Figure :func:`show` displays: ``.how`` says which way it was made, ``.note`` why."""
-    root = root or repo_root()
-    committed_src = None
-    if root is not None:
-        _check_name(name, root)
-        committed_src = (root / SOURCES / f"{name}.mmd").read_text(encoding="utf-8")
-    edited = source is not None and source.strip() != (committed_src or "").strip()
+    _check_name(name, root)
+    folder = _folder(root)
+    committed_src = (folder / f"{name}.mmd").read_text(encoding="utf-8")
+    edited = source is not None and source.strip() != committed_src.strip()
     text = source if source is not None else committed_src
-    if not (live or edited) or text is None:
-        return _committed(name, root)
+    if not (live or edited):
+        return _committed(name, folder)
     try:
         svg, png = _render_live(text, timeout)
         return Figure(name, "live", svg=svg, png=png, note="Rendered live by mermaid.ink through mermaid-py.")
@@ -174,7 +173,7 @@ def diagram(name: str, source: str | None = None, live: bool = False, timeout: f
         return Figure(name, "source", source=source, note=(
             f"Live rendering failed: {reason} Your edited source is shown instead: paste it into "
             f"https://mermaid.live, or save it as images/diagrams/{name}.mmd and run `make images`."))
-    return _committed(name, root, note=f"Live rendering failed: {reason} Showing the committed rendering instead.")
+    return _committed(name, folder, note=f"Live rendering failed: {reason} Showing the committed rendering instead.")
 
 
 def show(name: str, source: str | None = None, live: bool = False, timeout: float = 10.0) -> None:
@@ -185,36 +184,6 @@ def show(name: str, source: str | None = None, live: bool = False, timeout: floa
     rendering fails (offline, or the service rejects the text) the committed image is shown, or
     for an edited source the source itself, with a note saying what happened.
     """
-    from IPython.display import display
+    from IPython.display import display  # IPython only when shown: `course images` imports this module
 
     display(diagram(name, source=source, live=live, timeout=timeout))
-
-
-def cli(argv: list[str]) -> int:
-    from course_lib.notebook import diagrams_build
-
-    p = argparse.ArgumentParser(prog="course images", description="Render and check the Mermaid diagrams.")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build", help="render stale diagrams to SVG and PNG (needs mermaid-cli and Chromium)")
-    b.add_argument("names", nargs="*", help="render only these (default: every stale one)")
-    b.add_argument("--force", action="store_true", help="re-render every diagram")
-    b.add_argument("--jobs", type=int, default=2, help="diagrams rendered at once (default 2)")
-    sub.add_parser("check", help="exit 1 when a rendering is missing or older than its source")
-    sub.add_parser("list", help="list the diagrams")
-    args = p.parse_args(argv)
-    if args.cmd == "list":
-        print("\n".join(names()))
-        return 0
-    if args.cmd == "build":
-        try:
-            done = diagrams_build.build(args.names or None, force=args.force, jobs=args.jobs)
-        except (FileNotFoundError, RuntimeError, ValueError) as e:
-            print(f"course images: {e}", file=sys.stderr)
-            return 1
-        print(f"rendered {len(done)} diagram(s) into {RENDERED}/" if done else "all diagrams are up to date")
-    problems = diagrams_build.check()
-    for line in problems:
-        print(line, file=sys.stderr)
-    if args.cmd == "check" and not problems:
-        print(f"{len(names())} diagrams, all renderings up to date")
-    return 1 if problems else 0

@@ -1,10 +1,11 @@
 """Rendering the Mermaid diagrams with mermaid-cli, and checking the committed renderings.
 
     course images build [NAME ...] [--force]   # `make images` installs mermaid-cli first
-    course images check
+    course images check                         # are the committed renderings up to date?
+    course images list
 
-The command line and the notebook side live in :mod:`course_lib.notebook.diagrams`; this module owns the
-files: ``images/diagrams/NAME.mmd`` is rendered by mermaid-cli (``mmdc``, driving a headless
+The notebook side (showing a diagram) lives in :mod:`course_lib.notebook.diagrams`; this module owns
+the files and the command: ``images/diagrams/NAME.mmd`` is rendered by mermaid-cli (``mmdc``, driving a headless
 Chromium) to ``rendered/NAME.svg`` and ``rendered/NAME.png``, and ``rendered/manifest.json``
 records the SHA-256 of each source, of the shared ``mermaid-config.json`` and of both outputs.
 :func:`check` compares those hashes with the files, so a source edited without re-rendering is
@@ -13,14 +14,19 @@ noticed without a browser.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
+import xml.etree.ElementTree as ET
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from tqdm import tqdm
 
 from course_lib.notebook.diagrams import (
     CONFIG,
@@ -62,8 +68,6 @@ def is_png(data: bytes) -> bool:
 
 def is_svg(text: str) -> bool:
     """Well-formed XML whose root element is an <svg> with a non-empty viewBox and some content."""
-    import xml.etree.ElementTree as ET
-
     try:
         root = ET.fromstring(text)
     except ET.ParseError:
@@ -121,8 +125,6 @@ def _find_tool(env: str, candidates: list[str | Path], hint: str) -> str:
 
 def build(only: list[str] | None = None, force: bool = False, root: Path | None = None, jobs: int = 2) -> list[str]:
     """Render the stale diagrams (or ``only`` those, or all with ``force``); return the names rendered."""
-    from tqdm import tqdm
-
     root = _root(root)
     for name in only or []:
         _check_name(name, root)
@@ -179,3 +181,35 @@ def build(only: list[str] | None = None, force: bool = False, root: Path | None 
             (out_dir / f"{name}.{ext}").unlink(missing_ok=True)
     atomic_write_bytes(out_dir / MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
     return todo
+
+
+def cli(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="course images", description="Render and check the Mermaid diagrams.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="render stale diagrams to SVG and PNG (needs mermaid-cli and Chromium)")
+    b.add_argument("names", nargs="*", help="render only these (default: every stale one)")
+    b.add_argument("--force", action="store_true", help="re-render every diagram")
+    b.add_argument("--jobs", type=int, default=2, help="diagrams rendered at once (default 2)")
+    sub.add_parser("check", help="exit 1 when a rendering is missing or older than its source")
+    sub.add_parser("list", help="list the diagrams")
+    args = p.parse_args(argv)
+    if args.cmd == "list":
+        print("\n".join(names()))
+        return 0
+    if args.cmd == "build":
+        try:
+            done = build(args.names or None, force=args.force, jobs=args.jobs)
+        except (FileNotFoundError, RuntimeError, ValueError) as e:
+            print(f"course images: {e}", file=sys.stderr)
+            return 1
+        print(f"rendered {len(done)} diagram(s) into {RENDERED}/" if done else "all diagrams are up to date")
+    try:
+        problems = check()
+    except FileNotFoundError as e:  # an installed package: nothing to check against
+        print(f"course images: {e}", file=sys.stderr)
+        return 1
+    for line in problems:
+        print(line, file=sys.stderr)
+    if args.cmd == "check" and not problems:
+        print(f"{len(names())} diagrams, all renderings up to date")
+    return 1 if problems else 0

@@ -30,6 +30,13 @@ from collections.abc import Callable, Sequence
 from html import escape
 from pathlib import Path
 
+import ipywidgets as w
+from IPython.display import display
+from matplotlib.figure import Figure  # no pyplot: no global figure state
+
+from course_lib.gpt.metrics import read_metrics
+from course_lib.notebook.plots import plot_loss_curve
+
 
 def ema(values: Sequence[float], smoothing: float) -> list[float]:
     """Exponential moving average with weight ``smoothing`` on the past (0 = no smoothing).
@@ -51,8 +58,6 @@ def ema(values: Sequence[float], smoothing: float) -> list[float]:
 def read_rows(path: str | os.PathLike) -> list[dict] | None:
     """The rows of a metrics.csv being written, or None if it cannot be read right now (not yet
     created, or a row half-written at this instant: the next poll reads it whole)."""
-    from course_lib.gpt.metrics import read_metrics
-
     try:
         return read_metrics(path)
     except (OSError, ValueError, KeyError, TypeError):
@@ -87,11 +92,7 @@ def status_html(rows: Sequence[dict], total_iters: int | None, smoothing: float,
 def loss_figure(rows: Sequence[dict], smoothing: float = 0.0, title: str | None = None,
                 total_iters: int | None = None, ax=None):
     """The loss curves of a run (course_lib.notebook.plots.plot_loss_curve) plus the smoothed train loss."""
-    from course_lib.notebook.plots import plot_loss_curve
-
     if ax is None:
-        from matplotlib.figure import Figure  # no pyplot: no global figure state
-
         ax = Figure(figsize=(7, 4), layout="constrained").add_subplot()
     fig = ax.figure
     if not _valid(rows, "train_loss") and not _valid(rows, "val_loss"):
@@ -122,8 +123,6 @@ class LiveLossPlot:
 
     def __init__(self, metrics_csv: str | os.PathLike, total_iters: int | None = None, title: str = "",
                  smoothing: float = 0.6, interval_s: float = 1.0, figsize=(7.5, 3.6), dpi: int = 80):
-        import ipywidgets as w
-
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         ema([], smoothing)  # validates
@@ -213,8 +212,6 @@ def train_live(cfg, *, overwrite: bool = False, interval_s: float = 1.0, plot: L
     (:func:`course_lib.launch.training.train_in_process`); more are launched with
     :func:`course_lib.launch.launch_training` (extra keyword arguments go to it).
     """
-    from IPython.display import display  # why: IPython only where a plot is shown
-
     # why: the trainer and the launcher import torch; the plot alone needs neither
     from course_lib.launch.training import launch_training, prepare_run, train_in_process
 

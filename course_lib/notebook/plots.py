@@ -6,7 +6,16 @@ Pass ``ax`` to draw into an existing Axes (the Figure returned is then ``ax.figu
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections.abc import Mapping, Sequence
+
+from matplotlib.figure import Figure  # no pyplot: no global figure state
+
+from course_lib.analysis.comm_cost import ALGORITHMS, collective_time
+from course_lib.analysis.memory import STAGE_NAMES, STAGES, breakdown, resolve_gpu
+from course_lib.analysis.scaling_laws import amdahl_speedup, gustafson_speedup
+from course_lib.gpt.metrics import read_metrics
 
 GB = 1e9
 _PART_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868",
@@ -16,8 +25,6 @@ _PART_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868",
 def _axes(ax, figsize=(7, 4)):
     if ax is not None:
         return ax.figure, ax
-    from matplotlib.figure import Figure
-
     fig = Figure(figsize=figsize, layout="constrained")
     return fig, fig.add_subplot()
 
@@ -58,8 +65,6 @@ def plot_zero_memory(num_params: float | None = None, dp: int = 1, *, gpu=None, 
     Arguments as :func:`course_lib.analysis.memory.breakdown` (num_params or preset=..., k, dtype, ...);
     ``gpu``: a profile name such as "t4" to draw its memory.
     """
-    from course_lib.analysis.memory import STAGE_NAMES, STAGES, breakdown, resolve_gpu
-
     items = {STAGE_NAMES[s]: breakdown(num_params, dp=dp, stage=s, **breakdown_kwargs)
              for s in STAGES}
     psi = next(iter(items.values())).num_params
@@ -102,8 +107,6 @@ def plot_collective_model(nbytes: Sequence[float], p: int, alpha: float, bandwid
                           op: str = "all_reduce", algorithms: Sequence[str] | None = None, ax=None):
     """Alpha-beta model time against message size for each algorithm of ``op``
     (see :mod:`course_lib.analysis.comm_cost`)."""
-    from course_lib.analysis.comm_cost import ALGORITHMS, collective_time
-
     fig, ax = _axes(ax)
     for algo in algorithms or ALGORITHMS[op]:
         times = [collective_time(op, n, p, alpha=alpha, bandwidth=bandwidth, algorithm=algo)
@@ -125,11 +128,7 @@ def plot_loss_curve(rows: Sequence[Mapping] | str, title: str | None = None, ax=
     rows: the rows of a run's ``metrics.csv`` (:func:`course_lib.gpt.metrics.read_metrics`), or the
     path of that file.
     """
-    import math
-
     if isinstance(rows, str) or hasattr(rows, "__fspath__"):
-        from course_lib.gpt.metrics import read_metrics
-
         rows = read_metrics(rows)
     train = [(r["iter"], r["train_loss"]) for r in rows if not math.isnan(r.get("train_loss", math.nan))]
     val = [(r["iter"], r["val_loss"]) for r in rows if not math.isnan(r.get("val_loss", math.nan))]
@@ -145,6 +144,120 @@ def plot_loss_curve(rows: Sequence[Mapping] | str, title: str | None = None, ax=
     ax.set_xlabel("iteration")
     ax.set_ylabel("cross-entropy loss")
     ax.set_title(title or "Training loss")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def plot_scaling(strong: Sequence[dict], s_fit: float, weak: Sequence[dict] | None = None,
+                 s_written: float | None = None, p_max: int = 1024):
+    """Two panels: measured strong-scaling speedups with Amdahl's curve for ``s_fit``; and the
+    laws extrapolated to ``p_max`` processors (Amdahl's ceiling 1/s vs Gustafson's line), with the
+    measured weak-scaling points. Returns a matplotlib Figure.
+
+    Rows as :func:`course_lib.experiments.scaling_measure.measure_strong` and ``measure_weak``
+    return them; the laws are :mod:`course_lib.analysis.scaling_laws`."""
+    if not strong:
+        raise ValueError("plot_scaling needs strong-scaling rows (measure_strong)")
+    amdahl_speedup(s_fit, 1)  # checks 0 <= s_fit <= 1 before anything is drawn
+    fig = Figure(figsize=(11, 4), layout="constrained")
+    ax1, ax2 = fig.subplots(1, 2)
+    ps = [r["p"] for r in strong]
+    grid = [1 + i * (max(ps) - 1) / 50 for i in range(51)]
+    ax1.plot(grid, grid, "k:", label="ideal: S = p")
+    ax1.plot(grid, [amdahl_speedup(s_fit, p) for p in grid], label=f"Amdahl, fitted s = {s_fit:.3f}")
+    if s_written is not None:
+        ax1.plot(grid, [amdahl_speedup(s_written, p) for p in grid], "--",
+                 label=f"Amdahl, serial part written in s = {s_written:.3f}")
+    ax1.plot(ps, [r["speedup"] for r in strong], "o", color="C3", label="measured")
+    ax1.set_xlabel("processes p")
+    ax1.set_ylabel("speedup T(1) / T(p)")
+    ax1.set_title("Strong scaling on this machine")
+    ax1.legend(fontsize=8)
+    ax1.grid(alpha=0.3)
+
+    big = [2 ** k for k in range(max(1, p_max).bit_length())]
+    ax2.plot(big, big, "k:", label="ideal")
+    ax2.plot(big, [amdahl_speedup(s_fit, p) for p in big], marker=".",
+             label=f"Amdahl (fixed job), fitted s = {s_fit:.3f}, ceiling {1 / s_fit:.0f}" if s_fit
+             else "Amdahl (fixed job), fitted s = 0")
+    if s_written is not None:
+        ax2.plot(big, [amdahl_speedup(s_written, p) for p in big], "--",
+                 label=f"Amdahl, s = {s_written:.3f} as written, ceiling {1 / s_written:.0f}" if s_written
+                 else "Amdahl, s = 0 as written")
+    s_weak = statistics.mean(r["serial_share"] for r in weak) if weak else s_fit
+    ax2.plot(big, [gustafson_speedup(s_weak, p) for p in big], marker=".",
+             label=f"Gustafson (growing job), s' = {s_weak:.3f}")
+    if weak:
+        ax2.plot([r["p"] for r in weak], [r["scaled_speedup"] for r in weak], "o", color="C3",
+                 label="measured scaled speedup")
+    ax2.set_xscale("log", base=2)
+    ax2.set_yscale("log", base=2)
+    ax2.set_xlabel("processes p")
+    ax2.set_ylabel("speedup")
+    ax2.set_title("Extrapolated: fixed vs growing job")
+    ax2.legend(fontsize=8)
+    ax2.grid(alpha=0.3, which="both")
+    return fig
+
+
+def plot_step_timeline(results: list[dict], title: str | None = None, ax=None):
+    """The profiled step of every rank: a lane of phases, one of compute, one of communication.
+
+    results: :func:`course_lib.experiments.profiling.profile_step`'s, one dict per rank."""
+    if ax is None:
+        ax = Figure(figsize=(9, 0.6 + 1.2 * len(results)), layout="constrained").add_subplot()
+    colors = {"compute": "#4c72b0", "comm": "#dd8452"}
+    shades = ("#e0e0e0", "#c8c8c8")
+    ticks, labels = [], []
+    for k, r in enumerate(results):
+        base = 4 * (len(results) - 1 - k)  # rank 0 on top
+        width = max(r["step_ms"], 1e-9)
+        for i, (name, (s, e)) in enumerate(sorted(r["phases"].items(), key=lambda p: p[1][0])):
+            ax.broken_barh([(s, e - s)], (base + 2 - 0.4, 0.8), color=shades[i % 2])
+            if e - s > 0.06 * width:  # a label only where it fits
+                ax.text((s + e) / 2, base + 2, name, ha="center", va="center", fontsize=7)
+        for lane, kind in enumerate(("compute", "comm")):
+            y = base + 1 - lane
+            ax.broken_barh([(s, e - s) for s, e in r[kind]], (y - 0.4, 0.8), color=colors[kind],
+                           label=kind if k == 0 else None)
+        ticks += [base + 2, base + 1, base]
+        labels += [f"rank {r['rank']} phases", "compute", "comm"]
+    ax.set_yticks(ticks, labels, fontsize=8)
+    ax.set_xlabel("ms since the step started (each rank's own clock)")
+    ax.set_title(title or f"one step of {results[0]['strategy']} on {len(results)} ranks")
+    ax.legend(fontsize=8, loc="upper right", bbox_to_anchor=(1.0, -0.12), ncol=2)
+    ax.set_ylim(-0.7, 4 * len(results) - 1.3)
+    return ax.figure
+
+
+def plot_pipeline_bubble(rows: list[dict], ax=None):
+    """Measured bubble against the number of micro-batches m, per schedule, with the formula
+    (p - 1) / (m + p - 1) as a line. ``rows``: the dicts of all ranks of
+    :func:`course_lib.experiments.model_parallel_check.measure_pipeline_bubble`."""
+    if not rows:
+        raise ValueError("plot_pipeline_bubble needs the rows of measure_pipeline_bubble")
+    fig, ax = _axes(ax)
+    p = rows[0]["p"]
+    ms = sorted({r["m"] for r in rows})
+    fine = [m / 4 for m in range(4, 4 * max(ms) + 1)]
+    ax.plot(fine, [(p - 1) / (m + p - 1) for m in fine], color="black", linewidth=1,
+            label="(p-1)/(m+p-1)")
+    for schedule, marker, size in (("afab", "o", 11), ("1f1b", "s", 5)):  # equal bubbles: nest them
+        for key, fill in (("bubble (ticks)", True), ("bubble (wall)", False)):
+            pts = [(m, sum(r[key] for r in rows if r["m"] == m and r["schedule"] == schedule) /
+                    max(1, sum(1 for r in rows if r["m"] == m and r["schedule"] == schedule)))
+                   for m in ms if any(r["schedule"] == schedule for r in rows)]
+            if pts:
+                ax.plot(*zip(*pts), marker=marker, linestyle="none", markersize=size,
+                        fillstyle="full" if fill else "none",
+                        label=f"{schedule}, {'logical clock' if fill else 'wall time'}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ms, labels=[str(m) for m in ms])
+    ax.set_xlabel("micro-batches per step m")
+    ax.set_ylabel("idle fraction of the step (bubble)")
+    ax.set_title(f"Pipeline bubble, p = {p} stages (mean over stages)")
+    ax.set_ylim(0, 1)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     return fig

@@ -28,6 +28,7 @@ from course_lib.analysis.memory import (
     breakdown,
     resolve_gpu,
 )
+from course_lib.hardware import PROFILES
 
 CUSTOM = "custom"  # the model choice "give a parameter count" (model states only)
 DP_CHOICES = tuple(2**i for i in range(11))  # 1, 2, 4, ..., 1024 data-parallel ranks
@@ -38,8 +39,6 @@ PARTS = ("params", "grads", "optimizer", "activations")
 
 def gpu_choices() -> list[str]:
     """The hardware profiles that have a memory size (every GPU; not the CPU placeholder)."""
-    from course_lib.hardware import PROFILES
-
     return [name for name, p in PROFILES.items() if p.memory_bytes > 0]
 
 
@@ -153,7 +152,7 @@ def summary_html(result: Result) -> str:
 
 def stages_png(result: Result) -> bytes:
     """The four ZeRO stages as stacked bars with the GPU's memory as a line (PNG bytes)."""
-    from course_lib.notebook.plots import plot_memory
+    from course_lib.notebook.plots import plot_memory  # matplotlib only for the chart
 
     items = {STAGE_NAMES[st].split(" ")[0] + (" *" if st == result.settings.stage else ""): b
              for st, b in result.stages.items()}
@@ -175,7 +174,7 @@ class MemoryCalculator:
     """
 
     def __init__(self, settings: Settings | None = None, plot: bool = True):
-        import ipywidgets as w
+        import ipywidgets as w  # only the widget needs it: the numbers and the table import without
 
         s = settings or Settings()
         calculate(s)  # bad settings raise here, before any widget exists

@@ -12,24 +12,31 @@
     r.steps, r.work, r["A"][0]              # (3, 7, 31)
     pram.step_slider(r)                      # a notebook slider over the steps
 
-Modules: :mod:`.models` (EREW, CREW, CRCW rules, errors), :mod:`.machine` (``run``),
-:mod:`.algorithms` (tree sum, scans, max, OR, matmul, broadcast), :mod:`.kernels` and
-:mod:`.kernels_backward` (the kernels of a GPT training step as PRAM programs),
-:mod:`.classify` (weakest model), :mod:`.gpt_step` (whole-step table, scaling with B, T, C),
-:mod:`.lost_updates` (what the
-combining rule protects against, on real threads and processes), :mod:`.trace` (tables and
-the step slider), :mod:`.cli` (``course pram``).
+Modules:
+
+    models            the EREW, CREW and CRCW access rules; the errors a run can raise
+    shared_memory     the shared memory: named arrays in one address space
+    program           a Program (step function, processors, memory) and the Result of a run
+    machine           ``run``: executes a Program step by step under a model
+    algorithms        tree sum, scans, max, OR, matmul, broadcast as PRAM programs
+    catalog           the named algorithms ``course pram`` and the plots choose from
+    kernels           the forward kernels of a GPT training step as PRAM programs
+    kernels_backward  their backward kernels and the AdamW update
+    allreduce         the ring all-reduce of data parallelism, EREW only
+    classify          the weakest model a program runs on
+    gpt_step          the whole step as a table; how it scales with B, T, C
+    lost_updates      what the combining rule protects against, on real threads and processes
+    trace             tables and the notebook's step slider
+    trace_plots       steps and work against n, kernel scaling, lost updates (matplotlib)
+    cli               ``course pram``
 
 Importing this package imports neither torch nor ipywidgets; the functions that need them
 import them when called.
 """
 
 from .algorithms import (
-    ALGORITHMS,
-    Algorithm,
     broadcast_crew,
     broadcast_erew,
-    get_algorithm,
     matmul,
     max_crcw,
     or_crcw,
@@ -39,6 +46,7 @@ from .algorithms import (
     tree_max,
     tree_sum,
 )
+from .catalog import ALGORITHMS, Algorithm, get_algorithm
 from .classify import Attempt, Verdict, classify
 from .gpt_step import STEP_KERNELS, GPTShape, StepKernel, cost, growth, scaling, step_table
 from .kernels import (
@@ -60,7 +68,6 @@ from .kernels_backward import (
     matmul_backward_tree,
 )
 from .machine import MAX_PROCESSORS, ArrayView, View, run
-from .shared_memory import Array, Memory, filled
 from .models import (
     MODEL_ORDER,
     MODELS,
@@ -72,6 +79,7 @@ from .models import (
     get_model,
 )
 from .program import Program, Result, StepStats, StepTrace, coords, phases
+from .shared_memory import Array, Memory, filled
 from .trace import format_table, render_step, step_slider, work_time_table
 
 __all__ = [

@@ -14,7 +14,8 @@ Counts (the tests check each one; n a power of two where marked *):
 - ``matmul``*  CREW, n^3 processors, 1 + log2 n steps (JaJa 1992, sec. 1.3).
 - ``broadcast_crew``  CREW, 1 step; ``broadcast_erew``*  EREW by doubling, log2 n steps.
 
-Inputs are random integers from ``seed`` unless given, so results are exact.
+Inputs are random integers from ``seed`` unless given, so results are exact. The names the CLI
+and the plots choose from are in :mod:`course_lib.pram.catalog`.
 """
 
 from __future__ import annotations
@@ -23,13 +24,11 @@ import itertools
 import operator
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from .machine import Program, coords, phases
+from .program import Program, coords, phases
 
-__all__ = ["ALGORITHMS", "Algorithm", "broadcast_crew", "broadcast_erew", "check_n",
-           "get_algorithm", "matmul", "max_crcw", "or_crcw", "or_tree", "prefix_blelloch",
-           "prefix_hillis_steele", "tree_max", "tree_sum"]
+__all__ = ["broadcast_crew", "broadcast_erew", "check_n", "matmul", "max_crcw", "or_crcw", "or_tree",
+           "prefix_blelloch", "prefix_hillis_steele", "tree_max", "tree_sum"]
 
 
 def check_n(name: str, n: int, power_of_two: bool = True) -> int:
@@ -259,46 +258,3 @@ def broadcast_erew(n: int, seed: int = 0, value: int | None = None) -> Program:
     return Program("broadcast-erew", step, n, {"B": [value] + [0] * (n - 1)}, model="EREW",
                    expected=lambda: {"B": [value] * n},
                    note="each copy is read by one processor, so the copies double per step")
-
-
-@dataclass(frozen=True)
-class Algorithm:
-    """A named algorithm for the CLI: builder, the model it is written for, processors(n)."""
-
-    name: str
-    build: Callable[..., Program]
-    model: str
-    processors: Callable[[int], int]
-    power_of_two: bool
-    summary: str
-
-
-ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in [
-    Algorithm("tree-sum", tree_sum, "EREW", lambda n: max(1, n // 2), True,
-              "sum by a balanced tree: log2 n steps, n-1 additions"),
-    Algorithm("tree-max", tree_max, "EREW", lambda n: max(1, n // 2), True,
-              "maximum by a balanced tree: log2 n steps"),
-    Algorithm("prefix-hillis-steele", prefix_hillis_steele, "CREW", lambda n: n, True,
-              "inclusive scan, log2 n steps, n log2 n - n + 1 additions"),
-    Algorithm("prefix-blelloch", prefix_blelloch, "EREW", lambda n: max(1, n // 2), True,
-              "work-efficient exclusive scan: 2(n-1) additions, n-1 swaps"),
-    Algorithm("max-crcw", max_crcw, "CRCW-common", lambda n: n * n, False,
-              "maximum in 3 steps with n^2 processors"),
-    Algorithm("or-crcw", or_crcw, "CRCW-common", lambda n: n, False, "OR of n bits in 1 step"),
-    Algorithm("or-tree", or_tree, "EREW", lambda n: max(1, n // 2), True,
-              "OR of n bits by a tree: log2 n steps"),
-    Algorithm("matmul", matmul, "CREW", lambda n: n ** 3, True,
-              "n x n matrix product, n^3 processors, 1 + log2 n steps"),
-    Algorithm("broadcast-crew", broadcast_crew, "CREW", lambda n: n, False,
-              "one value to n cells in 1 step"),
-    Algorithm("broadcast-erew", broadcast_erew, "EREW", lambda n: n, True,
-              "one value to n cells by doubling: log2 n steps"),
-]}
-
-
-def get_algorithm(name: str) -> Algorithm:
-    """The :class:`Algorithm` called ``name`` (underscores or dashes), or a clear ValueError."""
-    key = str(name).strip().lower().replace("_", "-")
-    if key not in ALGORITHMS:
-        raise ValueError(f"unknown PRAM algorithm {name!r}; choose one of: {', '.join(ALGORITHMS)}")
-    return ALGORITHMS[key]

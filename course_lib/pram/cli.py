@@ -12,9 +12,13 @@ import argparse
 import json
 import sys
 
-from .algorithms import ALGORITHMS, check_n, get_algorithm
+from .algorithms import check_n
+from .catalog import ALGORITHMS, get_algorithm
+from .classify import classify
+from .gpt_step import GPTShape, step_table
 from .machine import MAX_PROCESSORS, run
 from .models import MODELS, AccessViolation, ProcessorLimitError, get_model
+from .trace import format_table
 
 __all__ = ["cli", "build_parser"]
 
@@ -64,8 +68,6 @@ def _fail(message: str, code: int) -> int:
 
 
 def _step_table(as_json: bool, shape_arg: str) -> int:
-    from .gpt_step import GPTShape, step_table
-    from .trace import format_table
     try:
         sizes = [int(x) for x in shape_arg.split(",")]
         if len(sizes) != 5:
@@ -111,7 +113,6 @@ def cli(argv: list[str] | None = None) -> int:
     out = {"algorithm": algo.name, "n": args.n, **result.summary(), "correct": not wrong}
     out.pop("program")
     if args.classify:
-        from .classify import classify
         verdict = classify(program, max_processors=args.max_processors)
         out.update(weakest_model=verdict.model, reason=verdict.reason)
     if args.json:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 import random
 
-from .shared_memory import Array, filled
 from .program import Program, coords, phases
+from .shared_memory import Array, filled
 
 __all__ = ["encoder_forward", "matmul_forward", "layernorm_forward", "attention_forward",
            "residual_forward", "gelu_forward", "softmax_crossentropy_forward", "randn",
@@ -38,7 +38,7 @@ def tokens(rng: random.Random, V: int, *shape: int) -> Array:
 
 def to_torch(a: Array):
     """A float64 tensor (int64 for token ids) of the array's shape."""
-    import torch  # only for the reference results
+    import torch  # torch only for the reference results: the package imports without it
     dtype = torch.int64 if all(isinstance(x, int) for x in a.data) else torch.float64
     return torch.tensor(a.data, dtype=dtype).view(a.shape)
 
@@ -120,7 +120,7 @@ def layernorm_forward(B: int, T: int, C: int, seed: int = 0, eps: float = 1e-5) 
         mem.op("norm")
 
     def expected():
-        import torch.nn.functional as F
+        import torch.nn.functional as F  # torch only for the reference result
         x = to_torch(inp)
         return {"out": F.layer_norm(x, (C,), to_torch(weight), to_torch(bias), eps),
                 "mean": x.mean(-1), "rstd": (x.var(-1, unbiased=False) + eps).rsqrt()}
@@ -180,7 +180,7 @@ def attention_forward(B: int, T: int, C: int, NH: int, seed: int = 0) -> Program
             mem.op("fma")
 
     def expected():
-        import torch
+        import torch  # torch only for the reference result
         import torch.nn.functional as F
         q, k, v = (x.view(B, T, NH, hs).transpose(1, 2) for x in to_torch(qkv).split(C, -1))
         mask = torch.ones(T, T, dtype=torch.bool).tril()
@@ -220,7 +220,7 @@ def gelu_forward(N: int, seed: int = 0) -> Program:
         mem.op("gelu")
 
     def expected():
-        import torch.nn.functional as F
+        import torch.nn.functional as F  # torch only for the reference result
         return {"out": F.gelu(to_torch(inp), approximate="tanh")}
 
     return _program("gelu_forward", step, N, {"inp": inp, "out": filled(N, 0.0)}, "EREW",
@@ -258,7 +258,7 @@ def softmax_crossentropy_forward(B: int, T: int, V: int, seed: int = 0) -> Progr
         mem.op("log")
 
     def expected():
-        import torch.nn.functional as F
+        import torch.nn.functional as F  # torch only for the reference result
         x, y = to_torch(logits), to_torch(targets)
         return {"probs": x.softmax(-1),
                 "losses": F.cross_entropy(x.view(-1, V), y.view(-1), reduction="none")}

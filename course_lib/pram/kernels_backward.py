@@ -15,8 +15,8 @@ import math
 import random
 
 from .kernels import GELU_SCALE, _program, randn, to_torch, tokens
-from .shared_memory import Array, filled
 from .program import Program, coords, phases
+from .shared_memory import Array, filled
 
 __all__ = ["crossentropy_backward", "matmul_backward", "matmul_backward_tree",
            "grad_accumulate", "gelu_backward", "encoder_backward", "adamw_update"]
@@ -45,7 +45,7 @@ def crossentropy_backward(B: int, T: int, V: int, seed: int = 0) -> Program:
         mem.op("sub")
 
     def expected():
-        import torch.nn.functional as F
+        import torch.nn.functional as F  # torch only for the reference result
         x = to_torch(logits).requires_grad_()
         F.cross_entropy(x.view(-1, V), to_torch(targets).view(-1)).backward()
         return {"dlogits": x.grad}
@@ -178,7 +178,7 @@ def gelu_backward(N: int, seed: int = 0) -> Program:
         mem.op("gelu'")
 
     def expected():
-        import torch.nn.functional as F
+        import torch.nn.functional as F  # torch only for the reference result
         x = to_torch(inp).requires_grad_()
         F.gelu(x, approximate="tanh").backward(to_torch(dout))
         return {"dinp": x.grad}
@@ -202,7 +202,7 @@ def encoder_backward(B: int, T: int, C: int, V: int, seed: int = 0) -> Program:
         mem.op("add", 2)
 
     def expected():
-        import torch
+        import torch  # torch only for the reference result
         wte = torch.zeros(V, C, dtype=torch.float64, requires_grad=True)
         wpe = torch.zeros(T, C, dtype=torch.float64, requires_grad=True)
         (wte[to_torch(inp)] + wpe).backward(to_torch(dout))
@@ -232,7 +232,7 @@ def adamw_update(N: int, t: int = 3, lr: float = 1e-3, beta1: float = 0.9,
         mem.op("adamw")
 
     def expected():
-        import torch
+        import torch  # torch only for the reference result
         p = torch.nn.Parameter(to_torch(param))
         opt = torch.optim.AdamW([p], lr=lr, betas=(beta1, beta2), eps=eps,
                                 weight_decay=weight_decay, foreach=False)

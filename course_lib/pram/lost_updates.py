@@ -26,8 +26,10 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
+from .trace import format_table
+
 __all__ = ["UpdateCount", "racy_threads", "racy_processes", "locked_threads", "tree_threads",
-           "combined_add", "fancy_index_add", "gradient_sync", "demo"]
+           "combined_add", "fancy_index_add", "gradient_sync", "compare_methods"]
 
 
 @dataclass(frozen=True)
@@ -177,7 +179,7 @@ def tree_threads(workers: int = 4, updates: int = 10_000) -> UpdateCount:
 def combined_add(workers: int = 4, updates: int = 10_000, op: str = "index_add_") -> UpdateCount:
     """Threads record their updates as (index, value) pairs; one combining write
     (``torch.index_add_`` or ``scatter_add_``) adds all pairs aimed at one index: exact."""
-    import torch
+    import torch  # here, not at the top: the spawned workers of racy_processes import this module
     _check(workers, updates)
     pieces: list = [None] * workers
 
@@ -200,7 +202,7 @@ def combined_add(workers: int = 4, updates: int = 10_000, op: str = "index_add_"
 def fancy_index_add(index: list[int], size: int) -> dict:
     """One process, no threads: ``a[index] += 1`` with a repeated index keeps one update per
     index (numpy documents this), while ``np.add.at`` and ``index_add_`` keep them all."""
-    import torch
+    import torch  # here, not at the top: the spawned workers of racy_processes import this module
     idx = np.asarray(index)
     plain = np.zeros(size, dtype=np.int64)
     plain[idx] += 1
@@ -216,7 +218,7 @@ def gradient_sync(world_size: int = 4, n: int = 8, seed: int = 0) -> dict:
     """Ranks (threads) add their gradients into one shared buffer: racy read-modify-write in
     lockstep keeps one rank's gradient per element; ``index_add_`` gives the sum that
     ``all_reduce(op=SUM)`` computes. Returns the max error of each against the exact sum."""
-    import torch
+    import torch  # here, not at the top: the spawned workers of racy_processes import this module
     g = torch.Generator().manual_seed(seed)
     grads = [torch.randn(n, dtype=torch.float64, generator=g) for _ in range(world_size)]
     exact = torch.stack(grads).sum(0)
@@ -234,8 +236,8 @@ def gradient_sync(world_size: int = 4, n: int = 8, seed: int = 0) -> dict:
             "index_add_": float((combined - exact).abs().max())}
 
 
-def demo(workers: int = 4, updates: int = 100_000) -> list[dict]:
-    """Every method side by side, as table rows."""
+def compare_methods(workers: int = 4, updates: int = 100_000) -> list[dict]:
+    """Every method side by side (racy, locked, tree, combined), as table rows."""
     runs = [racy_threads(workers, updates), racy_threads(workers, 200, lockstep=True),
             racy_processes(workers, updates), locked_threads(workers, updates),
             tree_threads(workers, updates), combined_add(workers, updates),
@@ -244,13 +246,12 @@ def demo(workers: int = 4, updates: int = 100_000) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .trace import format_table
     p = argparse.ArgumentParser(prog="python -m course_lib.pram.lost_updates",
                                 description=__doc__.split("\n\n")[1])
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--updates", type=int, default=100_000)
     args = p.parse_args(argv)
-    print(format_table(demo(args.workers, args.updates)))
+    print(format_table(compare_methods(args.workers, args.updates)))
     return 0
 
 

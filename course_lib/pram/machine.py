@@ -28,7 +28,6 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from .shared_memory import Memory
 from .models import AccessViolation, Model, PRAMError, ProcessorLimitError, get_model
 from .program import (
     Concurrency,
@@ -40,6 +39,7 @@ from .program import (
     coords,
     phases,
 )
+from .shared_memory import Memory
 
 # Program, Result, coords and phases are re-exported so programs can import all from here.
 __all__ = ["MAX_PROCESSORS", "MAX_STEPS", "ArrayView", "Program", "Result", "View", "coords",

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .shared_memory import Memory, flatten
+from .trace import format_table
 
 __all__ = ["Concurrency", "Program", "Result", "StepStats", "StepTrace", "coords", "phases"]
 
@@ -164,7 +165,6 @@ class Result:
 
     def table(self) -> str:
         """A work-time table: one row per step, then the totals."""
-        from .trace import format_table
         rows = [{"step": s.step, "active": s.active, "reads": s.reads, "writes": s.writes,
                  "ops": sum(s.ops.values())} for s in self.per_step]
         rows.append({"step": "total", "active": "", "reads": sum(s.reads for s in self.per_step),

@@ -7,15 +7,18 @@
 Every number drawn is measured: :func:`measure` runs each algorithm on the simulator and checks
 its result before recording the counts. Each plot function returns a matplotlib Figure and
 uses no pyplot (no global state); a notebook displays the Figure, a script calls
-``fig.savefig(path)``. Pass ``axes`` (or ``ax``) to draw into existing Axes. matplotlib is
-imported only when a plot is made.
+``fig.savefig(path)``. Pass ``axes`` (or ``ax``) to draw into existing Axes. (``from course_lib
+import pram`` does not import this module, so the simulator itself never loads matplotlib.)
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from .algorithms import check_n, get_algorithm
+from matplotlib.figure import Figure  # no pyplot: no global figure state
+
+from .algorithms import check_n
+from .catalog import get_algorithm
 from .machine import run
 
 __all__ = ["measure", "plot_kernel_scaling", "plot_lost_updates", "plot_work_time"]
@@ -60,8 +63,6 @@ def measure(algorithms: Sequence[str], ns: Sequence[int], *, seed: int = 0,
 
 
 def _figure(n_panels: int, figsize: tuple[float, float]):
-    from matplotlib.figure import Figure
-
     fig = Figure(figsize=figsize, layout="constrained")
     return fig, list(fig.subplots(1, n_panels, squeeze=False)[0])
 

@@ -1,0 +1,37 @@
+"""What ``course grade`` writes besides its report: the gradebook (``--csv``) and one
+student-safe feedback file per submission (``--feedback DIR``)."""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+
+from course_lib.exercises.grade import GradeReport, assignment_of_zip, points_text
+
+
+def write_csv(reports: list[GradeReport], path: str | os.PathLike) -> Path:
+    """The gradebook: one row per student and question, then one TOTAL row per student."""
+    path = Path(path)
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        out = csv.writer(f)
+        out.writerow(["student", "assignment", "question", "score", "possible"])
+        for r in reports:
+            assignment = assignment_of_zip(Path(r.autograder)) or ""
+            for q in r.questions:
+                out.writerow([r.student, assignment, q.name, points_text(q.score), points_text(q.possible)])
+            out.writerow([r.student, assignment, "TOTAL", points_text(r.total), points_text(r.possible)])
+    return path
+
+
+def write_feedback(reports: list[GradeReport], folder: str | os.PathLike) -> list[Path]:
+    """One student-safe report per submission (``FOLDER/<file name>.txt``): scores, the messages
+    of public tests, and only the fact that a hidden test failed (none of its source)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for r in reports:
+        path = folder / f"{r.student}.txt"
+        path.write_text(r.format(verbose=True, student_safe=True) + "\n", encoding="utf-8")
+        written.append(path)
+    return written

@@ -1,0 +1,146 @@
+"""The grading helpers on their own: run_ranks and isolated never hang, references can be
+forbidden, messages say expected vs found and the likely factor, the cell limit.
+
+    python -m pytest tests/test_exercise_grading.py -q
+"""
+
+from __future__ import annotations
+
+import nbformat
+import pytest
+
+from course_lib import exercises
+from course_lib.analysis import comm_cost as comm
+from course_lib.analysis.comm_cost import collective_time
+
+
+def _deadlock(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    buf = torch.empty(2)
+    dist.recv(buf, (rank - 1) % world_size)  # every rank receives first: nobody ever sends
+    dist.send(buf, (rank + 1) % world_size)
+
+
+def _boom(rank, world_size):
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    return rank
+
+
+def _p2p(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    from course_lib.exercises.grading import p2p_only
+
+    with p2p_only() as sent:
+        if rank == 0:
+            dist.send(torch.zeros(5, dtype=torch.float64), 1)
+        else:
+            dist.recv(torch.empty(5, dtype=torch.float64), 0)
+        try:
+            dist.all_reduce(torch.ones(1))
+            refused = ""
+        except RuntimeError as e:
+            refused = str(e)
+    x = torch.ones(1)
+    dist.all_reduce(x)  # restored on exit
+    return sent.bytes, refused, x.item()
+
+
+@pytest.mark.timeout(120)
+def test_run_ranks_bounds_hangs_and_reports_failures():
+    from course_lib.exercises.grading import RankError, RanksTimeoutError, run_ranks
+
+    for bad in ({"nproc": 0}, {"nproc": 2, "timeout": 0}, {"nproc": 99}):
+        with pytest.raises(ValueError):
+            run_ranks(_boom, **bad)
+    with pytest.raises(RanksTimeoutError, match=r"within 2 s .*never joined"):
+        run_ranks(_deadlock, 2, timeout=2)
+    with pytest.raises(RankError, match="boom on rank 1"):
+        run_ranks(_boom, 2, timeout=30)
+    (b0, refused0, total0), (b1, _, total1) = run_ranks(_p2p, 2, timeout=30)
+    assert (b0, b1) == (40, 0) and "not allowed" in refused0 and total0 == total1 == 2.0
+
+
+@pytest.mark.timeout(120)
+def test_cell_time_limit_stops_an_endless_cell_and_grading_goes_on():
+    from nbclient import NotebookClient
+
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("x = 1"),
+        nbformat.v4.new_code_cell("while True:\n    pass"),
+        nbformat.v4.new_code_cell("y = x + 1\ny"),
+    ])
+    plugin = exercises.CellTimeLimit("sub.ipynb", {}, {"cell_timeout": 2})
+    nb = plugin.before_execution(nb)
+    nb.cells.append(nbformat.v4.new_code_cell("import time\ntime.sleep(3)\n'tests ran'"))  # otter's cell
+    NotebookClient(nb, timeout=60, kernel_name="python3", allow_errors=True).execute()
+    loop, after, last = nb.cells[2], nb.cells[3], nb.cells[-1]
+    assert loop.outputs[0]["ename"] == "TimeoutError" and "longer than 2 s" in loop.outputs[0]["evalue"]
+    assert after.outputs[0]["data"]["text/plain"] == "2"
+    assert last.outputs[0]["data"]["text/plain"] == "'tests ran'"  # disarmed before otter's cells
+
+
+def _forever():
+    while True:
+        pass
+
+
+def _ring_time():
+    return comm.collective_time("all_reduce", 1e6, 4, bandwidth=1e9, algorithm="ring")
+
+
+def _ring_time_imported_by_name():
+    return collective_time("all_reduce", 1e6, 4, bandwidth=1e9, algorithm="ring")
+
+
+def _fails():
+    assert 1 + 1 == 3, "expected 3, found 2"
+
+
+def _crashes():
+    return {}["missing"]
+
+
+@pytest.mark.timeout(120)
+def test_isolated_returns_stops_forbids_and_reports():
+    from course_lib.exercises.grading import AnswerTimeoutError, isolated
+
+    assert isolated(lambda a, b: a + b, 2, 3) == 5
+    with pytest.raises(AnswerTimeoutError, match="ran longer than 1 s"):  # killed, not waited for
+        isolated(_forever, timeout=1)
+    with pytest.raises(AssertionError, match="expected 3, found 2"):
+        isolated(_fails)
+    with pytest.raises(AssertionError, match="the answer raised KeyError: 'missing'"):
+        isolated(_crashes)
+    for fn in (_ring_time, _ring_time_imported_by_name):  # module attribute or a copied name
+        with pytest.raises(AssertionError, match="asks you to write yourself"):
+            isolated(fn, forbid=[comm.collective_time])
+    assert _ring_time() > 0  # only the child's copy was disabled
+
+
+def test_messages_say_expected_found_and_the_factor():
+    import torch
+
+    from course_lib.exercises.grading import assert_close, assert_number, fresh_copy
+
+    with pytest.raises(AssertionError, match=r"expected 1, found 3.*a factor of the world size too many"):
+        assert_close([torch.ones(3) * 3], [torch.ones(3)], "grads", factors={"the world size": 3})
+    with pytest.raises(AssertionError, match=r"expected 0.16, found 0.04.*divided by p once too often"):
+        assert_number(0.04, 0.16, "ring", factors={"p": 4})
+    with pytest.raises(AssertionError, match=r"expected 2, found 5 \(off by one\?\)"):
+        assert_number(5, 2, "steps", hint="off by one?")
+    assert_number(0.1 + 0.2, 0.3, "sum")  # within the tolerance
+    # a fresh copy does not see a patch of the imported module
+    import course_lib.exercises.grading as imported
+
+    saved = imported.assert_close
+    imported.assert_close = lambda *a, **k: None
+    try:
+        with pytest.raises(AssertionError):
+            fresh_copy().assert_close([torch.zeros(1)], [torch.ones(1)])
+    finally:
+        imported.assert_close = saved

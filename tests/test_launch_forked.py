@@ -1,0 +1,97 @@
+"""notebook_launcher: a function run on N forked processes with gloo, compared with one process."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from course_lib.launch import LaunchConfigError, notebook_launcher
+from course_lib.launch.forked import NotebookLaunchError
+
+
+def allreduce_and_gather(x):
+    """Each rank holds x * (rank + 1); returns its all-reduced copy and the gathered pieces."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = x * (rank + 1)
+    total = mine.clone()
+    dist.all_reduce(total)
+    pieces = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(pieces, mine)
+    return {"rank": rank, "world": world, "env": (os.environ["RANK"], os.environ["WORLD_SIZE"]),
+            "threads": torch.get_num_threads(), "total": total, "pieces": pieces}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_collectives_match_one_process(nproc):
+    x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    results = notebook_launcher(allreduce_and_gather, (x,), nproc=nproc)
+    reference = [x * (r + 1) for r in range(nproc)]  # what one process computes
+    expected_total = torch.stack(reference).sum(0)
+    for rank, res in enumerate(results):
+        assert res["rank"] == rank and res["world"] == nproc
+        assert res["env"] == (str(rank), str(nproc))
+        assert res["threads"] == max(1, len(os.sched_getaffinity(0)) // nproc)
+        torch.testing.assert_close(res["total"], expected_total)
+        for got, want in zip(res["pieces"], reference):
+            torch.testing.assert_close(got, want)
+
+
+def fails_on_rank_one():
+    if dist.get_rank() == 1:
+        raise KeyError("missing on rank 1")
+    dist.barrier()
+
+
+def never_joined_by_rank_one():
+    if dist.get_rank() == 1:
+        time.sleep(60)
+    dist.barrier()
+
+
+@pytest.mark.timeout(60)
+def test_failure_names_the_rank_with_traceback():
+    with pytest.raises(NotebookLaunchError, match="rank 1 failed: KeyError: 'missing on rank 1'") as e:
+        notebook_launcher(fails_on_rank_one, nproc=2)
+    assert e.value.rank == 1 and "in fails_on_rank_one" in e.value.traceback
+
+
+@pytest.mark.timeout(60)
+def test_collective_timeout_and_time_limit():
+    with pytest.raises(NotebookLaunchError, match=r"(?s)rank 0 failed.*collective timed out after 2 s"
+                                                  r".*did not join\?\): \[1\]"):
+        notebook_launcher(never_joined_by_rank_one, nproc=2, timeout=2)
+    with pytest.raises(NotebookLaunchError, match=r"time limit of 2 s reached; ranks \[0, 1\] did not finish"):
+        notebook_launcher(time.sleep, (30,), nproc=2, time_limit=2)
+
+
+def test_bad_input_refused():
+    with pytest.raises(LaunchConfigError, match="nproc must be"):
+        notebook_launcher(print, nproc=0)
+    with pytest.raises(LaunchConfigError, match="fn must be a function"):
+        notebook_launcher("print", nproc=2)
+    with pytest.raises(LaunchConfigError, match="backend='gloo'"):
+        notebook_launcher(print, nproc=2, backend="nccl")
+
+
+def _rank(x):
+    return dist.get_rank() + x
+
+
+def test_forks_cpu_ranks_after_cuda_init(monkeypatch):
+    """A 1-GPU notebook (Colab) that touched CUDA still runs CPU demos: the ranks are gloo CPU
+    processes, forked as DataLoader workers are. On this CPU machine we set torch's own flag."""
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert notebook_launcher(_rank, (10,), nproc=2) == [10, 11]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_after_real_cuda_init_cpu_ranks_run_and_cuda_in_a_rank_says_what_to_do():
+    torch.zeros(1, device="cuda")
+    assert notebook_launcher(_rank, (0,), nproc=2) == [0, 1]
+    with pytest.raises(NotebookLaunchError) as e:
+        notebook_launcher(torch.zeros, (1,), kwargs={"device": "cuda"}, nproc=2)
+    assert "%%torchrun" in str(e.value) + (getattr(e.value, "traceback", "") or "")
