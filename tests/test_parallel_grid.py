@@ -35,7 +35,7 @@ def grid_worker(rank: int, world_size: int) -> dict:
             t = torch.tensor([float(rank)])
             dist.all_reduce(t, group=getattr(grid, f"{kind}_group"))
             sums[kind] = (t.item(), sum(grid.ranks[kind]))
-        out[dp, tp, pp] = {"coords": (grid.dp_rank, grid.tp_rank, grid.pp_rank), "sums": sums}
+        out[dp, tp, pp] = {"coords": (grid.dp_rank, grid.tp_rank, grid.pp_rank, grid.cp_rank), "sums": sums}
 
     # dp=2 x tp=2: each dp replica is a tensor-parallel GPT; float64 so the check is exact
     grid = ProcessGroupGrid(dp=2, tp=2)
@@ -86,7 +86,21 @@ def test_layout_is_megatrons():
     assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert groups["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert groups["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert grid_coords(5, dp=2, tp=2, pp=2) == (0, 1, 1)
+    assert grid_coords(5, dp=2, tp=2, pp=2) == (0, 1, 1, 0)
+
+
+def test_4d_layout_has_cp_between_tp_and_dp():
+    """dp=2 x pp=2 x cp=2 x tp=2 on 16 ranks: rank = ((pp*dp + dp_rank)*cp + cp_rank)*tp + tp_rank;
+    the gradient group dp x cp holds the ranks that see different tokens of one stage's shard."""
+    groups = group_ranks(dp=2, tp=2, pp=2, cp=2)
+    assert groups["tp"][:2] == [[0, 1], [2, 3]]
+    assert groups["cp"][:2] == [[0, 2], [1, 3]]
+    assert groups["dp"][:2] == [[0, 4], [1, 5]]
+    assert groups["pp"][:2] == [[0, 8], [1, 9]]
+    assert groups["dp_cp"][:2] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert grid_coords(13, dp=2, tp=2, pp=2, cp=2) == (1, 1, 1, 0)
+    for kind, all_groups in groups.items():  # each rank is in exactly one group of each kind
+        assert sorted(r for g in all_groups for r in g) == list(range(16)), kind
 
 
 def test_bad_grids_are_clear_errors():

@@ -41,6 +41,18 @@ def _events(prof) -> list[dict]:
              "device": "cuda" if e.device_type == DeviceType.CUDA else "cpu"} for e in prof.events()]
 
 
+def finish_step(strategy, label) -> None:
+    """The trainer's step after backward, each phase under ``label(name)`` (a record_function)."""
+    with label("finish_grads"):
+        strategy.finish_grads()
+    with label("clip_grad_norm"):
+        strategy.clip_grad_norm_(1.0)
+    with label("optimizer_step"):
+        strategy.step()
+    with label("zero_grad"):
+        strategy.zero_grad()
+
+
 def profile_worker(rank: int, world_size: int, spec: dict) -> dict:
     """One rank of :func:`profile_step` (a module-level function, so "spawn" can start it)."""
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # else the profiler's library logs every start and stop
@@ -65,14 +77,7 @@ def profile_worker(rank: int, world_size: int, spec: dict) -> dict:
                     loss = strategy.model(x[micro], y[micro])[1] / accum
                 with label("backward"):
                     loss.backward()
-        with label("finish_grads"):
-            strategy.finish_grads()
-        with label("clip_grad_norm"):
-            strategy.clip_grad_norm_(1.0)
-        with label("optimizer_step"):
-            strategy.step()
-        with label("zero_grad"):
-            strategy.zero_grad()
+        finish_step(strategy, label)
         sync()
 
     for _ in range(spec["warmup"]):  # first steps allocate Adam's states, warm up caches

@@ -26,7 +26,7 @@ import re
 
 COMM_EVENT = re.compile(r"^(gloo:|nccl:|c10d::|record_param_comms)|^nccl(Dev)?Kernel", re.IGNORECASE)
 COMPUTE_EVENT = re.compile(r"^(aten::|autograd::engine::evaluate_function|Optimizer\.)")
-PHASES = ("forward", "backward", "finish_grads", "clip_grad_norm", "optimizer_step", "zero_grad")
+PHASES = ("forward", "backward", "pipeline", "finish_grads", "clip_grad_norm", "optimizer_step", "zero_grad")
 STEP = "train_step"
 
 

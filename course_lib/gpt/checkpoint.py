@@ -24,7 +24,11 @@ LAST, BEST = "last.pt", "best.pt"
 FORMAT_VERSION = 1
 # Fields a resumed run may change: where and how it runs, how often it reports, and how long.
 RESUME_MAY_CHANGE = frozenset({"out_dir", "init_from", "max_iters", "eval_interval", "log_interval", "eval_iters",
-                               "device", "compile", "strategy", "threads", "timeout_s", "run_name", "data_dir"})
+                               "device", "compile", "strategy", "threads", "timeout_s", "run_name", "data_dir",
+                               "recompute", "grad_comm_dtype",  # memory and wire format, not the model
+                               # the layout: any, if the global batch stays the same (check_layout_change)
+                               "nproc", "tp", "pp", "cp", "sequence_parallel", "pp_schedule", "batch_size",
+                               "gradient_accumulation_steps"})
 
 
 class CheckpointError(RuntimeError):
@@ -90,13 +94,34 @@ def check_resumable(saved: dict, cfg: TrainConfig, path: str | os.PathLike = "ch
                           f"pass {fix} to continue that run, or start a new one in another --out_dir")
 
 
+def global_batch(cfg: dict, world_size: int) -> int:
+    """Sequences per optimizer step: batch_size x accumulation x dp ranks (dp = ranks / (tp pp cp))."""
+    mp = cfg.get("tp", 1) * cfg.get("pp", 1) * cfg.get("cp", 1)
+    return cfg["batch_size"] * cfg["gradient_accumulation_steps"] * (world_size // mp)
+
+
+def check_layout_change(saved: dict, saved_world: int, cfg: TrainConfig, world_size: int,
+                        path: str | os.PathLike = "checkpoint") -> None:
+    """A checkpoint resumes under another layout (ranks, tp, pp, cp, strategy, micro-batching)
+    when the global batch per step is the same: the full state has one format, the data sampler
+    draws the same samples, and the step's gradient is the mean over the same global batch. With
+    dropout the ranks' random streams would differ, so the number of ranks must stay."""
+    before, now = global_batch(saved, saved_world), global_batch(cfg.to_dict(), world_size)
+    if before != now:
+        raise ConfigError(f"{path} trained with a global batch of {before} sequences per step, this layout has "
+                          f"{now} (batch_size x gradient_accumulation_steps x dp); choose batch_size and "
+                          f"gradient_accumulation_steps so that they give {before}")
+    if saved_world != world_size and cfg.dropout:
+        raise CheckpointError(f"{path} was written by {saved_world} ranks, this run has {world_size}; with "
+                              f"dropout={cfg.dropout} the random streams differ: resume with --nproc={saved_world}")
+
+
 def check_resume(ck: dict, cfg: TrainConfig, path: str | os.PathLike, world_size: int) -> None:
     """Can ``cfg`` on ``world_size`` ranks continue checkpoint ``ck``? (checked by the launcher
-    before spawning, and again by each worker, which may have been started some other way)."""
+    before spawning, and again by each worker, which may have been started some other way).
+    The fields must match (but for the layout's), and the global batch (check_layout_change)."""
     check_resumable(ck["config"], cfg, path, ck["iter_num"])
-    if ck["world_size"] != world_size:
-        raise CheckpointError(f"{path} was written by {ck['world_size']} ranks, this run has {world_size}; "
-                              f"resume with --nproc={ck['world_size']}")
+    check_layout_change(ck["config"], ck["world_size"], cfg, world_size, path)
 
 
 def rng_state(data_state: torch.Tensor) -> dict:
@@ -111,6 +136,8 @@ def rng_state(data_state: torch.Tensor) -> dict:
 
 
 def set_rng_state(state: dict, data_generator: torch.Generator) -> None:
+    """``state``: this rank's, or (another number of ranks) rank 0's: the data sampler's stream
+    is the same on every rank, the others matter only for dropout (check_layout_change)."""
     torch.set_rng_state(state["torch"].cpu())
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"].cpu())

@@ -17,13 +17,17 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from course_lib.analysis.activations import RECOMPUTE  # none, selective, full
 from course_lib.gpt.data import DATASETS
+from course_lib.gpt.layout import layout_error, world_error
 from course_lib.hardware import default_nproc
 
 # Every strategy name the trainer knows, ours and PyTorch's (see course_lib.parallel.strategy).
 STRATEGY_NAMES = ("single", "ddp", "ddp_naive", "zero1", "zero2", "zero3", "torch_ddp", "torch_zero1",
                   "fsdp_grad_op", "fsdp_full")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+GRAD_COMM_DTYPES = ("float32", "bfloat16")
+GRAD_COMM_STRATEGIES = ("ddp", "ddp_naive", "torch_ddp")  # the ones that take grad_comm_dtype
 INIT_FROM = ("scratch", "resume")
 
 
@@ -67,6 +71,8 @@ class TrainConfig:
     device: str = "auto"  # 'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:N'
     dtype: str = "auto"  # 'auto' = from the hardware profile (bf16 / fp16 + scaler / fp32)
     compile: bool = False  # torch.compile the model
+    recompute: str = "none"  # activations: 'none', 'selective' (attention core) or 'full' (per block)
+    grad_comm_dtype: str = "float32"  # data-parallel gradient all-reduce in 'float32' or 'bfloat16'
     seed: int = 1337
     # distributed (ours)
     nproc: int = 1  # worker processes on this host; > 1 launches them through torchrun
@@ -74,6 +80,11 @@ class TrainConfig:
     threads: int = 0  # intra-op threads per CPU worker; 0 = cores // workers on this host
     timeout_s: float = 600.0  # how long a collective may wait before the run fails
     run_name: str = ""  # a label for progress bars and plots; '' = the out_dir's name
+    tp: int = 1  # tensor-parallel degree (Megatron-LM); dp = nproc / (tp * pp * cp) (parallel.model_parallel)
+    pp: int = 1  # pipeline stages; the micro-batches are the gradient_accumulation_steps
+    cp: int = 1  # context-parallel degree: the sequence split, attention by ring
+    sequence_parallel: bool = False  # tp also splits the LayerNorm regions along the sequence
+    pp_schedule: str = "1f1b"  # 'afab' (GPipe: all forward, all backward) or '1f1b'
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -83,7 +94,7 @@ class TrainConfig:
             elif type(value) is not f.type:
                 raise ConfigError(f"{f.name}: expected {f.type.__name__}, got {type(value).__name__} {value!r}")
         positive = ("eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size",
-                    "block_size", "n_layer", "n_head", "n_embd", "nproc")
+                    "block_size", "n_layer", "n_head", "n_embd", "nproc", "tp", "pp", "cp")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -105,16 +116,31 @@ class TrainConfig:
         if not self.out_dir:
             raise ConfigError("out_dir must not be empty")
         _choice("dtype", self.dtype, DTYPES)
+        _choice("recompute", self.recompute, RECOMPUTE)
+        _choice("grad_comm_dtype", self.grad_comm_dtype, GRAD_COMM_DTYPES)
+        if self.grad_comm_dtype != "float32" and self.strategy not in ("auto",) + GRAD_COMM_STRATEGIES:
+            raise ConfigError(f"grad_comm_dtype={self.grad_comm_dtype} is for data-parallel gradient all-reduce "
+                              f"({', '.join(GRAD_COMM_STRATEGIES)}); strategy {self.strategy} shards gradients")
         _choice("init_from", self.init_from, INIT_FROM)
         _choice("strategy", self.strategy, ("auto",) + STRATEGY_NAMES)
         _choice("dataset", self.dataset, DATASETS)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:") and self.device[5:].isdigit()):
             raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        if self.strategy == "single" and self.nproc > 1:
+        if error := layout_error(self):  # tp, pp, cp, sequence_parallel (course_lib.gpt.layout)
+            raise ConfigError(error)
+        if self.strategy == "single" and self.nproc > 1 and self.model_parallel_size == 1:
             raise ConfigError(f"strategy 'single' runs one process but nproc={self.nproc}; "
                               "use --strategy=ddp (or auto) or --nproc=1")
 
+    def check_layout(self, world_size: int) -> None:  # ranks = dp*tp*pp*cp: launchers check, workers again
+        if error := world_error(self, world_size):
+            raise ConfigError(error)
+
     # --- derived values -------------------------------------------------------------------------
+    @property
+    def model_parallel_size(self) -> int:  # ranks of one model replica (1: plain data parallelism)
+        return self.tp * self.pp * self.cp
+
     def resolved_strategy(self, world_size: int) -> str:
         """'auto' -> 'single' for one process, else our DDP."""
         if self.strategy != "auto":

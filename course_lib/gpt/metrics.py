@@ -5,14 +5,19 @@ that do not stall the GPU.
 ``metrics.csv`` holds one row per logged step (and one per evaluation):
 
     iter, train_loss, val_loss, eval_train_loss, lr, grad_norm, step_ms, compute_ms, comm_ms,
-    tokens_per_s, tflops, mfu
+    tokens_per_s, tflops, mfu, comm_mb, act_mb, act_model_mb, loss_scale, skipped_steps
 
 ``step_ms`` is wall time per iteration averaged since the previous row; ``compute_ms`` the time
 in forward/backward and the optimizer step (CUDA events on a GPU, so no host sync per step);
 ``comm_ms`` the exposed communication the Strategy measured (``comm_s``), which is not counted
 in ``compute_ms``. ``tflops`` is the achieved model FLOP/s of the whole job and ``mfu`` that over
 the peak of all its devices (PaLM, Chowdhery et al. 2022, App. B); on a CPU the peak is an
-estimate (course_lib.hardware).
+estimate (course_lib.hardware). ``comm_mb``: bytes per step handed to collectives by our own
+strategies (ZeRO accounting, :class:`course_lib.parallel.comms.Comms`; empty for PyTorch's).
+``act_mb``: the activations one micro-batch keeps for backward on this rank, measured
+(:class:`course_lib.gpt.activation_meter.SavedTensorMeter`), next to Korthikanti et al.'s model
+``act_model_mb`` for the run's dtype and ``--recompute``. fp16 runs log the ``loss_scale`` and the
+``skipped_steps`` so far (steps whose gradients overflowed).
 Each row is on disk (file closed) as soon as it is written: a crash loses nothing already logged.
 """
 
@@ -36,7 +41,11 @@ from course_lib.hardware import detect
 from course_lib.utils import atomic_write_bytes
 
 COLUMNS = ("iter", "train_loss", "val_loss", "eval_train_loss", "lr", "grad_norm", "step_ms", "compute_ms",
-           "comm_ms", "tokens_per_s", "tflops", "mfu")
+           "comm_ms", "tokens_per_s", "tflops", "mfu", "comm_mb", "act_mb", "act_model_mb", "loss_scale",
+           "skipped_steps")
+# Model-parallel runs (tp/pp/cp) add, per step, the most over ranks (ranks.json has every rank's):
+LAYOUT_COLUMNS = ("bubble", "bubble_theory", "model_state_bytes", "peak_activation_bytes", "sent_bytes_tp",
+                  "sent_bytes_sp", "sent_bytes_cp", "sent_bytes_pp", "sent_bytes_dp")
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
@@ -55,15 +64,15 @@ class MetricsWriter:
     (written after the checkpoint by the interrupted run) are dropped first, so every iteration
     appears once."""
 
-    def __init__(self, path: str | os.PathLike, start_iter: int = 0):
-        self.path = Path(path)
+    def __init__(self, path: str | os.PathLike, start_iter: int = 0, columns: tuple = COLUMNS):
+        self.path, self.columns = Path(path), columns
         keep = []
         if start_iter > 0 and self.path.is_file():
             with open(self.path, newline="") as f:
                 keep = [r for r in csv.DictReader(f) if r.get("iter", "").isdigit() and int(r["iter"]) < start_iter]
         tmp = self.path.with_suffix(".csv.tmp")
         with open(tmp, "w", newline="") as f:
-            w = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
+            w = csv.DictWriter(f, self.columns, extrasaction="ignore")
             w.writeheader()
             w.writerows(keep)
         os.replace(tmp, self.path)
@@ -71,7 +80,7 @@ class MetricsWriter:
     def write(self, row: dict) -> None:
         """Append one row; the file is closed again at once (one row per log step: cheap)."""
         with open(self.path, "a", newline="") as f:
-            csv.DictWriter(f, COLUMNS, extrasaction="ignore").writerow(
+            csv.DictWriter(f, self.columns, extrasaction="ignore").writerow(
                 {k: ("" if v is None or (isinstance(v, float) and math.isnan(v)) else v) for k, v in row.items()})
 
 
@@ -133,9 +142,15 @@ def announce_run(cfg, info: dict) -> None:
     atomic_write_bytes(out / "run.json", (json.dumps(info, indent=1) + "\n").encode())
     cpu = info["device"] == "cpu"
     where = f"{info['world_size']} x {info['device']}" + (f" ({info['threads_per_worker']} threads each)" if cpu else "")
+    lay = info["layout"]
+    ranks = "dp ranks" if cfg.model_parallel_size > 1 else "ranks"
+    batch = (f"global batch {info['global_batch']} sequences = batch_size {cfg.batch_size} x grad_accum "
+             f"{cfg.gradient_accumulation_steps} x {lay['dp']} {ranks}; {info['tokens_per_iter']:,} tokens/iter")
     lines = [f"{where} | strategy {info['strategy']} | {info['dtype']} | {info['n_params'] / 1e6:.2f}M parameters",
-             f"global batch {info['global_batch']} sequences = batch_size {cfg.batch_size} x grad_accum "
-             f"{cfg.gradient_accumulation_steps} x {info['world_size']} ranks; {info['tokens_per_iter']:,} tokens/iter"]
+             batch]
+    if cfg.model_parallel_size > 1:
+        lines.append(f"layout dp {lay['dp']} x tp {lay['tp']}{' (+sp)' if lay['sequence_parallel'] else ''} x "
+                     f"pp {lay['pp']} ({lay['pp_schedule']}) x cp {lay['cp']}; {info['strategy']} across dp x cp")
     if info["peak_flops_per_device"] and info["peak_is_estimate"]:
         lines.append(f"MFU is relative to an ESTIMATED CPU peak of {info['peak_flops_per_device'] / 1e9:.0f} "
                      "GFLOP/s per worker (cores x 2.5 GHz x FLOP/cycle)")
@@ -157,7 +172,9 @@ class RunMeter:
     def __init__(self, cfg, rt, strategy, strategy_name: str, model, start_iter: int, progress: bool):
         self.cfg, self.world_size, self.strategy = cfg, rt.world_size, strategy
         self.master = rt.rank == 0
-        self.tokens_per_iter = cfg.batch_size * cfg.gradient_accumulation_steps * rt.world_size * cfg.block_size
+        dp = rt.world_size // cfg.model_parallel_size  # ranks holding different samples
+        self.tokens_per_iter = cfg.batch_size * cfg.gradient_accumulation_steps * dp * cfg.block_size
+        self.layout = hasattr(strategy, "figures")  # tp/pp/cp: per-rank memory, bytes and bubble
         self.flops_per_token = model.flops_per_token()
         profile = detect(rt.device)
         peak = profile.peak(rt.dtype if rt.dtype != "float32" else ("tf32" if rt.device_type == "cuda" else "float32"))
@@ -165,14 +182,17 @@ class RunMeter:
         self.info = {"strategy": strategy_name, "world_size": rt.world_size, "device": rt.device, "dtype": rt.dtype,
                      "threads_per_worker": rt.threads, "n_params": model.num_params(),
                      "tokens_per_iter": self.tokens_per_iter,
-                     "global_batch": cfg.batch_size * cfg.gradient_accumulation_steps * rt.world_size,
+                     "global_batch": cfg.batch_size * cfg.gradient_accumulation_steps * dp,
+                     "layout": {"dp": dp, "tp": cfg.tp, "pp": cfg.pp, "cp": cfg.cp,
+                                "sequence_parallel": cfg.sequence_parallel, "pp_schedule": cfg.pp_schedule},
                      "hardware": profile.name, "peak_flops_per_device": peak, "peak_is_estimate": profile.estimated,
                      "torch": torch.__version__, "start_iter": start_iter, "launcher": launcher_info(),
                      "backend": dist.get_backend() if dist.is_initialized() else None}
         self.writer = None
         if self.master:
             announce_run(cfg, self.info)  # run.json, config.json and the header lines
-            self.writer = MetricsWriter(Path(cfg.out_dir) / "metrics.csv", start_iter)
+            self.writer = MetricsWriter(Path(cfg.out_dir) / "metrics.csv", start_iter,
+                                        COLUMNS + LAYOUT_COLUMNS if self.layout else COLUMNS)
         # on stdout, with the eval lines: one stream keeps their order when a launcher relays it
         self.bar = tqdm(total=cfg.max_iters, initial=start_iter, desc=cfg.name, unit="it", dynamic_ncols=True,
                         file=sys.stdout, disable=not (self.master and progress))
@@ -185,7 +205,10 @@ class RunMeter:
     def _restart(self) -> None:
         """Start a new timing window (after a row, or after an evaluation: that is not step time)."""
         self.t_last, self.steps, self.comm_start, self.comm_in_compute = time.perf_counter(), 0, self.strategy.comm_s, 0.0
+        self.bytes_start = self._comm_bytes()
         self.timer.reset()
+        if self.layout:
+            self.strategy.figures()  # restart its byte counts too (an evaluation's traffic is not a step's)
 
     @contextmanager
     def compute(self):
@@ -206,12 +229,22 @@ class RunMeter:
                            + (" (best)" if is_best else ""))
         self._restart()
 
-    def log(self, it: int, loss_sum: torch.Tensor, lr: float, grad_norm: torch.Tensor | None) -> None:
+    def wants_row(self, it: int) -> bool:
+        """Whether step ``it`` gets a row (log steps, and the first step after an evaluation)."""
+        return it % self.cfg.log_interval == 0 or self.pending_eval is not None
+
+    def _comm_bytes(self) -> float:
+        comms = getattr(self.strategy, "comms", None)
+        return comms.volume_bytes if comms is not None else math.nan
+
+    def log(self, it: int, loss_sum: torch.Tensor, lr: float, grad_norm: torch.Tensor | None,
+            extra: dict | None = None) -> None:
         """Count the step just done; at log steps (and after an evaluation) write its row.
 
-        ``loss_sum`` is this rank's loss of the step (a device tensor: no host sync until here)."""
+        ``loss_sum`` is this rank's loss of the step (a device tensor: no host sync until here);
+        ``extra``: more columns for the row (activations, loss scale)."""
         self.steps += 1
-        if not (it % self.cfg.log_interval == 0 or self.pending_eval is not None):
+        if not self.wants_row(it):
             return
         if self.world_size > 1:  # the loss of the global batch (a collective at log steps only)
             dist.all_reduce(loss_sum)
@@ -223,8 +256,11 @@ class RunMeter:
                "grad_norm": grad_norm.item() if grad_norm is not None else None,
                **throughput(self.steps, elapsed, self.timer.total_s() - self.comm_in_compute, comm_s,
                             self.tokens_per_iter, self.flops_per_token, self.peak_total)}
+        row.update(comm_mb=(self._comm_bytes() - self.bytes_start) / self.steps / 1e6, **(extra or {}))
         if self.pending_eval is not None:
             row.update(val_loss=self.pending_eval["val"], eval_train_loss=self.pending_eval["train"])
+        if self.layout:
+            row.update(self._layout_figures(it))
         if self.master:
             self.writer.write(row)
         self.bar.update(it + 1 - self.bar.n)
@@ -232,6 +268,18 @@ class RunMeter:
                              ms=f"{row['step_ms']:.0f}", refresh=False)  # no eval yet after a mid-interval resume
         self.run_steps, self.run_s, self.pending_eval = self.run_steps + self.steps, self.run_s + elapsed, None
         self._restart()
+
+    def _layout_figures(self, it: int) -> dict:
+        """Every rank's figures per step since the last row (a collective at log steps only);
+        rank 0 writes them all to ranks.json and the row gets the most over ranks."""
+        mine = self.strategy.figures()
+        mine.update({k: v / self.steps for k, v in mine.items() if k.startswith("sent_bytes_")})
+        ranks = [None] * self.world_size
+        dist.all_gather_object(ranks, mine)
+        if self.master:
+            atomic_write_bytes(Path(self.cfg.out_dir) / "ranks.json",
+                               (json.dumps({"iter": it, "ranks": ranks}, indent=1) + "\n").encode())
+        return {k: max(r.get(k, 0.0) for r in ranks) for k in LAYOUT_COLUMNS if k in mine}
 
     def finish(self, it: int, best_val: float) -> dict:
         """The last row (the final evaluation), summary.json and the closing line; returns the summary."""

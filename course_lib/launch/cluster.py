@@ -159,7 +159,7 @@ def pbs_script(nodes: int, gpus_per_node: int, train_args: Sequence[str] = (), *
     return "\n".join(lines) + "\n"
 
 
-def _check_train_args(train_args: Sequence[str], data: bool) -> None:
+def _check_train_args(train_args: Sequence[str], data: bool, world_size: int) -> None:
     """The trainer's arguments are checked here, not after the job waited in the queue: every field
     and value (``course train``'s own parsing) and, when submitting from this machine (``data``),
     that the dataset is prepared where the job will look: the same path, since the job starts in
@@ -170,6 +170,7 @@ def _check_train_args(train_args: Sequence[str], data: bool) -> None:
 
     try:  # parsed as the worker (python -m course_lib.gpt.train) will parse them
         cfg, _ = config_from_args(arg_parser("python -m course_lib.gpt.train", ""), list(train_args))
+        cfg.check_layout(world_size)  # tp * pp * cp divides the job's ranks
         if data:
             load_meta(cfg.data_dir or None, cfg.dataset)
     except (ConfigError, DataError) as e:
@@ -203,7 +204,8 @@ def cli(argv: list[str]) -> int:
         submit = "sbatch" if a.scheduler == "slurm" else "qsub"
         exe = None if a.dry_run else shutil.which(submit)
         if not a.script:
-            _check_train_args(train_args, data=exe is not None)
+            world = a.nodes * (a.nproc_per_node or a.gpus_per_node or 2)  # _validate's default ranks per node
+            _check_train_args(train_args, data=exe is not None, world_size=world)
         text = make(a.nodes, a.gpus_per_node, train_args, target=target, job_name=a.job_name,
                     time_limit=a.time, partition=a.partition, account=a.account,
                     cpus_per_node=a.cpus_per_node, nproc_per_node=a.nproc_per_node,

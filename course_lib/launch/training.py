@@ -115,13 +115,27 @@ def check_out_dir(req: TrainRequest) -> None:
                                 "--overwrite to start it again, or choose another --out_dir")
 
 
+def check_layout(req: TrainRequest) -> None:
+    """tp/pp/cp: the grid fills the ranks, and the precision is one the pipeline runs."""
+    cfg = req.config
+    if cfg.model_parallel_size == 1:
+        return
+    try:
+        cfg.check_layout(req.world_size)
+    except ValueError as e:
+        raise LaunchConfigError(str(e)) from None
+    if pick_dtype(detect(req.device), cfg.dtype) == "float16":
+        raise LaunchConfigError("float16 needs loss scaling, which the tp/pp/cp pipeline does not do; "
+                                "use --dtype=bfloat16 or --dtype=float32")
+
+
 def check_allocation(req: TrainRequest) -> None:
     """Inside a SLURM/PBS job: the nodes and GPUs it was given."""
     checks.check_scheduler(req.nnodes, req.config.nproc, req.device)
 
 
-CHECKS: list[Callable[[TrainRequest], None]] = [check_allocation, check_strategy, check_dtype, check_memory,
-                                                 check_data, check_out_dir]
+CHECKS: list[Callable[[TrainRequest], None]] = [check_allocation, check_strategy, check_dtype, check_layout,
+                                                 check_memory, check_data, check_out_dir]
 
 
 def check_request(config: TrainConfig, *, nproc=None, nnodes: int = 1, overwrite: bool = False) -> TrainRequest:

@@ -2,6 +2,8 @@
 
     smoke           the smoke-mode switch (COURSE_SMOKE=1) and each notebook's Colab cell
     plots           matplotlib figures of the course's models and benchmarks
+    precision_plots the mixed-precision lesson's figures (notebook 9)
+    layout_plots    runs under several dp x pp x cp x tp layouts side by side (notebook 10)
     widgets         the memory calculator of notebook 4
     live_plot       a loss plot that redraws while the model trains
     diagrams        Mermaid diagrams in notebooks and ``course images``

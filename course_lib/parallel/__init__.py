@@ -13,8 +13,13 @@
     torch_sharded       PyTorch's: "torch_zero1" (ZeroRedundancyOptimizer), "fsdp_grad_op",
                         "fsdp_full" (FSDP2 fully_shard); "torch_ddp" is in strategy
     tensor_parallel     Megatron's f/g, column/row-parallel linears, TP MLP, attention, GPT
+    sequence_parallel   all-gather / reduce-scatter along the sequence (Korthikanti et al. 2022)
+    vocab_parallel      the vocabulary split: embedding, cross-entropy on split logits
+    context_parallel    ring attention over cp ranks with zigzag chunks
     pipeline_parallel   stages, micro-batches, AFAB (GPipe) and 1F1B schedules, bubble
-    process_groups      the dp x tp x pp grid
+    process_groups      the dp x pp x cp x tp grid
+    gpt_parallel        the course GPT cut for one place of the grid
+    model_parallel      ModelParallel: the trainer's strategy for tp/pp/cp layouts
     footprint           bytes of parameters, gradients, optimizer states one rank holds
     spawn               run_ranks(fn, world_size): a function on N local gloo processes
     toy                 a small MLP with the GPT interface

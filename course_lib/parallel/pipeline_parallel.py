@@ -28,6 +28,7 @@ embedding group, so both copies stay equal.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -153,6 +154,7 @@ class PipelineStats:
     busy_s: float  # wall seconds spent computing
     step_s: float  # wall seconds of the whole step
     peak_in_flight: int  # most micro-batches whose activations were held at once
+    peak_activation_bytes: int = 0  # most bytes autograd held for backward at once (parameters excluded)
 
     @property
     def bubble(self) -> float:
@@ -164,17 +166,38 @@ class PipelineStats:
         return 1 - self.busy_s / self.step_s
 
 
+@contextlib.contextmanager
+def _count_saved(param_storages: set[int]):
+    """Bytes of the tensors autograd saves for backward inside the block, each storage once,
+    parameters excluded (as :func:`course_lib.experiments.memory_measure.saved_activation_bytes`)."""
+    seen, counted = set(), {"bytes": 0}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in param_storages and st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            counted["bytes"] += st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield counted
+
+
 class Pipeline:
     """Runs training steps of one stage; every rank of the pipeline group calls ``train_step``."""
 
-    def __init__(self, stage: PipelineStage, comms: Comms, schedule: str = "1f1b"):
+    def __init__(self, stage: nn.Module, comms: Comms, schedule: str = "1f1b", sum_tied: bool = True):
+        """``stage``: a :class:`PipelineStage` or any module with its ``forward(x, targets)``,
+        ``activation_shape`` and ``tied``. ``sum_tied=False`` leaves the tied weight's gradient
+        exchange to the caller (done after a data-parallel reduction that would overwrite it)."""
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-        self.stage, self.comms, self.schedule = stage, comms, schedule
+        self.stage, self.comms, self.schedule, self.sum_tied = stage, comms, schedule, sum_tied
         self.pp_rank, self.pp_world_size = comms.rank, comms.world_size
         self.is_first, self.is_last = self.pp_rank == 0, self.pp_rank == self.pp_world_size - 1
         self.dtype = next(stage.parameters()).dtype
         self.device = next(stage.parameters()).device  # NCCL sends CUDA tensors only
+        self.loss_dtype = torch.promote_types(self.dtype, torch.float32)  # fp32, or fp64 for fp64 models
 
     def _recv(self, shape, src: int) -> tuple[torch.Tensor, float]:
         t = torch.empty(shape, dtype=self.dtype, device=self.device)
@@ -188,15 +211,18 @@ class Pipeline:
         self.sends.append(self.comms.isend(
             torch.tensor([tick], dtype=torch.float64, device=self.device), dst))
 
-    def train_step(self, x: torch.Tensor, targets: torch.Tensor, n_micro: int):
+    def train_step(self, x: torch.Tensor, targets: torch.Tensor, n_micro: int, no_sync=None):
         """Forward and backward of one batch (gradients accumulate in the stage's parameters).
-        Returns the batch's mean loss (on every rank) and this rank's :class:`PipelineStats`."""
+        Returns the batch's mean loss (on every rank) and this rank's :class:`PipelineStats`.
+        ``no_sync``: a context manager factory (a data-parallel wrapper's) entered for every
+        backward but the last micro-batch's, which is the last backward of both schedules."""
         if x.shape[0] % n_micro:
             raise ValueError(f"batch size {x.shape[0]} is not divisible by n_micro={n_micro}")
         xs, ys = x.chunk(n_micro), targets.chunk(n_micro)
         t_step, busy_s, clock, busy = time.perf_counter(), 0.0, 0.0, 0
-        self.sends, saved, in_flight, peak = [], {}, 0, 0
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.sends, saved, in_flight, peak, held, peak_bytes, micro_bytes = [], {}, 0, 0, 0, 0, {}
+        params = {p.untyped_storage().data_ptr() for p in self.stage.parameters()}
+        loss_sum = torch.zeros((), dtype=self.loss_dtype, device=self.device)
         for op, i in schedule_ops(self.schedule, n_micro, self.pp_rank, self.pp_world_size):
             if op == "F":
                 ready = 0.0
@@ -206,7 +232,11 @@ class Pipeline:
                     inp, ready = self._recv(self.stage.activation_shape(xs[i]), self.pp_rank - 1)
                     inp.requires_grad_()
                 t0 = time.perf_counter()
-                out = self.stage(inp, ys[i] if self.is_last else None)
+                with _count_saved(params) as counted:
+                    out = self.stage(inp, ys[i] if self.is_last else None)
+                micro_bytes[i] = counted["bytes"]
+                held += micro_bytes[i]
+                peak_bytes = max(peak_bytes, held)
                 if self.is_last:
                     out = out / n_micro  # the batch loss is the mean over micro-batches
                     loss_sum += out.detach()
@@ -223,20 +253,37 @@ class Pipeline:
                 if not self.is_last:
                     grad, ready = self._recv(out.shape, self.pp_rank + 1)
                 t0 = time.perf_counter()
-                out.backward(grad)
+                with no_sync() if no_sync is not None and i < n_micro - 1 else contextlib.nullcontext():
+                    out.backward(grad)
                 busy_s += time.perf_counter() - t0
                 clock, busy = max(clock, ready) + BACKWARD_TICKS, busy + BACKWARD_TICKS
                 if not self.is_first:
                     self._send(inp.grad, clock, self.pp_rank - 1)
                 in_flight -= 1
+                held -= micro_bytes.pop(i)
         for work in self.sends:
             self.comms.wait(work)
-        self._sum_tied_grads()
+        if self.sum_tied:
+            self._sum_tied_grads()
         total = torch.tensor([clock], dtype=torch.float64, device=self.device)
         self.comms.all_reduce(total, op=torch.distributed.ReduceOp.MAX)  # the step's makespan
         self.comms.broadcast(loss_sum, src=self.pp_world_size - 1)
-        stats = PipelineStats(busy, total.item(), busy_s, time.perf_counter() - t_step, peak)
+        stats = PipelineStats(busy, total.item(), busy_s, time.perf_counter() - t_step, peak, peak_bytes)
         return loss_sum.item(), stats
+
+    @torch.no_grad()
+    def eval_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward only, the whole batch at once (evaluation): its loss, on every rank."""
+        loss = torch.zeros((), dtype=self.loss_dtype, device=self.device)
+        inp = x if self.is_first else self._recv(self.stage.activation_shape(x), self.pp_rank - 1)[0]
+        out = self.stage(inp, targets if self.is_last else None)
+        if self.is_last:
+            loss += out.to(self.loss_dtype)
+        else:
+            self.comms.send(out.contiguous(), self.pp_rank + 1)
+            self.comms.send(torch.zeros(1, dtype=torch.float64, device=self.device), self.pp_rank + 1)
+        self.comms.broadcast(loss, src=self.pp_world_size - 1)
+        return loss
 
     @torch.no_grad()
     def _sum_tied_grads(self) -> None:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib.parallel.comms import Comms
+from course_lib.parallel.sequence_parallel import gather_seq, reduce_scatter_seq
 
 
 def divide(n: int, tp_world_size: int, what: str) -> int:
@@ -90,12 +91,14 @@ class ColumnParallelLinear(nn.Module):
 
     ``fused`` > 1 is for a weight that stacks several matrices along its output (c_attn stacks
     Q, K and V): each of them is split, so a rank gets matching columns of all of them.
+    ``sequence_parallel``: x arrives split along the sequence, (B, T/tp, in), and is all-gathered
+    (g_bar) instead of passing f (:mod:`course_lib.parallel.sequence_parallel`).
     """
 
     def __init__(self, in_features: int, out_features: int, comms: Comms, bias: bool = True,
-                 fused: int = 1, dtype=None, device=None):
+                 fused: int = 1, dtype=None, device=None, sequence_parallel: bool = False):
         super().__init__()
-        self.comms, self.fused = comms, fused
+        self.comms, self.fused, self.sequence_parallel = comms, fused, sequence_parallel
         self.in_features, self.out_features = in_features, out_features
         per_matrix = divide(out_features, fused, "out_features / fused") if fused > 1 else out_features
         local = divide(per_matrix, comms.world_size, "out_features of a column-parallel linear") * fused
@@ -120,17 +123,19 @@ class ColumnParallelLinear(nn.Module):
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tp(x, self.comms), self.weight, self.bias)  # (..., out/tp)
+        x = gather_seq(x, self.comms) if self.sequence_parallel else copy_to_tp(x, self.comms)
+        return F.linear(x, self.weight, self.bias)  # (..., out/tp)
 
 
 class RowParallelLinear(nn.Module):
     """y = x B with B (in, out) split by rows: x arrives split, (..., in/tp) from a column-parallel
-    layer; the partial products x_i B_i are summed by g; the bias is added once, after the sum."""
+    layer; the partial products x_i B_i are summed by g; the bias is added once, after the sum.
+    ``sequence_parallel``: g reduce-scatters along the sequence, the output is (B, T/tp, out)."""
 
     def __init__(self, in_features: int, out_features: int, comms: Comms, bias: bool = True,
-                 dtype=None, device=None):
+                 dtype=None, device=None, sequence_parallel: bool = False):
         super().__init__()
-        self.comms = comms
+        self.comms, self.sequence_parallel = comms, sequence_parallel
         self.in_features, self.out_features = in_features, out_features
         local = divide(in_features, comms.world_size, "in_features of a row-parallel linear")
         kw = {"dtype": dtype, "device": device}
@@ -149,7 +154,11 @@ class RowParallelLinear(nn.Module):
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp(F.linear(x, self.weight), self.comms)  # (..., out), equal on all ranks
+        y = F.linear(x, self.weight)  # partial sums x_i B_i
+        if self.sequence_parallel:
+            y = reduce_scatter_seq(y, self.comms)  # (B, T/tp, out): this rank's tokens, summed
+        else:
+            y = reduce_from_tp(y, self.comms)  # (..., out), equal on all ranks
         return y + self.bias if self.bias is not None else y
 
 

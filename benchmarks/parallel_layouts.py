@@ -1,0 +1,109 @@
+"""python benchmarks/parallel_layouts.py --ranks 4,8 --iters 4
+
+Every way of cutting the Shakespeare CPU model (the ``shakespeare_char_cpu`` preset: 4 layers,
+n_embd 128, 4 heads, block 64, vocabulary 65) over 4 and 8 gloo ranks on this machine: data,
+tensor (+ sequence), pipeline and context parallelism and their combinations, trained by
+:class:`course_lib.parallel.model_parallel.ModelParallel`. Strong scaling: every layout trains the
+same global batch per step (``--micro`` micro-batches of ``--batch`` sequences, split over dp),
+so the rows compare directly. Per layout (medians over ``--iters`` steps after one warm-up step):
+
+* ms/iter (the slowest rank) and tokens/s;
+* per-rank memory, the most over ranks: model states (parameters + gradients + AdamW states,
+  measured on the live tensors) and peak activation bytes (what autograd saved, in flight);
+* bytes each rank sends per step in each group (tp, sp, cp, pp, dp), the most over ranks;
+* the pipeline bubble on the schedule's logical clock, next to (p - 1) / (m + p - 1).
+
+Tokens are random (timing does not depend on them). Workers get one thread each. Prints a
+Markdown table; ``--out FILE`` also writes it there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+LAYOUTS = {  # name -> (dp, tp, pp, cp, sequence_parallel)
+    4: {"dp4": (4, 1, 1, 1, False), "tp4": (1, 4, 1, 1, False), "tp2+sp-dp2": (2, 2, 1, 1, True),
+        "pp4": (1, 1, 4, 1, False), "pp2-dp2": (2, 1, 2, 1, False), "cp2-dp2": (2, 1, 1, 2, False),
+        "tp2-pp2": (1, 2, 2, 1, False), "tp2+sp-cp2": (1, 2, 1, 2, True)},
+    8: {"dp8": (8, 1, 1, 1, False), "tp2-pp2-dp2": (2, 2, 2, 1, False), "tp2+sp-dp4": (4, 2, 1, 1, True),
+        "pp2-cp2-dp2": (2, 1, 2, 2, False), "tp2-pp2-cp2": (1, 2, 2, 2, False),
+        "tp2+sp-pp2-cp2": (1, 2, 2, 2, True), "pp4-dp2": (2, 1, 4, 1, False)},
+}
+
+
+def worker(rank: int, world_size: int, lay: tuple, args) -> dict:
+    from course_lib.gpt.config import TrainConfig
+    from course_lib.gpt.model import GPT, GPTConfig
+    from course_lib.gpt.run import optimizer_factory
+    from course_lib.parallel.model_parallel import ModelParallel
+    from course_lib.parallel.process_groups import ProcessGroupGrid
+
+    dp, tp, pp, cp, sp = lay
+    grid = ProcessGroupGrid(dp=dp, tp=tp, pp=pp, cp=cp)
+    cfg = GPTConfig(block_size=64, vocab_size=65, n_layer=4, n_head=4, n_embd=128, dropout=0.0, bias=False)
+    torch.manual_seed(0)
+    strategy = ModelParallel(GPT(cfg), optimizer_factory(TrainConfig()), grid, args.strategy, sp, args.schedule)
+    g = torch.Generator().manual_seed(1)
+    b = args.batch // dp
+    times, figures = [], []
+    for it in range(args.iters + 1):
+        x = torch.randint(0, cfg.vocab_size, (args.micro, b, cfg.block_size), generator=g)
+        t0 = time.perf_counter()
+        strategy.train_step(x, x.roll(-1, dims=-1))
+        strategy.finish_grads()
+        strategy.clip_grad_norm_(1.0)
+        strategy.step()
+        fig = strategy.figures()
+        strategy.zero_grad()
+        if it:  # the first step is warm-up (allocations, optimizer state)
+            times.append(time.perf_counter() - t0)
+            figures.append(fig)
+    return {"ms": 1e3 * statistics.median(times), "figures": figures[-1]}
+
+
+def main(argv: list[str]) -> int:
+    from course_lib.parallel.spawn import run_ranks
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", default="4,8", help="comma-separated world sizes (4, 8)")
+    p.add_argument("--iters", type=int, default=4)
+    p.add_argument("--batch", type=int, default=16, help="sequences per micro-batch, all dp ranks together")
+    p.add_argument("--micro", type=int, default=4, help="micro-batches per step (gradient accumulation)")
+    p.add_argument("--strategy", default="ddp", choices=("ddp", "zero1", "zero2"))
+    p.add_argument("--schedule", default="1f1b", choices=("afab", "1f1b"))
+    p.add_argument("--only", default="", help="comma-separated layout names")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    header = ("| ranks | layout | ms/iter | tokens/s | model states MB | peak act. MB | tp MB | sp MB | cp MB | "
+              "pp MB | dp MB | bubble (theory) |")
+    rows = [header, "|" + "---|" * 12]
+    print("\n".join(rows), flush=True)
+    for n in (int(r) for r in args.ranks.split(",")):
+        for name, lay in LAYOUTS[n].items():
+            if args.only and name not in args.only.split(","):
+                continue
+            res = run_ranks(worker, n, args=(lay, args))
+            ms = max(r["ms"] for r in res)
+            f = [r["figures"] for r in res]
+            top = {k: max(x.get(k, 0) for x in f) / 2**20 for k in f[0] if k.startswith(("sent", "model", "peak"))}
+            tokens = args.micro * args.batch * 64
+            bubble = f"{f[0]['bubble']:.2f} ({f[0]['bubble_theory']:.2f})"
+            row = (f"| {n} | {name} | {ms:.0f} | {tokens / ms * 1e3:,.0f} | {top['model_state_bytes']:.2f} | "
+                   f"{top['peak_activation_bytes']:.2f} | "
+                   + " | ".join(f"{top[f'sent_bytes_{k}']:.2f}" for k in ("tp", "sp", "cp", "pp", "dp"))
+                   + f" | {bubble} |")
+            rows.append(row)
+            print(row, flush=True)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write("\n".join(rows) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

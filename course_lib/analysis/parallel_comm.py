@@ -1,0 +1,86 @@
+"""Closed-form model of one rank's share of a GPT under dp x pp x cp x tp: parameters held and
+bytes sent per training step in each group, to choose a layout before running it.
+
+Notation as in Megatron-LM (Shoeybi et al. 2019; Narayanan et al. 2021) and Korthikanti et al.
+2022: L layers (L/p on a stage), h = n_embd, v vocabulary (padded to a multiple of t), s sequence length, b micro-batch per
+dp rank, m micro-batches per step, t = tp, c = cp, e bytes per value; s' = s/c tokens per rank.
+A "ring" collective on S bytes sends 2(t-1)/t S (all-reduce) or (t-1)/t S (reduce-scatter,
+all-gather) per rank (:func:`~course_lib.analysis.comm_cost.bytes_per_rank`). Per micro-batch:
+
+* tp, per layer: 2 all-reduces of the (b, s', h) activation forward, 2 backward (Megatron,
+  Sec. 3); the first stage adds the vocab-parallel embedding's all-reduce, the last the LM head's
+  (backward) and the vocab-parallel cross-entropy's three all-reduces of b s' numbers.
+* sp (sequence parallel): each of those all-reduces becomes a reduce-scatter plus an all-gather,
+  the same bytes (Korthikanti et al. 2022, Sec. 4.2.2); per step one all-reduce of the gradients
+  of the parameters replicated over tp (LayerNorms, row-parallel biases, wpe).
+* cp: per layer K and V, 2 b s' h/t values, hop cp - 1 times forward and their gradients as many
+  times backward (Ring Attention, Liu et al. 2023).
+* pp: the (b, s' [/t with sp], h) activation forward and its gradient backward (one each, plus an
+  8-byte clock tick, on the stages that have a neighbour); per step the tied embedding's gradient
+  (v h / t) between the first and last stage.
+* dp (the dp x cp group): the gradients of the stage, all-reduced (DDP), or reduce-scattered and
+  the parameters all-gathered (ZeRO-1/2): the same bytes (Rajbhandari et al. 2020, Sec. 7).
+"""
+
+from __future__ import annotations
+
+from course_lib.analysis.comm_cost import bytes_per_rank
+
+
+def stage_params(n_layer: int, n_embd: int, vocab_size: int, block_size: int, bias: bool, tp: int = 1,
+                 pp: int = 1, pp_rank: int = 0) -> dict[str, int]:
+    """Parameters a rank holds, split into "sharded" (divided over tp) and "replicated" (the
+    same on every tp rank), for stage ``pp_rank`` of ``pp`` with n_layer / pp layers."""
+    h, L = n_embd, n_layer // pp
+    vocab_size = -(-vocab_size // tp) * tp  # padded to a multiple of tp (course_lib.parallel.vocab_parallel)
+    sharded = L * (12 * h * h + (7 * h if bias else 0)) // tp  # c_attn, c_fc (with biases), both c_proj
+    replicated = L * (6 * h if bias else 2 * h)  # 2 LayerNorms (gains, biases) and the row-parallel biases
+    if pp_rank == 0:
+        sharded += vocab_size * h // tp
+        replicated += block_size * h  # wpe
+    if pp_rank == pp - 1:
+        sharded += vocab_size * h // tp if pp > 1 else 0  # the last stage's copy of the tied weight
+        replicated += h * (2 if bias else 1)  # ln_f
+    return {"sharded": sharded, "replicated": replicated, "total": sharded + replicated}
+
+
+def sent_bytes_per_step(n_layer: int, n_embd: int, vocab_size: int, block_size: int, bias: bool,
+                        batch_size: int, micro_batches: int, dp: int = 1, tp: int = 1, pp: int = 1,
+                        cp: int = 1, sequence_parallel: bool = False, pp_rank: int = 0,
+                        bytes_per_value: int = 4, zero_stage: int = 0) -> dict[str, float]:
+    """Bytes this rank sends per optimizer step in each group (module docstring). ``zero_stage``
+    1 or 2: the optimizer holds gradient shards, so the sp and tied-gradient exchanges move
+    1/(dp cp) of them; stage 2 reduce-scatters after every micro-batch (it keeps no full gradients)."""
+    zero = zero_stage > 0
+    e, h, m, L = bytes_per_value, n_embd, micro_batches, n_layer // pp
+    v_pad = -(-vocab_size // tp) * tp
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    tokens = batch_size * block_size // cp  # b s' per micro-batch
+    act = tokens * h * e  # one (b, s', h) activation
+    allreduce = bytes_per_rank("all_reduce", act, tp) if tp > 1 else 0.0
+    per_micro_tp = (4 * L + first + last) * allreduce  # layers, embedding (fwd), head (bwd)
+    ce = 3 * bytes_per_rank("all_reduce", tokens * e, tp) if last and tp > 1 else 0.0
+    out = {"tp": 0.0, "sp": 0.0, "cp": 0.0, "pp": 0.0, "dp": 0.0}
+    if sequence_parallel:
+        out["sp"] = m * per_micro_tp  # reduce-scatter + all-gather = one all-reduce's bytes
+        rep = stage_params(n_layer, n_embd, vocab_size, block_size, bias, tp, pp, pp_rank)["replicated"]
+        out["sp"] += bytes_per_rank("all_reduce", rep * e / (dp * cp if zero else 1), tp) if tp > 1 else 0.0
+        out["tp"] = m * ce
+    else:
+        out["tp"] = m * (per_micro_tp + ce)
+    if cp > 1:
+        out["cp"] = m * L * 2 * (cp - 1) * 2 * tokens * (h // tp) * e  # K and V, forward and backward
+    if pp > 1:
+        boundary = (act // tp if sequence_parallel else act) + 8  # + the clock tick
+        out["pp"] = m * boundary * ((not last) + (not first))
+        if first or last:
+            out["pp"] += v_pad * h // tp * e / (dp * cp if zero else 1)  # the tied gradient
+        # the step's length on the logical clock (max) and the loss, from the last stage
+        out["pp"] += bytes_per_rank("all_reduce", 8, pp) + bytes_per_rank("broadcast", max(e, 4), pp)
+    n_dp = dp * cp
+    if n_dp > 1:
+        total = stage_params(n_layer, n_embd, vocab_size, block_size, bias, tp, pp, pp_rank)["total"]
+        out["dp"] = bytes_per_rank("all_reduce", total * e, n_dp)  # = reduce-scatter + all-gather
+        if zero_stage == 2:
+            out["dp"] += (m - 1) * bytes_per_rank("reduce_scatter", total * e, n_dp)
+    return out

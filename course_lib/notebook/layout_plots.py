@@ -1,0 +1,79 @@
+"""Training runs under several dp x pp x cp x tp layouts, side by side (notebook 10).
+
+    from course_lib.notebook.layout_plots import layout_table, plot_layouts
+    plot_layouts({"tp2-pp2": "runs/tp2-pp2", "dp4": "runs/dp4"})
+
+Each run directory is the trainer's: ``metrics.csv`` (per step: the loss and, for model-parallel
+runs, the most over ranks of memory, bytes per group and the bubble), ``ranks.json`` (the last
+logged step's figures of every rank) and ``run.json`` (the layout).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from course_lib.gpt.metrics import read_metrics
+
+GROUPS = ("tp", "sp", "cp", "pp", "dp")
+
+
+def _load(run_dir) -> dict:
+    run_dir = Path(run_dir)
+    ranks_file = run_dir / "ranks.json"
+    return {"rows": read_metrics(run_dir / "metrics.csv"),
+            "ranks": json.loads(ranks_file.read_text())["ranks"] if ranks_file.exists() else [],
+            "info": json.loads((run_dir / "run.json").read_text())}
+
+
+def layout_table(runs: dict[str, str | Path]):
+    """One row per run: final losses, ms/iter, the bubble, memory per rank and bytes per group
+    per step (the most over ranks); a pandas DataFrame."""
+    import pandas as pd
+
+    out = []
+    for name, run_dir in runs.items():
+        r = _load(run_dir)
+        steps = [row for row in r["rows"] if not math.isnan(row.get("train_loss", math.nan))]
+        last = steps[-1] if steps else {}
+        evals = [row for row in r["rows"] if not math.isnan(row.get("val_loss", math.nan))]
+        ranks = r["ranks"] or [{}]  # plain data parallelism writes no per-rank figures: NaN
+        entry = {"layout": name, "ranks": r["info"]["world_size"], "train_loss": last.get("train_loss"),
+                 "val_loss": evals[-1]["val_loss"] if evals else None,
+                 "step_ms": sorted(s["step_ms"] for s in steps)[len(steps) // 2] if steps else None,
+                 "bubble": last.get("bubble"), "bubble_theory": last.get("bubble_theory"),
+                 "model_states_MB": max(x.get("model_state_bytes", math.nan) for x in ranks) / 2**20,
+                 "activations_MB": max(x.get("peak_activation_bytes", math.nan) for x in ranks) / 2**20}
+        entry.update({f"{g}_MB": max(x.get(f"sent_bytes_{g}", math.nan) for x in ranks) / 2**20 for g in GROUPS})
+        out.append(entry)
+    return pd.DataFrame(out).set_index("layout")
+
+
+def plot_layouts(runs: dict[str, str | Path]):
+    """Loss curves on top of each other; memory per rank and bytes per group per step, per layout."""
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_mem, ax_bytes) = plt.subplots(1, 3, figsize=(16, 4.2))
+    for name, run_dir in runs.items():
+        rows = [x for x in _load(run_dir)["rows"] if not math.isnan(x.get("train_loss", math.nan))]
+        ax_loss.plot([x["iter"] for x in rows], [x["train_loss"] for x in rows], label=name, alpha=0.8)
+    ax_loss.set(xlabel="iteration", ylabel="train loss", title="the same training, every layout")
+    ax_loss.legend(fontsize=8)
+    table = layout_table(runs)
+    names = list(table.index)
+    x = range(len(names))
+    ax_mem.bar([i - 0.2 for i in x], table["model_states_MB"], width=0.4, label="model states")
+    ax_mem.bar([i + 0.2 for i in x], table["activations_MB"], width=0.4, label="activations (peak)")
+    ax_mem.set(ylabel="MB on the fullest rank", title="memory per rank")
+    bottom = [0.0] * len(names)
+    for g in GROUPS:
+        values = table[f"{g}_MB"].fillna(0.0)
+        ax_bytes.bar(x, values, bottom=bottom, label=g)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax_bytes.set(ylabel="MB sent per step (busiest rank)", title="communication per group")
+    for ax in (ax_mem, ax_bytes):
+        ax.set_xticks(list(x), names, rotation=30, ha="right", fontsize=8)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
