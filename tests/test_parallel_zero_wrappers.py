@@ -1,11 +1,9 @@
 """Our ZeRO wrappers used as practitioners use PyTorch's, checked against PyTorch's on gloo.
 
 * ``FullyShardedDataParallel(module, compute_dtype=bf16)`` + AdamW over its ``parameters()`` (the
-  local fp32 shards) against FSDP2 ``fully_shard`` with ``MixedPrecisionPolicy(param_dtype=bf16,
-  reduce_dtype=fp32)`` on the same model and data: bf16 all-gather and compute, fp32 gradient
-  reduction and master weights in both.
-* ``ShardedOptimizer(params, AdamW, ...)`` on a bf16 model (fp32 master shards) against the same
-  bf16 model trained by DDP + an fp32 master copy by hand (what mixed-precision ZeRO-1 promises).
+  fp32 shards) against FSDP2 with ``MixedPrecisionPolicy(bf16, fp32)``, same model and data.
+* ``ShardedOptimizer(params, AdamW, ...)`` on a bf16 model (fp32 master shards) against DDP + an
+  fp32 master copy by hand (what mixed-precision ZeRO-1/2 promise).
 * ``replicate=`` keeps small parameters whole: measured bytes grow by exactly their (N-1)/N share.
 * ZeRO-2/3 free each full-gradient buffer once it is reduce-scattered: peak gradient bytes during
   backward (course_lib.experiments.memory_measure.PeakTracker) fall.

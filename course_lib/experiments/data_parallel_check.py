@@ -32,9 +32,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from course_lib.analysis.comm_cost import collective_time
 from course_lib.gpt.model import GPT, GPTConfig
-from course_lib.parallel.strategy import build_strategy
-
 from course_lib.parallel.buckets import bucket_indices
+from course_lib.parallel.strategy import build_strategy
 
 # label -> (strategy name, keyword arguments)
 VARIANTS: dict[str, tuple[str, dict]] = {
