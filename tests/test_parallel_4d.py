@@ -85,7 +85,9 @@ def train_layout(layout: dict, dtype, steps: int = STEPS, start: dict | None = N
         strategy.zero_grad()
         dist.all_reduce(loss)  # tp and pp ranks hold equal losses; dp and cp ranks their part
         losses.append(loss.item() / grid.world_size)
-    return losses, strategy.state_dict(), strategy.last_stats, {**figures, "pp_rank": grid.pp_rank}
+    n_tensors = sum(p.requires_grad for p in strategy.module.parameters())  # DDP's presence flags
+    return losses, strategy.state_dict(), strategy.last_stats, {**figures, "pp_rank": grid.pp_rank,
+                                                                "n_tensors": n_tensors}
 
 
 def layout(dp=1, tp=1, pp=1, cp=1, sp=False, schedule="1f1b", strategy="ddp"):
@@ -133,7 +135,7 @@ def assert_figures_match_the_models(name: str, lay: dict, dtype, figures: dict):
               "bias": CFG.bias}
     want = sent_bytes_per_step(**kw, batch_size=B, micro_batches=ACCUM, dp=lay["dp"], tp=lay["tp"], pp=lay["pp"],
                                cp=lay["cp"], sequence_parallel=lay["sp"], pp_rank=figures["pp_rank"],
-                               bytes_per_value=e, zero_stage=zero)
+                               bytes_per_value=e, zero_stage=zero, n_tensors=figures["n_tensors"])
     for group, b in want.items():
         assert figures[f"sent_bytes_{group}"] == pytest.approx(b, rel=0.01 if zero else 1e-9), (name, group)
     params = stage_params(**kw, tp=lay["tp"], pp=lay["pp"], pp_rank=figures["pp_rank"])["total"]

@@ -47,10 +47,13 @@ def stage_params(n_layer: int, n_embd: int, vocab_size: int, block_size: int, bi
 def sent_bytes_per_step(n_layer: int, n_embd: int, vocab_size: int, block_size: int, bias: bool,
                         batch_size: int, micro_batches: int, dp: int = 1, tp: int = 1, pp: int = 1,
                         cp: int = 1, sequence_parallel: bool = False, pp_rank: int = 0,
-                        bytes_per_value: int = 4, zero_stage: int = 0) -> dict[str, float]:
-    """Bytes this rank sends per optimizer step in each group (module docstring). ``zero_stage``
+                        bytes_per_value: int = 4, zero_stage: int = 0, n_tensors: int = 0) -> dict[str, float]:
+    """Bytes this rank sends per optimizer step in each group (module docstring). ``n_tensors``:
+    the stage's parameter tensors; our DDP sends one presence flag per tensor with the gradients
+    (so ranks agree which parameters got a gradient anywhere: parallel/data_parallel.py). ``zero_stage``
     1 or 2: the optimizer holds gradient shards, so the sp and tied-gradient exchanges move
-    1/(dp cp) of them; stage 2 reduce-scatters after every micro-batch (it keeps no full gradients)."""
+    1/(dp cp) of them. Stage 2 sends what stage 1 does: under gradient accumulation its ``no_sync``
+    keeps the micro-batches' gradients and reduce-scatters once, on the last one (as FSDP's no_sync)."""
     zero = zero_stage > 0
     e, h, m, L = bytes_per_value, n_embd, micro_batches, n_layer // pp
     v_pad = -(-vocab_size // tp) * tp
@@ -80,7 +83,6 @@ def sent_bytes_per_step(n_layer: int, n_embd: int, vocab_size: int, block_size: 
     n_dp = dp * cp
     if n_dp > 1:
         total = stage_params(n_layer, n_embd, vocab_size, block_size, bias, tp, pp, pp_rank)["total"]
-        out["dp"] = bytes_per_rank("all_reduce", total * e, n_dp)  # = reduce-scatter + all-gather
-        if zero_stage == 2:
-            out["dp"] += (m - 1) * bytes_per_rank("reduce_scatter", total * e, n_dp)
+        flags = n_tensors if not zero else 0  # ZeRO's flags ride in its padded rows (within 1 %)
+        out["dp"] = bytes_per_rank("all_reduce", (total + flags) * e, n_dp)  # = reduce-scatter + all-gather
     return out

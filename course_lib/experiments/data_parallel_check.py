@@ -32,12 +32,13 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from course_lib.analysis.comm_cost import collective_time
 from course_lib.gpt.model import GPT, GPTConfig
+from course_lib.parallel.buckets import bucket_indices
 from course_lib.parallel.strategy import build_strategy
 
 # label -> (strategy name, keyword arguments)
 VARIANTS: dict[str, tuple[str, dict]] = {
     "ddp_naive": ("ddp_naive", {}),
-    "ddp, one big bucket": ("ddp", {"bucket_cap_mb": 25.0}),
+    "ddp, one big bucket": ("ddp", {"bucket_cap_mb": 25.0, "first_bucket_cap_mb": None}),
     "ddp, small buckets": ("ddp", {"bucket_cap_mb": 0.05}),
     "torch_ddp": ("torch_ddp", {}),
 }
@@ -164,20 +165,11 @@ def compare_with_single_process(variants: dict[str, tuple[str, dict]] = VARIANTS
     return results
 
 
-def bucket_sizes(tensor_bytes, cap_bytes: float) -> list[int]:
-    """Pack tensors (given in backward order) into buckets the way DataParallelBucket does: add
-    tensors to the current bucket and close it once it holds ``cap_bytes`` or more."""
-    if not cap_bytes > 0:
-        raise ValueError(f"cap_bytes must be > 0, got {cap_bytes!r}")
-    buckets, current = [], 0
-    for nbytes in tensor_bytes:
-        current += nbytes
-        if current >= cap_bytes:
-            buckets.append(current)
-            current = 0
-    if current:
-        buckets.append(current)
-    return buckets
+def bucket_sizes(tensor_bytes, cap_bytes: float, first_cap_bytes: float | None = None) -> list[int]:
+    """Pack tensors (given in backward order) into buckets the way DataParallelBucket does
+    (:func:`course_lib.parallel.buckets.bucket_indices`): bytes per bucket."""
+    sizes = list(tensor_bytes)
+    return [sum(sizes[i] for i in group) for group in bucket_indices(sizes, cap_bytes, first_cap_bytes)]
 
 
 def allreduce_seconds(tensor_bytes, p: int, *, bandwidth: float, alpha: float,

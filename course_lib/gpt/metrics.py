@@ -234,7 +234,10 @@ class RunMeter:
         return it % self.cfg.log_interval == 0 or self.pending_eval is not None
 
     def _comm_bytes(self) -> float:
+        """Bytes our strategies' Comms counted so far (model parallel: every group's); nan for PyTorch's."""
         comms = getattr(self.strategy, "comms", None)
+        if isinstance(comms, dict):  # ModelParallel: one Comms per group (tp, sp, cp, pp, dp)
+            return sum(c.volume_bytes for c in comms.values())
         return comms.volume_bytes if comms is not None else math.nan
 
     def log(self, it: int, loss_sum: torch.Tensor, lr: float, grad_norm: torch.Tensor | None,

@@ -2,8 +2,14 @@
 
     strategy            the Strategy interface the trainer uses; STRATEGIES, build_strategy
     comms               collectives that count bytes (ZeRO-paper volume, ring bytes) and time
-    data_parallel       DataParallelNaive / DataParallelBucket; strategies "ddp_naive", "ddp"
-    zero, zero3         ZeRO stages 1, 2 ("zero1", "zero2") and 3 ("zero3"); zero_strategy(stage)
+    buckets             the one bucket-closing rule (DDP's bucket_cap_mb), for DP and ZeRO
+    data_parallel       DataParallelNaive / DataParallelBucket (nn.Module wrappers, like torch's
+                        DistributedDataParallel); strategies "ddp_naive", "ddp"
+    sharding            ShardLayout: how ZeRO cuts and packs parameters; full <-> sharded states
+    zero                ShardedOptimizer (ZeRO-1/2, like ZeroRedundancyOptimizer); "zero1", "zero2"
+    zero3               FullyShardedDataParallel (ZeRO-3, like FSDP: mixed precision, prefetch,
+                        replicated small parameters); "zero3"
+    units               which modules ZeRO-3 / FSDP gather and free together
     torch_sharded       PyTorch's: "torch_zero1" (ZeroRedundancyOptimizer), "fsdp_grad_op",
                         "fsdp_full" (FSDP2 fully_shard); "torch_ddp" is in strategy
     tensor_parallel     Megatron's f/g, column/row-parallel linears, TP MLP, attention, GPT

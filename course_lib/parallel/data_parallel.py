@@ -13,7 +13,9 @@ Two versions behind one interface (``forward``, ``no_sync()``, ``finish_gradient
 Both broadcast rank 0's parameters and buffers at construction, so every rank starts from the
 same state whatever its seed. Gradients are averaged (divided by ``dp_world_size``), so each rank
 ends with the gradient of the mean loss over the global batch. Tied weights (GPT's wte/lm_head)
-are one parameter, counted and communicated once.
+are one parameter, counted and communicated once. Frozen parameters (``requires_grad=False``) are
+skipped; a parameter that got no gradient on any rank keeps ``grad=None`` (the ranks agree through
+one flag per parameter), so the optimizer leaves it alone, as in one process.
 
 ``grad_comm_dtype`` (e.g. ``torch.bfloat16``) sends the gradients in 16 bits: each is cast into
 a 16-bit buffer before the all-reduce and back to the parameter's dtype after it, so the bytes on
@@ -29,6 +31,7 @@ import contextlib
 import torch
 from torch import nn
 
+from course_lib.parallel.buckets import bucket_params
 from course_lib.parallel.comms import Comms, broadcast_module
 from course_lib.parallel.strategy import CommsStrategy
 
@@ -53,9 +56,15 @@ class DataParallelNaive(nn.Module):
 
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
-        for p in self.module.parameters():
-            if p.requires_grad:
-                if p.grad is None:  # unused on this rank: contribute zeros, keep ranks in step
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        # Ranks first agree which parameters got a gradient anywhere (one flag each): those that
+        # got none keep grad=None, as in one process; the others are averaged (zeros where absent).
+        present = torch.tensor([p.grad is not None for p in params], dtype=torch.float32,
+                               device=params[0].device if params else None)
+        self.comms.all_reduce(present)
+        for p, anywhere in zip(params, present.tolist()):
+            if anywhere:
+                if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 wire = p.grad.to(self.grad_comm_dtype or p.grad.dtype)  # no copy without a dtype
                 self.comms.all_reduce(wire)
@@ -63,18 +72,31 @@ class DataParallelNaive(nn.Module):
 
 
 class Bucket:
-    """A flat buffer for the gradients of a few parameters, all-reduced in one message."""
+    """A flat buffer for the gradients of a few parameters, all-reduced in one message, followed by
+    one presence flag per parameter (1 where this rank has a gradient; summed: on how many ranks)."""
 
     def __init__(self, params: list[nn.Parameter], comm_dtype: torch.dtype | None = None):
         self.params = params
         numel = sum(p.numel() for p in params)
-        self.grad_data = torch.zeros(numel, dtype=comm_dtype or params[0].dtype, device=params[0].device)
+        self.grad_data = torch.zeros(numel + len(params), dtype=comm_dtype or params[0].dtype,
+                                     device=params[0].device)
+        self.flags = self.grad_data[numel:]
         self.views, offset = {}, 0
         for p in params:  # each parameter's slice of the buffer, shaped like the parameter
             self.views[p] = self.grad_data[offset: offset + p.numel()].view_as(p)
             offset += p.numel()
+        self.index = {p: i for i, p in enumerate(params)}
         self.ready: set[nn.Parameter] = set()
         self.work = None  # the asynchronous all-reduce, once launched
+
+    def fill(self, p: nn.Parameter, scale: float) -> None:
+        """Copy p's gradient (or zeros, flag 0, if it has none) into the buffer, scaled."""
+        i = self.index[p]
+        if p.grad is None:
+            self.views[p].zero_()
+        else:
+            self.views[p].copy_(p.grad).mul_(scale)
+        self.flags[i] = float(p.grad is not None)
 
     def reset(self) -> None:
         self.ready.clear()
@@ -85,31 +107,21 @@ class DataParallelBucket(nn.Module):
     """Bucketed gradient all-reduce, launched from gradient hooks to overlap with backward."""
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, group=None,
-                 comms: Comms | None = None, grad_comm_dtype: torch.dtype | None = None):
+                 comms: Comms | None = None, first_bucket_cap_mb: float | None = 1.0,
+                 grad_comm_dtype: torch.dtype | None = None):
         super().__init__()
-        if bucket_cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         self.module = module
         self.comms = comms or Comms(group)
         self.dp_world_size = self.comms.world_size
         broadcast_module(module, self.comms)
         self.require_backward_grad_sync = True
-
-        # Backward visits layers roughly in reverse order of definition, so fill buckets from the
-        # last parameter: the first bucket is complete early and its all-reduce starts early.
-        params = [p for p in module.parameters() if p.requires_grad]
-        cap = bucket_cap_mb * 2**20
-        self.buckets: list[Bucket] = []
-        current, size = [], 0
-        for p in reversed(params):
-            current.append(p)
-            size += p.numel() * p.element_size()
-            if size >= cap:
-                self.buckets.append(Bucket(current, grad_comm_dtype))
-                current, size = [], 0
-        if current:
-            self.buckets.append(Bucket(current, grad_comm_dtype))
+        params = [p for p in module.parameters() if p.requires_grad]  # frozen ones: skipped
+        # the first bucket (the last layers) closes at 1 MiB, as in PyTorch's DDP: its all-reduce
+        # starts while most of backward is still to run
+        self.buckets = [Bucket(b, grad_comm_dtype)
+                        for b in bucket_params(params, bucket_cap_mb, first_bucket_cap_mb)]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self.next_bucket = 0  # launched in bucket order: every rank issues the same sequence
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
 
     def forward(self, *args, **kwargs):
@@ -129,25 +141,30 @@ class DataParallelBucket(nn.Module):
         if not self.require_backward_grad_sync:
             return
         bucket = self.bucket_of[p]
-        bucket.views[p].copy_(p.grad).div_(self.dp_world_size)  # pre-divide: sum -> mean
+        bucket.fill(p, 1.0 / self.dp_world_size)  # pre-divide: sum -> mean
         bucket.ready.add(p)
-        if len(bucket.ready) == len(bucket.params):
-            bucket.work = self.comms.all_reduce(bucket.grad_data, async_op=True)
+        while self.next_bucket < len(self.buckets) and \
+                len(self.buckets[self.next_bucket].ready) == len(self.buckets[self.next_bucket].params):
+            b = self.buckets[self.next_bucket]
+            b.work = self.comms.all_reduce(b.grad_data, async_op=True)
+            self.next_bucket += 1
 
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
         """Wait for every bucket's all-reduce and write the averaged gradients back."""
-        for bucket in self.buckets:  # buckets with unused parameters: send zeros for them
-            if bucket.work is None:
-                for p in bucket.params:
-                    if p not in bucket.ready:
-                        bucket.views[p].zero_()
-                bucket.work = self.comms.all_reduce(bucket.grad_data, async_op=True)
+        for bucket in self.buckets[self.next_bucket:]:  # with parameters backward did not reach
+            for p in bucket.params:                      # (this time): what they accumulated
+                if p not in bucket.ready:
+                    bucket.fill(p, 1.0 / self.dp_world_size)
+            bucket.work = self.comms.all_reduce(bucket.grad_data, async_op=True)
+        self.next_bucket = 0
         for bucket in self.buckets:
             self.comms.wait(bucket.work)
-            for p in bucket.params:
-                if p.grad is None:
-                    p.grad = bucket.views[p].clone()
+            for p, ranks in zip(bucket.params, bucket.flags.tolist()):
+                if ranks == 0:  # no gradient on any rank: none here either, as in one process
+                    p.grad = None
+                elif p.grad is None:
+                    p.grad = bucket.views[p].to(p.dtype, copy=True)
                 else:
                     p.grad.copy_(bucket.views[p])
             bucket.reset()
@@ -177,7 +194,8 @@ class DDP(_DataParallelStrategy):
     name = "ddp"
 
     def __init__(self, model, make_optimizer, group=None, bucket_cap_mb: float = 25,
-                 grad_comm_dtype: torch.dtype | None = None):
+                 first_bucket_cap_mb: float | None = 1.0, grad_comm_dtype: torch.dtype | None = None):
         super().__init__(model, make_optimizer, group)
         self.model = DataParallelBucket(model, bucket_cap_mb=bucket_cap_mb, comms=self.comms,
+                                        first_bucket_cap_mb=first_bucket_cap_mb,
                                         grad_comm_dtype=grad_comm_dtype)

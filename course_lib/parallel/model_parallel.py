@@ -67,7 +67,8 @@ class ModelParallel(Strategy):
         self.pipeline = Pipeline(stage, grid.pp_comms, pp_schedule, sum_tied=False)
         self.names = {p: n for n, p in stage.named_parameters()}
         self.group, self.dp_rank, self.dp_world_size = grid.dp_cp_group, grid.dp_rank, grid.dp_world_size
-        self.sharded = hasattr(self.inner, "shards")  # ZeRO: the optimizer holds gradient shards
+        self.shards = getattr(self.inner.optimizer, "shards", None)  # ZeRO-1/2: gradients live on fp32 shards
+        self.sharded = self.shards is not None
         self._states_after_backward = None
         self.last_stats, self.last_micro = None, 0  # the last step's PipelineStats (bubble) and m
 
@@ -95,7 +96,7 @@ class ModelParallel(Strategy):
 
     def _grad(self, p: nn.Parameter) -> torch.Tensor | None:
         """The gradient the optimizer will use: p's, or its ZeRO shard's."""
-        return self.inner.shards[p].grad if self.sharded else p.grad
+        return self.shards[p].grad if self.sharded else p.grad
 
     @torch.no_grad()
     def finish_grads(self) -> None:
@@ -219,8 +220,13 @@ class ModelParallel(Strategy):
         return unshard_named(name, pieces, self.cfg.vocab_size).clone()
 
     def _inner_groups(self) -> list[list[nn.Parameter]]:
-        opt = getattr(self.inner, "full_optimizer", self.inner.optimizer)
-        return [g["params"] for g in opt.param_groups]
+        """The stage's parameters in the groups (and order) of the dp strategy's optimizer state."""
+        opt = self.inner.optimizer
+        full = getattr(opt, "full_params", None)  # ShardedOptimizer (zero1/2): its groups hold fp32 shards
+        if full is None:
+            return [g["params"] for g in opt.param_groups]
+        sizes = [len(g["params"]) for g in opt.param_groups]  # the same groups, one shard per parameter
+        return [full[sum(sizes[:i]):sum(sizes[:i + 1])] for i in range(len(sizes))]
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:

@@ -18,6 +18,12 @@ and evaluation with ``strategy.eval_loss(x, y)``; the rest of the step is the sa
 ``comm_s`` accumulates the wall time spent waiting in collectives (exposed communication); the
 trainer reads and resets it each step to report ``comm_ms``.
 
+Our strategies are thin adapters over wrappers with PyTorch's shapes, usable without a trainer:
+``DataParallelBucket`` (an nn.Module, like DistributedDataParallel), ``ShardedOptimizer`` (ZeRO-1/2,
+an Optimizer, like ZeroRedundancyOptimizer) and ``FullyShardedDataParallel`` (ZeRO-3, an nn.Module,
+like FSDP). Each takes ``group=`` / ``process_group=``: data parallelism over a sub-group (the dp
+group beside tensor or pipeline parallelism) works like over the world.
+
 Checkpoints: ``state_dict()`` returns the FULL model and optimizer state, gathered from the shards
 for the sharded strategies, in the format of the unsharded optimizer, identical on every rank
 (for sharded strategies it is a collective: call it on every rank). One format for all
@@ -42,7 +48,8 @@ from course_lib.parallel.comms import Comms
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 
-# name -> (module, class): ours first, then PyTorch's; filled in by the modules that implement them.
+# The one registry of strategies, name -> "module:class" (imported when built, so that
+# `course --help` does not import them all): ours first, then PyTorch's.
 STRATEGIES: dict[str, str] = {
     "single": "course_lib.parallel.strategy:SingleProcess",
     "ddp": "course_lib.parallel.data_parallel:DDP",

@@ -8,7 +8,7 @@
 * ``fsdp_full``: ``reshard_after_forward=True``: parameters freed after forward and gathered
   again for backward: ZeRO stage 3.
 
-Units for FSDP are the same as ours (:func:`course_lib.parallel.zero3.default_units`, then the
+Units for FSDP are the same as ours (:func:`course_lib.parallel.units.default_units`, then the
 root). ``state_dict()`` returns the full state in the unsharded optimizer's format on every rank
 (like ours), so checkpoints move freely between strategies. ``comm_s`` counts only the waiting
 that is visible from outside these wrappers (their collectives run inside backward and step).
@@ -18,20 +18,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 
 import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from course_lib.parallel.comms import Comms, broadcast_module
+from course_lib.parallel.sharding import optimizer_kwargs
 from course_lib.parallel.strategy import Strategy, TorchDDP, model_device
-from course_lib.parallel.zero3 import default_units
-
-
-def _optimizer_kwargs(opt: torch.optim.Optimizer) -> dict:
-    accepted = inspect.signature(type(opt)).parameters
-    return {k: v for k, v in opt.defaults.items() if k in accepted and k != "params"}
+from course_lib.parallel.units import default_units
 
 
 class TorchZero1(TorchDDP):
@@ -42,7 +37,7 @@ class TorchZero1(TorchDDP):
         full = self.optimizer
         groups = [{k: v for k, v in g.items()} for g in full.param_groups]
         self.optimizer = ZeroRedundancyOptimizer(groups, optimizer_class=type(full),
-                                                 process_group=group, **_optimizer_kwargs(full))
+                                                 process_group=group, **optimizer_kwargs(full))
 
     def state_dict(self) -> dict:
         """Consolidated on rank 0, then broadcast: the full state on every rank."""

@@ -1,210 +1,298 @@
-"""ZeRO stage 3: parameters sharded too, gathered just in time (Rajbhandari et al. 2020, Sec. 5.3).
+"""ZeRO stage 3 as a module wrapper: parameters sharded too, gathered just in time
+(Rajbhandari et al. 2020, "ZeRO", Sec. 5.3; Zhao et al. 2023, "PyTorch FSDP").
 
-Between steps a rank holds only its 1/N shard of every parameter, gradient and optimizer state:
-(4 + 4 + 8) Psi / N bytes for Adam in fp32. The model is cut into *units* (by default every entry
-of every ``nn.ModuleList``, e.g. GPT's transformer blocks, plus the root module for the rest):
+    model = FullyShardedDataParallel(gpt, compute_dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)       # over this rank's fp32 shards
+    model(x, y)[1].backward(); model.finish_gradient_synchronization(); opt.step()
 
-    forward of a unit:   all-gather its parameters -> compute -> free them again
-    backward of a unit:  all-gather its parameters -> compute -> reduce-scatter its gradients,
-                         free the parameters and the full gradients
+Mirrors PyTorch's ``FullyShardedDataParallel`` (FSDP1, ``use_orig_params=True``) and FSDP2's
+``fully_shard`` with a ``MixedPrecisionPolicy``: ``named_parameters()`` are the local fp32 shards
+under the module's names, ``summon_full_params()`` gathers the model, ``state_dict()`` is full.
 
-so at most one unit is whole at a time (plus the root, which is gathered once for forward and
-backward, as FSDP does: its backward follows its forward immediately). Per step each rank moves
-Psi (forward all-gather) + Psi (backward all-gather) + Psi (reduce-scatter) = 3 Psi, 1.5x data
-parallelism (paper Sec. 7.2.2); the root's parameters are gathered once, so 3 Psi - Psi_root.
+Between steps a rank holds 1/N of every parameter, gradient and optimizer state: (4 + 4 + 8) Psi
+/ N bytes for Adam in fp32. The model is cut into units (:mod:`course_lib.parallel.units`):
 
-How parameters are freed: every parameter keeps its full shape but its storage is resized to
-zero bytes; gathering resizes it back and copies the values in. Autograd saved the parameter
-tensor (same storage) during forward, so the re-gathered values are what backward reads.
-Gradient accumulation: every backward reduce-scatters and the shards accumulate (no full
-gradients are kept between micro-batches, so ``no_sync`` does not save communication here).
+    forward of a unit:   wait for its all-gather -> start the next ``prefetch`` units' -> compute
+                         -> free its parameters
+    backward of a unit:  wait for its all-gather -> start the previous units' -> compute ->
+                         reduce-scatter its gradients (async) and free parameters and gradients
+
+so communication overlaps computation, and at most 1 + ``prefetch`` units are whole at a time
+(plus the root, gathered once for forward and backward as in FSDP). The order of units is recorded
+in the first forward (as FSDP2 does), reversed for backward. Beyond ``max_in_flight``
+reduce-scatters the oldest is completed and its gradient buffer freed. Per step each rank moves
+3 Psi - Psi_root (paper Sec. 7.2.2).
+
+Mixed precision: master shards are fp32; with ``compute_dtype`` (bf16/fp16) the shards are cast
+and all-gathered in that dtype (half the bytes) and forward/backward run in it; gradients are
+reduce-scattered in ``reduce_dtype`` (default fp32, pre-divided by N) into fp32 shard gradients;
+the optimizer steps the fp32 shards. FSDP2's MixedPrecisionPolicy(param_dtype, reduce_dtype).
+
+``replicate(p) -> bool`` keeps chosen parameters (e.g. norms and biases: ``lambda p: p.dim() < 2``)
+whole on every rank, their gradients all-reduced after backward: a few more bytes per rank, no
+gather per use. Frozen parameters are always kept whole (in ``compute_dtype``) and never stepped.
+
+A freed parameter keeps its shape, its storage resized to 0 bytes (autograd saved the tensor, so
+backward reads the re-gathered values). Accumulation: every backward reduce-scatters and the
+shards add up. Units must run alike on every rank (gathers are collectives).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 from torch import nn
 
-from course_lib.parallel.zero import ShardedStrategy, ShardLayout
+from course_lib.parallel.comms import Comms, broadcast_module
+from course_lib.parallel.sharding import (
+    ShardLayout,
+    clip_sharded_grad_norm_,
+    full_optimizer_state,
+    gather_full,
+    load_full_optimizer_state,
+    optimizer_kwargs,
+    reduce_into,
+    regroup,
+    split_trainable,
+)
+from course_lib.parallel.strategy import CommsStrategy
+from course_lib.parallel.units import Unit, cast_floating, default_units, owners, tensors_in
 
 
-def default_units(model: nn.Module) -> list[nn.Module]:
-    """Every entry of every ModuleList (transformer blocks, toy layers)."""
-    return [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+class FullyShardedDataParallel(nn.Module):
+    """ZeRO-3 over ``module``; mirrors torch.distributed.fsdp.FullyShardedDataParallel."""
 
-
-class Unit:
-    """A module whose own parameters are gathered and freed together."""
-
-    def __init__(self, module: nn.Module, params: list[nn.Parameter], rank: int, world_size: int,
-                 is_root: bool):
-        self.module, self.params, self.is_root = module, params, is_root
-        self.layout = ShardLayout(params, rank, world_size)
-        self.gathered = True  # parameters start whole
-        self.ready: set[nn.Parameter] = set()
-
-
-def _tensors(obj) -> list[torch.Tensor]:
-    if torch.is_tensor(obj):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        return [t for o in obj for t in _tensors(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _tensors(o)]
-    return []
-
-
-class Zero3(ShardedStrategy):
-    name = "zero3"
-    stage = 3
-
-    def __init__(self, model, make_optimizer, group=None, units: list[nn.Module] | None = None):
-        super().__init__(model, make_optimizer, group)
-        units = [u for u in (default_units(model) if units is None else units) if u is not model]
-        owner = _owners(model, units)  # parameter -> the innermost unit that uses it
-        self.units: list[Unit] = []
-        for module in [model] + units:
-            params = [p for p in self.params if owner[p] is module]
-            if params:
-                self.units.append(Unit(module, params, self.dp_rank, self.dp_world_size,
-                                       is_root=module is model))
+    def __init__(self, module: nn.Module, process_group=None, *, units: list[nn.Module] | None = None,
+                 compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype = torch.float32,
+                 replicate=None, prefetch: int = 1, max_in_flight: int | None = 2,
+                 comms: Comms | None = None):
+        super().__init__()
+        self.module = module
+        self.comms = comms or Comms(process_group)
+        self.state_comms = Comms(process_group)  # checkpoint traffic, kept out of the step figures
+        self.dp_world_size, rank = self.comms.world_size, self.comms.rank
+        self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype
+        self.prefetch, self.max_in_flight = prefetch, max_in_flight
+        broadcast_module(module, self.comms)  # every rank starts from rank 0's state
+        self.names = {p: n for n, p in module.named_parameters()}  # tied weights: once
+        trainable, frozen = split_trainable(self.names)
+        keep = [p for p in trainable if replicate is not None and replicate(p)] + frozen
+        sharded = [p for p in trainable if not any(p is k for k in keep)]
+        units = [u for u in (default_units(module) if units is None else units) if u is not module]
+        owner = owners(module, units)
+        self.units = [Unit(m, [p for p in sharded if owner[p] is m], rank, self.dp_world_size)
+                      for m in [module] + units if any(owner[p] is m for p in sharded)]
+        self.root = next((u for u in self.units if u.module is module), None)
         self.unit_of = {p: u for u in self.units for p in u.params}
-        self.row: dict[Unit, torch.Tensor] = {}  # each unit's shards, one flat buffer
+        self.layout_of: dict[nn.Parameter, tuple[ShardLayout, int]] = {}
+        self.masters: dict[nn.Parameter, nn.Parameter] = {}  # module parameter -> fp32 master
         with torch.no_grad():
             for unit in self.units:
-                row = unit.layout.pack([p.data for p in unit.params])[self.dp_rank].clone()
-                self.row[unit] = row
+                unit.row = unit.layout.pack([p.data for p in unit.params], torch.float32)[rank].clone()
                 for i, p in enumerate(unit.params):
                     self.layout_of[p] = (unit.layout, i)
-                    self.shards[p] = nn.Parameter(unit.layout.in_row(i, row))
-                    p.data = torch.empty_like(p.data)  # own storage, so it can be freed alone
-                self._reshard(unit)
-        self.optimizer = self.build_sharded_optimizer()
-        self.pending = []
+                    self.masters[p] = nn.Parameter(unit.layout.in_row(i, unit.row))
+                    p.data = torch.empty(p.shape, dtype=compute_dtype or p.dtype, device=p.device)
+                unit.reshard(self.comms)
+            self.copies: list[nn.Parameter] = []  # replicated, computed in another dtype than the master
+            for p in keep:
+                if p.dtype == torch.float32 and compute_dtype in (None, torch.float32):
+                    self.masters[p] = p
+                else:
+                    self.masters[p] = nn.Parameter(p.detach().float().clone(), p.requires_grad)
+                    p.data = p.data.to(compute_dtype or p.dtype)
+                    self.copies.append(p)
+        self.replicated = [p for p in keep if p.requires_grad]
+        self.order: list[Unit] | None = None  # non-root units in forward order, after one forward
+        self._recording: list[Unit] = []
+        self.pending: list[tuple] = []  # (unit, work, grad row, packed input kept alive)
         for unit in self.units:
-            unit.module.register_forward_pre_hook(lambda m, args, unit=unit: self._gather(unit))
-            unit.module.register_forward_hook(
-                lambda m, args, out, unit=unit: self._after_forward(unit, out))
-        for p in self.params:
+            if unit is not self.root:
+                unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit))
+                unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
+        for p in sharded:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
-    # --- parameters: gather for use, free after -------------------------------------------------
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The fp32 master shards (and replicated masters) under the module's parameter names."""
+        for p, name in self.names.items():
+            yield prefix + name, self.masters[p]
 
-    @torch.no_grad()
-    def _gather(self, unit: Unit) -> None:
-        if unit.gathered:
-            return
-        packed = self.row[unit].new_empty(self.dp_world_size, unit.layout.row_numel)
-        self.comms.all_gather(packed.view(-1), self.row[unit])
-        for p in unit.params:
-            p.untyped_storage().resize_(p.numel() * p.element_size())
-        unit.layout.unpack_into(packed, [p.data for p in unit.params])
-        unit.gathered = True
+    # --- forward: gather just in time, prefetch the next units --------------------------------
 
-    def _reshard(self, unit: Unit) -> None:
-        for p in unit.params:
-            p.untyped_storage().resize_(0)
-        unit.gathered = False
-
-    def _after_forward(self, unit: Unit, output) -> None:
+    def forward(self, *args, **kwargs):
+        with torch.no_grad():
+            for p in self.copies:  # refresh 16-bit copies of replicated masters (after a step)
+                p.copy_(self.masters[p])
+        if self.compute_dtype is not None:  # floating inputs in compute dtype (FSDP2's cast_forward_inputs)
+            args = tuple(cast_floating(a, self.compute_dtype) for a in args)
+            kwargs = {k: cast_floating(v, self.compute_dtype) for k, v in kwargs.items()}
+        if self.root is not None:
+            self.root.wait_gather(self.comms)
+        for unit in (self.order or [])[: self.prefetch]:
+            unit.start_gather(self.comms)
+        out = self.module(*args, **kwargs)
+        if self.order is None and torch.is_grad_enabled():
+            self.order = self._recording
+        elif torch.is_grad_enabled():  # backward starts with the last units: gather them now
+            for unit in reversed(self.order[-self.prefetch:] if self.prefetch else []):
+                unit.start_gather(self.comms)
         if not torch.is_grad_enabled():  # evaluation or generation: no backward follows
-            if unit.is_root:
-                for u in self.units:
-                    if u.gathered:
-                        self._reshard(u)
-            else:
-                self._reshard(unit)
-            return
-        if unit.is_root:
-            return  # backward starts right away: keep the root whole until its gradients are done
-        self._reshard(unit)
-        for t in _tensors(output):  # the gradient of the output arrives just before the unit's
-            if t.requires_grad:     # backward: gather the parameters again then
-                t.register_hook(lambda grad, unit=unit: self._gather(unit))
+            for unit in self.units:
+                unit.reshard(self.comms)
+        return out
 
-    # --- gradients: reduce-scatter per unit as soon as backward finished it ---------------------
+    def _pre_forward(self, unit: Unit, module, args) -> None:
+        if self.order is None and torch.is_grad_enabled():
+            self._recording.append(unit)
+        unit.wait_gather(self.comms)
+        if self.order is not None and unit in self.order:
+            k = self.order.index(unit)
+            for nxt in self.order[k + 1: k + 1 + self.prefetch]:
+                nxt.start_gather(self.comms)
+
+    def _post_forward(self, unit: Unit, module, args, output) -> None:
+        unit.reshard(self.comms)
+        if torch.is_grad_enabled():
+            for t in tensors_in(output):  # its gradient arrives just before the unit's backward
+                if t.requires_grad:
+                    t.register_hook(lambda grad, unit=unit: self._pre_backward(unit))
+
+    def _pre_backward(self, unit: Unit) -> None:
+        unit.wait_gather(self.comms)
+        if self.order is not None and unit in self.order:
+            k = self.order.index(unit)
+            for prev in reversed(self.order[max(0, k - self.prefetch): k]):
+                prev.start_gather(self.comms)
+
+    # --- backward: reduce-scatter each unit as soon as it is done ----------------------------
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         unit = self.unit_of[p]
         unit.ready.add(p)
         if len(unit.ready) == len(unit.params):
-            self._reduce_scatter(unit)
+            self._launch(unit)
 
     @torch.no_grad()
-    def _reduce_scatter(self, unit: Unit) -> None:
-        packed = unit.layout.pack([p.grad for p in unit.params], scale=1.0 / self.dp_world_size)
+    def _launch(self, unit: Unit) -> None:
+        packed = unit.layout.pack([p.grad for p in unit.params], self.reduce_dtype,
+                                  scale=1.0 / self.dp_world_size, presence=True)
         for p in unit.params:
             p.grad = None
-        row = packed.new_empty(unit.layout.row_numel)
-        work = self.comms.reduce_scatter(row, packed.view(-1), async_op=True)
-        self.pending.append((unit, work, row, packed))
+        row = packed.new_empty(unit.layout.grad_row_numel)
+        self.pending.append((unit, self.comms.reduce_scatter(row, packed.view(-1), async_op=True),
+                             row, packed))
         unit.ready.clear()
-        self._reshard(unit)
+        unit.reshard(self.comms)
+        if self.max_in_flight is not None and len(self.pending) > self.max_in_flight:
+            self._complete(self.pending.pop(0))  # frees the oldest full-gradient buffer
 
     @torch.no_grad()
-    def finish_grads(self) -> None:
-        for unit in self.units:  # units with parameters that got no gradient
-            if unit.ready:
-                self._reduce_scatter(unit)
-            elif unit.gathered:
-                self._reshard(unit)
-        for unit, work, row, _ in self.pending:
-            self.comms.wait(work)
-            for i, p in enumerate(unit.params):
-                shard = self.shards[p]
-                g = unit.layout.in_row(i, row)
-                shard.grad = g if shard.grad is None else shard.grad.add_(g)
-        self.pending.clear()
+    def _complete(self, entry: tuple) -> None:
+        unit, work, row, _ = entry
+        self.comms.wait(work)
+        for i, present in enumerate(unit.layout.present(row)):
+            if present:  # no gradient on any rank: no .grad, as in one process
+                reduce_into(self.masters[unit.params[i]], unit.layout.in_row(i, row))
 
-    def step(self) -> None:
-        self.optimizer.step()  # the shards are the parameters: nothing to gather until forward
+    @torch.no_grad()
+    def finish_gradient_synchronization(self) -> None:
+        """Reduce-scatter units backward left incomplete, wait for every collective, all-reduce
+        the gradients of replicated parameters."""
+        for unit in self.units:
+            if unit.ready:  # some parameters got no gradient here
+                self._launch(unit)
+            elif unit.state != "free":
+                unit.reshard(self.comms)
+        while self.pending:
+            self._complete(self.pending.pop(0))
+        if self.replicated:
+            layout = ShardLayout(self.replicated, 0, 1)  # one row: the whole of each parameter
+            flat = layout.pack([p.grad for p in self.replicated], self.reduce_dtype,
+                               scale=1.0 / self.dp_world_size, presence=True).view(-1)
+            self.comms.all_reduce(flat)
+            for i, (p, present) in enumerate(zip(self.replicated, layout.present(flat))):
+                p.grad = None
+                if present:
+                    self.masters[p].grad = layout.in_row(i, flat).view_as(p).to(torch.float32).clone()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        sharded = [self.masters[p].grad for p in self.unit_of if self.masters[p].grad is not None]
+        whole = [self.masters[p].grad for p in self.replicated if self.masters[p].grad is not None]
+        return clip_sharded_grad_norm_(sharded, max_norm, self.comms, whole)
+
+    # --- the full model: for a while, or as a state dict ---------------------------------------
+
+    @contextlib.contextmanager
+    def summon_full_params(self):
+        """Every parameter whole (in compute dtype) inside the block, freed after; read-only."""
+        for unit in self.units:
+            unit.wait_gather(self.comms)
+        try:
+            yield self.module
+        finally:
+            for unit in self.units:
+                unit.reshard(self.comms)
+
+    @torch.no_grad()
+    def state_dict(self, *args, **kwargs) -> dict:
+        """The full fp32 model state, keyed like the wrapped module's (a collective)."""
+        full = {id(p): gather_full(self.state_comms, *self.layout_of.get(p, (None, 0)),
+                                   self.masters[p]).clone() for p in self.names}
+        return {name: full[id(t)] if id(t) in full else t.detach().clone()
+                for name, t in self.module.state_dict(keep_vars=True).items()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False):
+        """Load a full state (any strategy's): keep this rank's shards."""
+        name_of = {id(t): name for name, t in self.module.state_dict(keep_vars=True).items()}
+        for name, buf in self.module.named_buffers():
+            if name in state_dict:
+                buf.copy_(state_dict[name])
+        for p in self.names:
+            value = state_dict[name_of[id(p)]]
+            layout, i = self.layout_of.get(p, (None, 0))
+            self.masters[p].copy_(value if layout is None else layout.owned(i, value))
+            if any(p is c for c in self.copies):
+                p.copy_(value)
+
+
+class Zero3(CommsStrategy):
+    """The trainer's ZeRO-3: a :class:`FullyShardedDataParallel` model, the trainer's optimizer
+    class and groups rebuilt over its fp32 shards."""
+
+    name, stage = "zero3", 3
+
+    def __init__(self, model, make_optimizer, group=None, **fsdp_kwargs):
+        super().__init__(model, make_optimizer, group)
+        full = self.optimizer  # over the whole parameters: its groups and hyper-parameters
+        self.model = FullyShardedDataParallel(model, group, comms=self.comms, **fsdp_kwargs)
+        self.comms.reset()
+        self.optimizer = type(full)(regroup(full.param_groups, self.model.masters), **optimizer_kwargs(full))
+        self.full_params = [p for g in full.param_groups for p in g["params"]]
+
+    @property
+    def pending(self) -> list:  # collectives in flight (course_lib.experiments.memory_measure)
+        return self.model.pending
+
+    def finish_grads(self) -> None:
+        self.model.finish_gradient_synchronization()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return self.model.clip_grad_norm_(max_norm)
 
     def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
         self.optimizer.zero_grad(set_to_none=True)
+        for p in self.module.parameters():
+            p.grad = None
 
-    # --- checkpoints -----------------------------------------------------------------------------
-
-    @torch.no_grad()
     def state_dict(self) -> dict:
-        full = {id(p): self.gather_full(p, self.shards[p]).clone() for p in self.params}
-        model = {}
-        for name, t in self.module.state_dict(keep_vars=True).items():
-            model[name] = full[id(t)] if id(t) in full else t.detach().clone()
-        return {"model": model, "optimizer": self.optimizer_state_dict()}
+        return {"model": self.model.state_dict(),
+                "optimizer": full_optimizer_state(self.optimizer, self.full_params, self.model.layout_of,
+                                                  self.model.state_comms)}
 
-    @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        by_id = {id(t): name for name, t in self.module.state_dict(keep_vars=True).items()}
-        for name, buf in self.module.named_buffers():
-            if name in state["model"]:
-                buf.copy_(state["model"][name])
-        for p in self.params:
-            layout, i = self.layout_of[p]
-            self.shards[p].copy_(layout.owned(i, state["model"][by_id[id(p)]]))
-        self.load_optimizer_state_dict(state["optimizer"])
-
-
-def _owners(model: nn.Module, units: list[nn.Module]) -> dict[nn.Parameter, nn.Module]:
-    """Map each parameter to the innermost unit (or the root) whose forward uses it; a parameter
-    used by two units would be freed under the other's feet, so that is an error."""
-    unit_ids = {id(u) for u in units}
-    users: dict[nn.Parameter, dict[int, nn.Module]] = {}
-    names: dict[nn.Parameter, str] = {}
-
-    def visit(module: nn.Module, unit: nn.Module, prefix: str) -> None:
-        unit = module if id(module) in unit_ids else unit
-        for name, p in module.named_parameters(recurse=False):
-            users.setdefault(p, {})[id(unit)] = unit
-            names.setdefault(p, prefix + name)
-        for name, child in module.named_children():
-            visit(child, unit, f"{prefix}{name}.")
-
-    visit(model, model, "")
-    for p, by in users.items():
-        if len(by) > 1:
-            raise ValueError(f"parameter {names[p]!r} is used by {len(by)} ZeRO-3 units "
-                             f"({', '.join(type(u).__name__ for u in by.values())}); tie weights "
-                             "inside one unit (e.g. the root) or pass units= without the split")
-    return {p: next(iter(by.values())) for p, by in users.items()}
+        self.model.load_state_dict(state["model"])
+        load_full_optimizer_state(self.optimizer, state["optimizer"], self.full_params, self.model.layout_of)

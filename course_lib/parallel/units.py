@@ -1,0 +1,107 @@
+"""ZeRO-3 / FSDP units: the modules whose parameters are gathered and freed together.
+
+By default every entry of every ``nn.ModuleList`` (GPT's transformer blocks, the toy's layers) is
+a unit, and the root module is one more unit for whatever parameters are left (embeddings, final
+norm, head), as FSDP's auto-wrap policies do (Zhao et al. 2023, "PyTorch FSDP", Sec. 3.2.1).
+A parameter belongs to the innermost unit that contains it; a parameter used by two units would be
+freed under the other's feet, so that is an error (tie weights inside one unit, e.g. the root).
+
+A :class:`Unit` is "free" (its parameters' storage resized to zero bytes), "gathering" (an
+asynchronous all-gather of the ranks' shards in flight) or "gathered" (whole).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from course_lib.parallel.sharding import ShardLayout
+
+
+def default_units(model: nn.Module) -> list[nn.Module]:
+    """Every entry of every ModuleList (transformer blocks, toy layers)."""
+    return [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+
+
+def owners(model: nn.Module, units: list[nn.Module]) -> dict[nn.Parameter, nn.Module]:
+    """Each parameter -> the innermost unit (or the root ``model``) that holds it."""
+    unit_ids = {id(u) for u in units}
+    users: dict[nn.Parameter, dict[int, nn.Module]] = {}
+    names: dict[nn.Parameter, str] = {}
+
+    def visit(module: nn.Module, unit: nn.Module, prefix: str) -> None:
+        unit = module if id(module) in unit_ids else unit
+        for name, p in module.named_parameters(recurse=False):
+            users.setdefault(p, {})[id(unit)] = unit
+            names.setdefault(p, prefix + name)
+        for name, child in module.named_children():
+            visit(child, unit, f"{prefix}{name}.")
+
+    visit(model, model, "")
+    for p, by in users.items():
+        if len(by) > 1:
+            raise ValueError(f"parameter {names[p]!r} is used by {len(by)} ZeRO-3 units "
+                             f"({', '.join(type(u).__name__ for u in by.values())}); tie weights "
+                             "inside one unit (e.g. the root) or pass units= without the split")
+    return {p: next(iter(by.values())) for p, by in users.items()}
+
+
+def tensors_in(obj) -> list[torch.Tensor]:
+    """The tensors of a module's output (a tensor, or tuples / lists / dicts of them)."""
+    if torch.is_tensor(obj):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in tensors_in(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in tensors_in(o)]
+    return []
+
+
+def cast_floating(x, dtype: torch.dtype):
+    """A floating-point tensor in ``dtype`` (a module input under mixed precision); else ``x``."""
+    return x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x
+
+
+class Unit:
+    """A module whose own sharded parameters are gathered and freed together."""
+
+    def __init__(self, module: nn.Module, params: list[nn.Parameter], rank: int, world_size: int):
+        self.module, self.params = module, params
+        self.layout = ShardLayout(params, rank, world_size)
+        self.state = "gathered"  # "free" -> "gathering" -> "gathered" -> "free"
+        self.row: torch.Tensor | None = None  # this rank's fp32 master shards, one flat buffer
+        self.gather = None  # (work, packed output, input row) while gathering
+        self.ready: set[nn.Parameter] = set()  # parameters whose gradient is accumulated
+
+    @torch.no_grad()
+    def start_gather(self, comms) -> None:
+        """Issue the all-gather of this unit's shards in the parameters' dtype (16-bit under a
+        compute dtype); returns at once."""
+        if self.state != "free":
+            return
+        row = self.row.to(self.params[0].dtype)
+        packed = row.new_empty(self.layout.world_size, self.layout.row_numel)
+        self.gather = (comms.all_gather(packed.view(-1), row, async_op=True), packed, row)
+        self.state = "gathering"
+
+    @torch.no_grad()
+    def wait_gather(self, comms) -> None:
+        """Make the parameters whole: wait for the all-gather (issued now if it was not)."""
+        if self.state == "gathered":
+            return
+        self.start_gather(comms)
+        work, packed, _ = self.gather
+        comms.wait(work)
+        for p in self.params:
+            p.untyped_storage().resize_(p.numel() * p.element_size())
+        self.layout.unpack_into(packed, [p.data for p in self.params])
+        self.gather, self.state = None, "gathered"
+
+    def reshard(self, comms) -> None:
+        """Free the parameters' storage (after any all-gather in flight finished)."""
+        if self.state == "gathering":
+            comms.wait(self.gather[0])
+            self.gather = None
+        for p in self.params:
+            p.untyped_storage().resize_(0)
+        self.state = "free"
