@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from course_lib.gpt.config import PRESETS, STRATEGY_NAMES, ConfigError, TrainConfig, make_config, parse_overrides
+from course_lib.gpt.config import PRESETS, STRATEGY_NAMES, ConfigError, TrainConfig, make_config
+from course_lib.gpt.config_args import parse_overrides
 from course_lib.launch.train_cli import build_config, cli
 
 

@@ -2,7 +2,8 @@
 
     model       GPTConfig, GPT: GPT-2 architecture, optimizer groups, FLOPs, generation
     data        dataset preparation (characters, GPT-2 BPE from the shipped ranks), batches
-    config      TrainConfig: the one frozen config of a run; presets; --field=value parsing
+    config      TrainConfig: the one frozen config of a run; presets
+    config_args its command line: a preset or config.json, --resume, --field=value (host and workers)
     layout      what tp, pp, cp and sequence_parallel ask of the model and the ranks
     runtime     where a training process runs: rank, device, dtype, threads, process group
     train       the training loop and its step (what each torchrun worker runs)

@@ -9,9 +9,7 @@ Field names follow nanoGPT's ``train.py`` where it has one; the presets are nano
 its config into the run directory as ``config.json``; every worker loads it from there.
 """
 
-import argparse
 import dataclasses
-import difflib
 import json
 import os
 from dataclasses import dataclass
@@ -20,7 +18,6 @@ from pathlib import Path
 from course_lib.analysis.activations import RECOMPUTE  # none, selective, full
 from course_lib.gpt.data import DATASETS
 from course_lib.gpt.layout import layout_error, world_error
-from course_lib.hardware import default_nproc
 
 # Every strategy name the trainer knows, ours and PyTorch's (see course_lib.parallel.strategy).
 STRATEGY_NAMES = ("single", "ddp", "ddp_naive", "zero1", "zero2", "zero3", "torch_ddp", "torch_zero1",
@@ -211,55 +208,6 @@ def _choice(name: str, value: str, allowed) -> None:
         raise ConfigError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
 
 
-def parse_value(name: str, text: str):
-    """Convert ``--name=text`` to the field's type; a ConfigError names the field if it cannot."""
-    if name not in FIELDS:
-        close = difflib.get_close_matches(name, FIELDS, n=1)
-        hint = f" (did you mean --{close[0]}?)" if close else ""
-        raise ConfigError(f"unknown option --{name}{hint}")
-    typ = FIELDS[name].type
-    if typ is bool:
-        low = text.lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"--{name}: expected true or false, got {text!r}")
-    if typ is int and name == "nproc" and text == "auto":
-        return default_nproc()  # one per GPU, else 2 CPU workers
-    try:
-        return typ(text)
-    except ValueError:
-        kind = {int: "an integer", float: "a number"}[typ]
-        raise ConfigError(f"--{name}: expected {kind}, got {text!r}") from None
-
-
-def parse_overrides(args: list[str]) -> dict:
-    """``['--max_iters=100', '--compile', '--bias=false']`` -> typed dict (bare flag = True for bools).
-
-    ``--name value`` is accepted too, except after a bool field (it would be ambiguous).
-    """
-    out, i = {}, 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--") or arg == "--":
-            raise ConfigError(f"expected --field=value, got {arg!r}")
-        name, eq, text = arg[2:].partition("=")
-        name = name.replace("-", "_")
-        if not eq:
-            if name in FIELDS and FIELDS[name].type is bool:
-                text = "true"
-            elif i + 1 < len(args) and not args[i + 1].startswith("--"):
-                i, text = i + 1, args[i + 1]
-            else:
-                if name in FIELDS:
-                    raise ConfigError(f"--{name} needs a value (--{name}=VALUE)")
-                parse_value(name, "")  # raises: unknown option (with a suggestion)
-        out[name] = parse_value(name, text)
-        i += 1
-    return out
-
-
 def make_config(preset: str | None = None, overrides: dict | None = None, base: TrainConfig | None = None) -> TrainConfig:
     """Defaults (or ``base``), then the preset, then the overrides; validated once at the end."""
     d = (base or TrainConfig()).to_dict()
@@ -269,42 +217,3 @@ def make_config(preset: str | None = None, overrides: dict | None = None, base: 
         d.update(PRESETS[preset])
     d.update(overrides or {})
     return TrainConfig.from_dict(d)
-
-
-def arg_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    """The command line shared by ``course train`` (host) and ``python -m course_lib.gpt.train``
-    (worker): a preset or a config.json, ``--resume``, then any field as ``--field=value``."""
-    p = argparse.ArgumentParser(prog=prog, allow_abbrev=False, epilog=_help_epilog(), description=description,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", metavar="PRESET", help=f"start from a preset: {', '.join(PRESETS)}")
-    p.add_argument("--config-file", metavar="PATH", help="start from a config.json (what workers use)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out_dir (= --init_from=resume)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p
-
-
-def config_from_args(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
-    """Parse ``argv`` with ``parser`` (from :func:`arg_parser`); the rest are field overrides.
-    ``--resume`` without a preset or file continues with the run's own config.json."""
-    args, rest = parser.parse_known_args(argv)
-    overrides = parse_overrides(rest)
-    if args.resume:
-        overrides["init_from"] = "resume"
-    if args.config and args.config_file:
-        raise ConfigError("give either --config or --config-file, not both")
-    base = None
-    if args.config_file:
-        base = TrainConfig.load(args.config_file)
-    elif args.resume and not args.config:
-        out_dir = overrides.get("out_dir")
-        if not out_dir:
-            raise ConfigError("--resume needs --out_dir=DIR (the run to continue)")
-        base = TrainConfig.load(Path(out_dir) / "config.json")
-    return make_config(args.config, overrides, base=base), args
-
-
-def _help_epilog() -> str:
-    d = TrainConfig()
-    fields = "\n".join(f"  {f'--{name}={getattr(d, name)!r}':<42} {f.type.__name__}" for name, f in FIELDS.items())
-    return (f"presets (--config=NAME): {', '.join(PRESETS)}\n\nfields (default values; any one as --field=value):\n"
-            f"{fields}\n\nbool fields also accept a bare --field (true); --nproc=auto uses every GPU, or 2 CPU workers.")

@@ -1,24 +1,21 @@
-"""Per-step training metrics: one object (:class:`RunMeter`) that owns a run's timing, its
-``metrics.csv``, its progress bar and its summary, built on a CSV written row by row and timers
-that do not stall the GPU.
+"""Per-step training metrics: one object (:class:`RunMeter`) owns a run's timing, its
+``metrics.csv`` (written row by row), its progress bar and its summary; timers do not stall the GPU.
 
-``metrics.csv`` holds one row per logged step (and one per evaluation):
-
-    iter, train_loss, val_loss, eval_train_loss, lr, grad_norm, step_ms, compute_ms, comm_ms,
-    tokens_per_s, tflops, mfu, comm_mb, act_mb, act_model_mb, loss_scale, skipped_steps
-
+``metrics.csv`` holds one row per logged step (and one per evaluation): iter, train_loss, val_loss,
+eval_train_loss, lr, grad_norm, step_ms, compute_ms, comm_ms, tokens_per_s, tflops, mfu, comm_mb,
+act_mb, act_model_mb, loss_scale, skipped_steps (+ LAYOUT_COLUMNS for tp/pp/cp runs).
 ``step_ms`` is wall time per iteration averaged since the previous row; ``compute_ms`` the time
 in forward/backward and the optimizer step (CUDA events on a GPU, so no host sync per step);
 ``comm_ms`` the exposed communication the Strategy measured (``comm_s``), which is not counted
 in ``compute_ms``. ``tflops`` is the achieved model FLOP/s of the whole job and ``mfu`` that over
 the peak of all its devices (PaLM, Chowdhery et al. 2022, App. B); on a CPU the peak is an
 estimate (course_lib.hardware). ``comm_mb``: bytes per step handed to collectives by our own
-strategies (ZeRO accounting, :class:`course_lib.parallel.comms.Comms`; empty for PyTorch's).
-``act_mb``: the activations one micro-batch keeps for backward on this rank, measured
+strategies (:class:`course_lib.parallel.comms.Comms`; empty for PyTorch's). ``act_mb``: the
+activations one micro-batch keeps for backward on this rank, measured
 (:class:`course_lib.gpt.activation_meter.SavedTensorMeter`), next to Korthikanti et al.'s model
 ``act_model_mb`` for the run's dtype and ``--recompute``. fp16 runs log the ``loss_scale`` and the
-``skipped_steps`` so far (steps whose gradients overflowed).
-Each row is on disk (file closed) as soon as it is written: a crash loses nothing already logged.
+``skipped_steps`` so far. Each row is on disk (file closed) as soon as it is written: a crash loses
+nothing already logged.
 """
 
 from __future__ import annotations

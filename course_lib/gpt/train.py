@@ -31,7 +31,8 @@ import torch.distributed as dist
 
 from course_lib.gpt.activation_meter import SavedTensorMeter
 from course_lib.gpt.checkpoint import CheckpointError
-from course_lib.gpt.config import ConfigError, TrainConfig, arg_parser, config_from_args
+from course_lib.gpt.config import ConfigError, TrainConfig
+from course_lib.gpt.config_args import arg_parser, config_from_args
 from course_lib.gpt.data import DataError
 from course_lib.gpt.metrics import RunMeter
 from course_lib.gpt.run import Precision, Run, evaluate, save_checkpoint, setup_run

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from course_lib.gpt.config import ConfigError, make_config, parse_overrides, parse_value
+from course_lib.gpt.config import ConfigError, make_config
+from course_lib.gpt.config_args import parse_overrides, parse_value
 from course_lib.gpt.data import DataError, prepare
 from course_lib.gpt.sample import sample
 from course_lib.launch.api import LaunchError

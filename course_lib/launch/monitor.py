@@ -226,7 +226,9 @@ class MetricsProgress:
     STEP_COLUMNS = ("iter", "step", "iteration")
 
     def __init__(self, path: str, total: int | None, desc: str = "train", file=None):
-        from course_lib.notebook.progress import progress_bar  # tqdm (ipywidgets in a notebook) only once a bar is shown
+        from course_lib.notebook.progress import (
+            progress_bar,  # tqdm (ipywidgets in a notebook) only once a bar is shown
+        )
 
         self.path, self.size = path, -1
         self.bar = progress_bar(total=total, desc=desc, unit="it", dynamic_ncols=True, file=file)
