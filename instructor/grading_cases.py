@@ -59,6 +59,14 @@ MISTAKES = {
         "q3_resume": ("    tmp = f\"{path}.tmp\"\n    torch.save(state, tmp)\n    os.replace(tmp, path)\n",
                       "    torch.save(state, path)  # straight onto the checkpoint\n", "os.replace"),
     },
+    "06_model_parallel": {
+        "q1_vocab_parallel_cross_entropy": (
+            "    target_z = torch.where(mine, target_z, torch.zeros_like(target_z))\n",
+            "",  # every rank adds the logit at its clamped column: the target's logit counted p times
+            "F.cross_entropy of the full logits"),
+        "q2_one_f_one_b": ("    warmup = min(p - r - 1, m)\n", "    warmup = min(p - r, m)  # one warm-up forward too many\n",
+                           "warm-up forwards"),
+    },
 }
 HUNG = {("01_collectives", "q1_ring_all_reduce"), ("04_pram", "q1_erew_prefix_sum")}
 TAMPERED = "02_data_parallel"
