@@ -95,3 +95,40 @@ def test_after_real_cuda_init_cpu_ranks_run_and_cuda_in_a_rank_says_what_to_do()
     with pytest.raises(NotebookLaunchError) as e:
         notebook_launcher(torch.zeros, (1,), kwargs={"device": "cuda"}, nproc=2)
     assert "%%torchrun" in str(e.value) + (getattr(e.value, "traceback", "") or "")
+
+
+def _disabled_bar(*_rank_and_world_size):  # run_ranks passes them, notebook_launcher does not
+    from tqdm.auto import tqdm
+
+    with tqdm(total=1, disable=True) as bar:  # every bar takes tqdm's lock, a disabled one too
+        bar.update(1)
+    return dist.get_rank()
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_forked_while_another_thread_holds_tqdms_lock_does_not_hang():
+    """tqdm's monitor thread takes tqdm's lock every 10 s; a rank forked in that moment kept the
+    lock held forever and hung at its first progress bar (seen once in a full test run). Here a
+    thread holds the lock during the whole fork: both forking launchers must still finish."""
+    import threading
+
+    from tqdm.auto import tqdm
+
+    from course_lib.parallel.spawn import run_ranks
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with tqdm.get_lock():
+            held.set()
+            release.wait()
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    held.wait()
+    try:
+        assert run_ranks(_disabled_bar, 2, start_method="fork", timeout=30) == [0, 1]
+        assert notebook_launcher(_disabled_bar, nproc=2, timeout=30) == [0, 1]
+    finally:
+        release.set()
+        holder.join()

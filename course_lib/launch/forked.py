@@ -33,7 +33,7 @@ from course_lib.hardware import threads_per_rank
 from course_lib.launch.agent import loopback_store_class
 from course_lib.launch.bootstrap import diagnose
 from course_lib.launch.checks import LaunchConfigError
-from course_lib.launch.procs import set_parent_death_signal
+from course_lib.launch.procs import reset_locks_after_fork, set_parent_death_signal
 from course_lib.utils import free_port
 
 
@@ -71,6 +71,7 @@ class _RankWriter:
 
 def _child(fn, args, kwargs, rank, nproc, port, backend, timeout_s, threads, conn) -> None:
     set_parent_death_signal(signal.SIGKILL)  # the kernel died: nothing to report to
+    reset_locks_after_fork()  # a lock another thread of the kernel held at fork stays held here
     code = 0
     try:
         sys.stdout, sys.stderr = _RankWriter(1, rank), _RankWriter(2, rank)

@@ -42,6 +42,27 @@ def _libc_prctl():
     return ctypes.CDLL(None, use_errno=True).prctl
 
 
+def reset_locks_after_fork() -> None:
+    """In a forked child: give tqdm new locks. A fork copies only the calling thread, so a lock that
+    another thread of the parent held at that moment stays held forever in the child; tqdm's
+    monitor thread takes tqdm's lock every 10 s, and every bar (a disabled one too) takes it, so
+    a rank forked at the wrong moment hung at its first progress bar. Nothing to do without tqdm."""
+    std = sys.modules.get("tqdm.std")
+    if std is None:
+        return
+    lock_cls = std.TqdmDefaultWriteLock
+    lock_cls.th_lock = std.TRLock()
+    if "mp_lock" in vars(lock_cls):
+        del lock_cls.mp_lock  # the next TqdmDefaultWriteLock makes this process its own
+    lock = lock_cls()
+    todo = [std.tqdm]
+    while todo:  # tqdm and the subclasses (tqdm.auto, tqdm.notebook) that hold a lock of their own
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        if "_lock" in vars(cls):
+            cls._lock = lock
+
+
 def set_parent_death_signal(sig: int = DEFAULT_DEATH_SIGNAL, prctl=None) -> bool:
     """Ask Linux to send ``sig`` to this process when the thread that created it exits.
 

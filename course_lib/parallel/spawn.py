@@ -47,9 +47,10 @@ class RanksTimeoutError(TimeoutError):
 def _worker(rank: int, fn, world_size: int, args: tuple, backend: str, port: int,
             out_dir: str, threads: int, timeout: float | None) -> None:
     # The parent died (a killed grader, a closed notebook): do not linger as an orphan.
-    from course_lib.launch.procs import set_parent_death_signal  # here: only the workers need it
+    from course_lib.launch.procs import reset_locks_after_fork, set_parent_death_signal  # only workers need it
 
     set_parent_death_signal(signal.SIGKILL)
+    reset_locks_after_fork()  # a forked rank must not inherit a lock another thread held
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
     kwargs = {}
