@@ -144,10 +144,29 @@ def pick_dtype(profile: HardwareProfile, override: str | None = None) -> str:
     if override not in (None, "auto"):
         if override not in allowed:
             raise ValueError(f"dtype must be one of {allowed} or 'auto', got {override!r}")
-        if profile.kind == "cpu" and override == "float16":
-            raise ValueError("float16 autocast is not supported for training on CPU; use float32 or bfloat16")
+        if profile.kind == "cpu" and override != "float32" and override not in cpu_autocast_dtypes():
+            import torch  # only for this message (course --help stays fast)
+            raise ValueError(f"{override} autocast is not supported on CPU by torch {torch.__version__}; "
+                             f"use float32 or one of: {', '.join(cpu_autocast_dtypes()) or 'none'}")
         return override
     return profile.train_dtype
+
+
+def cpu_autocast_dtypes() -> tuple[str, ...]:
+    """The 16-bit dtypes ``torch.autocast("cpu", ...)`` accepts in this torch: bfloat16 always,
+    float16 in recent releases (older ones warn and disable autocast: we ask the context itself)."""
+    import warnings
+
+    import torch  # here, not at the top: `course --help` does not import torch
+
+    ok = []
+    for name in ("bfloat16", "float16"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ctx = torch.autocast("cpu", dtype=getattr(torch, name))
+        if ctx._enabled:  # False when torch disabled it for an unsupported dtype
+            ok.append(name)
+    return tuple(ok)
 
 
 def environment() -> str:

@@ -18,7 +18,7 @@ import os
 import pytest
 
 from course_lib import hardware
-from course_lib.hardware import GB, PROFILES, TFLOP, _match_gpu, pick_dtype
+from course_lib.hardware import GB, PROFILES, TFLOP, _match_gpu, cpu_autocast_dtypes, pick_dtype
 
 DATA_SHEETS = {  # profile: (memory GB, {dtype: dense TFLOP/s})
     "t4": (16, {"float16": 65, "float32": 8.1}),
@@ -76,8 +76,13 @@ def test_dtype_choice():
     assert pick_dtype(PROFILES["cpu"]) == "float32"
     assert pick_dtype(PROFILES["a100-80gb"], "float32") == "float32"
     assert pick_dtype(PROFILES["t4"], "auto") == "float16"
-    with pytest.raises(ValueError, match="float16 autocast is not supported"):
-        pick_dtype(PROFILES["cpu"], "float16")
+    # CPU autocast: bf16, and fp16 where this torch supports it (2.13 does), so the fp16 lesson runs
+    assert pick_dtype(PROFILES["cpu"], "bfloat16") == "bfloat16"
+    if "float16" in cpu_autocast_dtypes():
+        assert pick_dtype(PROFILES["cpu"], "float16") == "float16"
+    else:
+        with pytest.raises(ValueError, match="float16 autocast is not supported on CPU"):
+            pick_dtype(PROFILES["cpu"], "float16")
     with pytest.raises(ValueError, match="dtype must be one of"):
         pick_dtype(PROFILES["h100"], "fp8")
 
@@ -141,3 +146,14 @@ def test_detect_reads_the_ranks_own_gpu(monkeypatch):
     assert hardware.detect("cuda").name == "a100-80gb"
     assert hardware.detect("cuda:0").name == "t4"
     assert hardware.detect("cuda:0").memory_bytes == 15 * GB  # the device's own, not the sheet's
+
+
+def test_cpu_autocast_dtypes_are_the_ones_autocast_really_uses():
+    import torch
+
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    for name in ("bfloat16", "float16"):
+        with torch.autocast("cpu", dtype=getattr(torch, name)):
+            out = a @ b
+        assert (out.dtype == getattr(torch, name)) == (name in cpu_autocast_dtypes()), name
+    assert "bfloat16" in cpu_autocast_dtypes()

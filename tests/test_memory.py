@@ -299,6 +299,13 @@ def test_cli_json_and_table(capsys):
     assert memory_cli.cli(["--preset", "gpt2-xl", "--gpu", "t4", "--stage", "0", "--stage", "3"]) == 0
     out = capsys.readouterr().out
     assert "fits t4" in out and "ZeRO-3" in out and "ZeRO-1" not in out
+    # torch.autocast's layout (the trainer's --dtype=bfloat16): 16 bytes per parameter, K = 8
+    assert memory_cli.cli(["--preset", "gpt2", "--dtype", "autocast", "--recompute", "full", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    psi = rep["num_params"]
+    assert rep["k"] == 8 and rep["stages"][0]["model_states"] == pytest.approx(16 * psi)
+    assert rep["stages"][0]["activations"] == pytest.approx(
+        breakdown(preset="gpt2", dtype="autocast", recompute="full").activations)
     with pytest.raises(SystemExit) as e:
         memory_cli.cli(["--params", "1e9", "--stage", "4"])
     assert e.value.code == 2

@@ -134,3 +134,20 @@ def test_import_has_no_side_effects():
             "print('ipywidgets' in sys.modules, 'matplotlib' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_autocast_dtype_matches_what_the_trainer_holds():
+    """The 'autocast' layout: fp32 states (16 bytes per parameter) and 16-bit activations with
+    autocast's fp32 residual stream and weight copies, as breakdown(dtype='autocast') (checked
+    against autograd's saved tensors in tests/test_precision.py)."""
+    calc = memory_calculator(model="shakespeare_char_cpu", plot=False)
+    calc.controls["dtype"].value = "autocast"
+    b = calc.result.breakdown
+    psi = PRESETS["shakespeare_char_cpu"].num_params()
+    assert (b.params, b.grads, b.optimizer) == pytest.approx((4 * psi, 4 * psi, 8 * psi))
+    assert b.activations == pytest.approx(breakdown(preset="shakespeare_char_cpu", dtype="autocast").activations)
+    mixed = breakdown(preset="shakespeare_char_cpu", dtype="mixed").activations
+    fp32 = breakdown(preset="shakespeare_char_cpu", dtype="fp32").activations
+    assert mixed < b.activations < fp32  # more than Korthikanti's 16-bit count, less than fp32
+    calc.controls["recompute"].value = "full"
+    assert calc.result.breakdown.activations < b.activations / 3

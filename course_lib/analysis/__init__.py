@@ -3,6 +3,7 @@
     comm_cost       alpha-beta cost of collectives and the bytes each rank moves
     memory          per-device training memory: model states (DP, ZeRO 1-3) and activations
     activations     activation memory of a transformer layer (Korthikanti et al. 2022)
+    precision       number formats (fp32 ... FP8), autocast's bytes and activations (notebook 9)
     memory_cli      ``course memory``
     scaling_laws    Amdahl, Gustafson, Karp-Flatt; fitting a serial fraction; 6 N D training cost
     dp_recipes      global batch, learning-rate scaling, data per rank

@@ -16,7 +16,9 @@ data-parallel degree N the bytes per device are
 
 The paper counts 1 GB as 1e9 bytes (Figure 1: 7.5e9 x 16 bytes = 120 GB), so :data:`GB` is 1e9.
 Plain fp32 training keeps 4-byte weights and gradients and K = 8 (Adam's two moments; the
-weights themselves are the master copy).
+weights themselves are the master copy). ``dtype="autocast"`` is what ``torch.autocast`` holds
+(the course trainer with ``--dtype=bfloat16/float16``): model states as in fp32, 4 + 4 + 8, and
+16-bit activations with autocast's extras (:func:`course_lib.analysis.precision.autocast_activation_bytes`).
 
 Not modelled (the paper's "residual states" besides activations): temporary buffers, memory
 fragmentation, ZeRO-3's gathered copy of the layer being computed and the CUDA context (a few
@@ -33,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from course_lib.analysis.activations import RECOMPUTE, activation_bytes
+from course_lib.analysis.precision import autocast_activation_bytes
 from course_lib.hardware import PROFILES
 
 GB = 1e9  # the ZeRO paper's gigabyte
@@ -44,6 +47,9 @@ DTYPES: dict[str, tuple[int, int, int]] = {
     "fp16": (2, 2, 12),
     "bf16": (2, 2, 12),
     "fp32": (4, 4, 8),  # fp32 weights and gradients, Adam m, v
+    # torch.autocast (what the course trainer runs with --dtype=bfloat16/float16): fp32 weights and
+    # gradients, Adam m, v; 16-bit activations plus autocast's extras (analysis.precision)
+    "autocast": (4, 4, 8),
 }
 STAGES = (0, 1, 2, 3)
 STAGE_NAMES = {0: "DP", 1: "ZeRO-1 (P_os)", 2: "ZeRO-2 (P_os+g)", 3: "ZeRO-3 (P_os+g+p)"}
@@ -246,7 +252,8 @@ def breakdown(num_params: float | None = None, *, preset: str | ModelShape | Non
     Give ``num_params`` (model states only) or a ``preset`` (name from :data:`PRESETS` or a
     :class:`ModelShape`: parameter count from its shape, and activations for ``batch_size``
     sequences of ``seq_len`` tokens, defaulting to the preset's micro-batch and block size).
-    Activations are 2-byte in mixed precision and 4-byte in fp32; ``dropout`` defaults to whether
+    Activations are 2-byte in mixed precision, 4-byte in fp32, and under ``dtype="autocast"``
+    16-bit with autocast's fp32 residual stream and weight copies; ``dropout`` defaults to whether
     the preset uses dropout (masks cost 1 byte per element).
     """
     if recompute not in RECOMPUTE:
@@ -262,11 +269,19 @@ def breakdown(num_params: float | None = None, *, preset: str | ModelShape | Non
         if seq_len is not None and seq_len > shape.block_size:
             raise ValueError(f"seq_len {seq_len} exceeds the {shape.name} block size "
                              f"{shape.block_size}; use seq_len <= {shape.block_size}")
-        acts = activation_bytes(
-            shape.n_layer, seq_len or shape.block_size, batch_size or shape.batch_size,
-            shape.n_embd, shape.n_head, shape.vocab_size, tp, sequence_parallel, recompute,
-            bytes_per_value=DTYPES[dtype][0], flash_attention=flash_attention,
-            dropout=(shape.dropout > 0) if dropout is None else dropout)
+        s, b = seq_len or shape.block_size, batch_size or shape.batch_size
+        drop = (shape.dropout > 0) if dropout is None else dropout
+        if dtype == "autocast":
+            if tp > 1 or sequence_parallel:
+                raise ValueError("dtype 'autocast' models one device's activations: use tp=1")
+            acts = autocast_activation_bytes(shape.n_layer, s, b, shape.n_embd, shape.n_head,
+                                             shape.vocab_size, recompute, drop, flash_attention,
+                                             shape.bias)
+        else:
+            acts = activation_bytes(
+                shape.n_layer, s, b, shape.n_embd, shape.n_head, shape.vocab_size, tp,
+                sequence_parallel, recompute, bytes_per_value=DTYPES[dtype][0],
+                flash_attention=flash_attention, dropout=drop)
     elif batch_size is not None or seq_len is not None:
         raise ValueError("activations need a model shape: pass preset=... as well")
     return MemoryBreakdown(states.params, states.grads, states.optimizer, acts, stage,

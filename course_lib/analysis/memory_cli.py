@@ -39,7 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=float, default=None,
                    help="optimizer bytes per parameter (default 12 for mixed, 8 for fp32)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="mixed",
-                   help="mixed/fp16/bf16: 2-byte weights and gradients; fp32: 4-byte")
+                   help="mixed/fp16/bf16: 2-byte weights and gradients (ZeRO paper); fp32: 4-byte; "
+                        "autocast: torch.autocast's fp32 states with 16-bit activations (the trainer)")
     p.add_argument("--stage", type=int, choices=STAGES, action="append",
                    help="only this ZeRO stage (repeatable; default all four)")
     p.add_argument("--gpu", help="compare with a hardware profile, e.g. t4, v100, a100-80gb")

@@ -26,9 +26,9 @@ Gradescope (its environment installs CPU torch and this package's wheel).
 
 Modules: :mod:`.layout` (where exercises live), :mod:`.colab` (badge and setup cell, public tests
 on Colab), :mod:`.build` (otter assign, manifest, staleness, Gradescope files), :mod:`.grade`
-(grading and its limits), :mod:`.cell_limit` (the otter plugin that bounds each cell),
-:mod:`.gradebook` (CSV, feedback files), :mod:`.cli` (the commands), :mod:`.grading` (what the
-tests use). Importing the package imports neither otter nor torch.
+(grading and its limits), :mod:`.gradebook` (CSV, feedback files), :mod:`.cli` (the commands), :mod:`.grading` (what the
+tests use), :mod:`.p2p` (point-to-point only, bytes counted), :mod:`.cell_limit` (the
+CellTimeLimit plugin). Importing the package imports neither otter nor torch.
 """
 
 from course_lib.exercises.build import (

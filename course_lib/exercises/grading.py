@@ -19,8 +19,8 @@ test): a notebook cell that replaces ``assert_close`` here changes the kernel's 
 A wrong answer must never stall grading: every collective has a timeout
 (``COURSE_GRADING_TIMEOUT`` seconds, default 60; ``course grade`` sets 10) and the whole run a
 wall-clock limit, after which the ranks are stopped and :class:`RanksTimeoutError` says what
-happened. A rank that raises stops the run with :class:`RankError`. :func:`p2p_only` lets a test
-forbid the library collectives and count the bytes a rank sends.
+happened. A rank that raises stops the run with :class:`RankError`. :func:`p2p_only`
+(:mod:`course_lib.exercises.p2p`) lets a test forbid the library collectives and count the bytes a rank sends.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ def fresh_copy(name: str = "course_lib.exercises.grading"):
 
 _spawn = fresh_copy("course_lib.parallel.spawn")  # the one run_ranks, as its file says
 RankError, RanksTimeoutError = _spawn.RankError, _spawn.RanksTimeoutError
+p2p_only = fresh_copy("course_lib.exercises.p2p").p2p_only  # point-to-point only, bytes counted
 
 
 def default_timeout() -> float:
@@ -249,66 +250,3 @@ def assert_close(actual, expected, what: str = "result", atol: float = 1e-6, rto
                 f"{what}: item {i} at {list(where)}: expected {e[where].item():.6g}, found "
                 f"{a[where].item():.6g}; max difference {(a - e).abs().max().item():.3g} (allowed "
                 f"{atol:g} + {rtol:g} x |expected|){ratio}")
-
-
-# --------------------------------------------------------------------------------------------
-# Point-to-point only, with a byte count
-# --------------------------------------------------------------------------------------------
-
-COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor",
-               "all_gather_single", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
-               "all_to_all", "all_to_all_single", "all_gather_object", "broadcast_object_list",
-               "gather", "scatter")
-
-
-class Sent:
-    """What this rank sent point-to-point inside :func:`p2p_only`. (A plain class: tests execute
-    this module outside ``sys.modules``, where ``@dataclass`` cannot find it.)"""
-
-    def __init__(self) -> None:
-        self.bytes = 0
-        self.messages = 0
-
-
-@contextlib.contextmanager
-def p2p_only():
-    """Inside, this rank may only use point-to-point sends and receives: the library collectives
-    raise, and ``send``/``isend`` (also through ``batch_isend_irecv``) are counted in the
-    yielded :class:`Sent`. Restores ``torch.distributed`` on exit."""
-    import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
-
-    sent = Sent()
-    # dist re-exports c10d's functions; P2POp and batch_isend_irecv look them up in c10d
-    saved = [(mod, name, getattr(mod, name)) for mod in (dist, c10d)
-             for name in COLLECTIVES + ("send", "isend") if hasattr(mod, name)]
-
-    def forbidden(name):
-        def refuse(*args, **kwargs):
-            raise RuntimeError(f"dist.{name} is not allowed here: use point-to-point "
-                               "dist.send/dist.isend and dist.recv/dist.irecv only")
-        return refuse
-
-    depth = [0]  # send() may be built on isend(): count the outermost call only
-
-    def counted(original):
-        def send(tensor, *args, **kwargs):
-            if depth[0] == 0:
-                sent.bytes += tensor.numel() * tensor.element_size()
-                sent.messages += 1
-            depth[0] += 1
-            try:
-                return original(tensor, *args, **kwargs)
-            finally:
-                depth[0] -= 1
-        return send
-
-    replacements = {name: forbidden(name) for name in COLLECTIVES}
-    replacements["send"], replacements["isend"] = counted(c10d.send), counted(c10d.isend)
-    try:
-        for mod, name, _ in saved:
-            setattr(mod, name, replacements[name])
-        yield sent
-    finally:
-        for mod, name, fn in saved:
-            setattr(mod, name, fn)

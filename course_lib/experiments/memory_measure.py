@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from course_lib.analysis.comm_cost import zero_comm_volume
 from course_lib.analysis.memory import model_state_bytes
+from course_lib.gpt.activation_meter import SavedTensorMeter
 from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.parallel.footprint import measure_model_states
 from course_lib.parallel.strategy import build_strategy
@@ -96,21 +97,13 @@ def saved_activation_bytes(model: nn.Module, *inputs) -> tuple[int, torch.Tensor
     """(bytes autograd keeps for backward, loss) for one forward of ``model(*inputs)``.
 
     Every tensor saved for backward is counted by its storage, once; the parameters are not
-    activations and are left out. Compare with :func:`course_lib.analysis.activations.activation_bytes`.
+    activations and are left out (:class:`course_lib.gpt.activation_meter.SavedTensorMeter`).
+    Compare with :func:`course_lib.analysis.activations.activation_bytes`.
     """
-    param_storages = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        st = _local(t).untyped_storage()
-        if st.data_ptr() not in param_storages:
-            saved[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedTensorMeter(model) as meter:
         out = model(*inputs)
     loss = out[1] if isinstance(out, tuple) else out
-    return sum(saved.values()), loss
+    return meter.bytes, loss
 
 
 @contextlib.contextmanager

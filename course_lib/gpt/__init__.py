@@ -8,6 +8,7 @@
     run         what one training process holds: setup, resume, evaluation, checkpoint saving
     checkpoint  atomic checkpoints and exact resume
     metrics     RunMeter (timing, metrics.csv, progress bar, summary), timers, throughput and MFU
+    activation_meter  the activations a forward keeps for backward, measured (metrics.csv act_mb)
     sample      text from a run's checkpoint (course sample)
     finetune    the second stage of an LLM's life: fine-tuning a run on new text
 """

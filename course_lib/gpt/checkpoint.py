@@ -24,7 +24,8 @@ LAST, BEST = "last.pt", "best.pt"
 FORMAT_VERSION = 1
 # Fields a resumed run may change: where and how it runs, how often it reports, and how long.
 RESUME_MAY_CHANGE = frozenset({"out_dir", "init_from", "max_iters", "eval_interval", "log_interval", "eval_iters",
-                               "device", "compile", "strategy", "threads", "timeout_s", "run_name", "data_dir"})
+                               "device", "compile", "strategy", "threads", "timeout_s", "run_name", "data_dir",
+                               "recompute", "grad_comm_dtype"})  # memory and wire format, not the model
 
 
 class CheckpointError(RuntimeError):

@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from course_lib.analysis.activations import RECOMPUTE  # none, selective, full
 from course_lib.gpt.data import DATASETS
 from course_lib.hardware import default_nproc
 
@@ -24,6 +25,8 @@ from course_lib.hardware import default_nproc
 STRATEGY_NAMES = ("single", "ddp", "ddp_naive", "zero1", "zero2", "zero3", "torch_ddp", "torch_zero1",
                   "fsdp_grad_op", "fsdp_full")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+GRAD_COMM_DTYPES = ("float32", "bfloat16")
+GRAD_COMM_STRATEGIES = ("ddp", "ddp_naive", "torch_ddp")  # the ones that take grad_comm_dtype
 INIT_FROM = ("scratch", "resume")
 
 
@@ -67,6 +70,8 @@ class TrainConfig:
     device: str = "auto"  # 'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:N'
     dtype: str = "auto"  # 'auto' = from the hardware profile (bf16 / fp16 + scaler / fp32)
     compile: bool = False  # torch.compile the model
+    recompute: str = "none"  # activations: 'none', 'selective' (attention core) or 'full' (per block)
+    grad_comm_dtype: str = "float32"  # data-parallel gradient all-reduce in 'float32' or 'bfloat16'
     seed: int = 1337
     # distributed (ours)
     nproc: int = 1  # worker processes on this host; > 1 launches them through torchrun
@@ -105,6 +110,11 @@ class TrainConfig:
         if not self.out_dir:
             raise ConfigError("out_dir must not be empty")
         _choice("dtype", self.dtype, DTYPES)
+        _choice("recompute", self.recompute, RECOMPUTE)
+        _choice("grad_comm_dtype", self.grad_comm_dtype, GRAD_COMM_DTYPES)
+        if self.grad_comm_dtype != "float32" and self.strategy not in ("auto",) + GRAD_COMM_STRATEGIES:
+            raise ConfigError(f"grad_comm_dtype={self.grad_comm_dtype} is for data-parallel gradient all-reduce "
+                              f"({', '.join(GRAD_COMM_STRATEGIES)}); strategy {self.strategy} shards gradients")
         _choice("init_from", self.init_from, INIT_FROM)
         _choice("strategy", self.strategy, ("auto",) + STRATEGY_NAMES)
         _choice("dataset", self.dataset, DATASETS)

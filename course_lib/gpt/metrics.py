@@ -5,14 +5,19 @@ that do not stall the GPU.
 ``metrics.csv`` holds one row per logged step (and one per evaluation):
 
     iter, train_loss, val_loss, eval_train_loss, lr, grad_norm, step_ms, compute_ms, comm_ms,
-    tokens_per_s, tflops, mfu
+    tokens_per_s, tflops, mfu, comm_mb, act_mb, act_model_mb, loss_scale, skipped_steps
 
 ``step_ms`` is wall time per iteration averaged since the previous row; ``compute_ms`` the time
 in forward/backward and the optimizer step (CUDA events on a GPU, so no host sync per step);
 ``comm_ms`` the exposed communication the Strategy measured (``comm_s``), which is not counted
 in ``compute_ms``. ``tflops`` is the achieved model FLOP/s of the whole job and ``mfu`` that over
 the peak of all its devices (PaLM, Chowdhery et al. 2022, App. B); on a CPU the peak is an
-estimate (course_lib.hardware).
+estimate (course_lib.hardware). ``comm_mb``: bytes per step handed to collectives by our own
+strategies (ZeRO accounting, :class:`course_lib.parallel.comms.Comms`; empty for PyTorch's).
+``act_mb``: the activations one micro-batch keeps for backward on this rank, measured
+(:class:`course_lib.gpt.activation_meter.SavedTensorMeter`), next to Korthikanti et al.'s model
+``act_model_mb`` for the run's dtype and ``--recompute``. fp16 runs log the ``loss_scale`` and the
+``skipped_steps`` so far (steps whose gradients overflowed).
 Each row is on disk (file closed) as soon as it is written: a crash loses nothing already logged.
 """
 
@@ -36,7 +41,8 @@ from course_lib.hardware import detect
 from course_lib.utils import atomic_write_bytes
 
 COLUMNS = ("iter", "train_loss", "val_loss", "eval_train_loss", "lr", "grad_norm", "step_ms", "compute_ms",
-           "comm_ms", "tokens_per_s", "tflops", "mfu")
+           "comm_ms", "tokens_per_s", "tflops", "mfu", "comm_mb", "act_mb", "act_model_mb", "loss_scale",
+           "skipped_steps")
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
@@ -185,6 +191,7 @@ class RunMeter:
     def _restart(self) -> None:
         """Start a new timing window (after a row, or after an evaluation: that is not step time)."""
         self.t_last, self.steps, self.comm_start, self.comm_in_compute = time.perf_counter(), 0, self.strategy.comm_s, 0.0
+        self.bytes_start = self._comm_bytes()
         self.timer.reset()
 
     @contextmanager
@@ -206,12 +213,22 @@ class RunMeter:
                            + (" (best)" if is_best else ""))
         self._restart()
 
-    def log(self, it: int, loss_sum: torch.Tensor, lr: float, grad_norm: torch.Tensor | None) -> None:
+    def wants_row(self, it: int) -> bool:
+        """Whether step ``it`` gets a row (log steps, and the first step after an evaluation)."""
+        return it % self.cfg.log_interval == 0 or self.pending_eval is not None
+
+    def _comm_bytes(self) -> float:
+        comms = getattr(self.strategy, "comms", None)
+        return comms.volume_bytes if comms is not None else math.nan
+
+    def log(self, it: int, loss_sum: torch.Tensor, lr: float, grad_norm: torch.Tensor | None,
+            extra: dict | None = None) -> None:
         """Count the step just done; at log steps (and after an evaluation) write its row.
 
-        ``loss_sum`` is this rank's loss of the step (a device tensor: no host sync until here)."""
+        ``loss_sum`` is this rank's loss of the step (a device tensor: no host sync until here);
+        ``extra``: more columns for the row (activations, loss scale)."""
         self.steps += 1
-        if not (it % self.cfg.log_interval == 0 or self.pending_eval is not None):
+        if not self.wants_row(it):
             return
         if self.world_size > 1:  # the loss of the global batch (a collective at log steps only)
             dist.all_reduce(loss_sum)
@@ -223,6 +240,7 @@ class RunMeter:
                "grad_norm": grad_norm.item() if grad_norm is not None else None,
                **throughput(self.steps, elapsed, self.timer.total_s() - self.comm_in_compute, comm_s,
                             self.tokens_per_iter, self.flops_per_token, self.peak_total)}
+        row.update(comm_mb=(self._comm_bytes() - self.bytes_start) / self.steps / 1e6, **(extra or {}))
         if self.pending_eval is not None:
             row.update(val_loss=self.pending_eval["val"], eval_train_loss=self.pending_eval["train"])
         if self.master:

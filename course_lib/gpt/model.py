@@ -6,6 +6,13 @@ causal self-attention and a 4x GELU MLP, a final LayerNorm, and an LM head tied 
 embedding. Initialisation follows GPT-2: N(0, 0.02) everywhere, with the residual output
 projections scaled by 1/sqrt(2 * n_layer) so the residual stream's variance does not grow with
 depth.
+
+Activation recomputation (``GPT.set_recompute``), after Korthikanti et al. 2022, "Reducing
+Activation Recomputation in Large Transformer Models" (arXiv:2205.05198): "full" keeps only each
+block's input and recomputes the block in backward (Chen et al. 2016's gradient checkpointing),
+"selective" recomputes only the attention core (softmax(QK^T)V with its dropout), whose s x s
+activations are large but cheap to recompute. Both use ``torch.utils.checkpoint`` with
+``use_reentrant=False``; the forward values are the same operations, so losses do not change.
 """
 
 from __future__ import annotations
@@ -16,6 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from course_lib.analysis.activations import RECOMPUTE  # none, selective, full
 
 
 @dataclass(frozen=True)
@@ -47,15 +57,23 @@ class CausalSelfAttention(nn.Module):
         self.c_proj.residual_scale = True
         self.dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.recompute_core = False  # selective recomputation (set by GPT.set_recompute)
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(hs)) v with causal mask and dropout: (B, nh, T, hs) each."""
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
         # (B, T, C) -> (B, nh, T, hs): each head attends independently
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )  # (B, nh, T, hs)
+        if self.recompute_core and torch.is_grad_enabled():
+            # keep q, k, v; the s x s scores, softmax and dropout mask are recomputed in backward
+            y = checkpoint(self.core, q, k, v, use_reentrant=False)  # (B, nh, T, hs)
+        else:
+            y = self.core(q, k, v)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -100,6 +118,18 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # weight tying (one tensor, two uses)
         self.apply(self._init_weights)
+        self.recompute = "none"  # how backward gets the blocks' activations (set_recompute)
+
+    def set_recompute(self, mode: str) -> GPT:
+        """'none' (keep every activation), 'selective' (recompute the attention core) or 'full'
+        (keep each block's input only; recompute the block in backward). Not part of GPTConfig:
+        it changes memory and time, never the weights or the loss."""
+        if mode not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}; got {mode!r}")
+        self.recompute = mode
+        for block in self.transformer.h:
+            block.attn.recompute_core = mode == "selective"
+        return self
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
@@ -125,8 +155,10 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
         pos = torch.arange(T, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        full = self.recompute == "full" and torch.is_grad_enabled()
         for block in self.transformer.h:
-            x = block(x)
+            # full recomputation: autograd keeps x (B, T, C) only and reruns the block in backward
+            x = checkpoint(block, x, use_reentrant=False) if full else block(x)
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from course_lib.gpt import checkpoint as ckpt_io
-from course_lib.gpt.config import TrainConfig
+from course_lib.gpt.activation_meter import modelled_bytes
+from course_lib.gpt.config import GRAD_COMM_STRATEGIES, TrainConfig
 from course_lib.gpt.data import TrainBatches, eval_batches, load_meta, load_tokens, model_vocab_size
 from course_lib.gpt.model import GPT, GPTConfig, make_adamw
 from course_lib.gpt.runtime import Runtime
@@ -32,12 +33,21 @@ def optimizer_factory(cfg: TrainConfig):
     return lambda model: make_adamw(model, cfg.learning_rate, cfg.weight_decay, (cfg.beta1, cfg.beta2))
 
 
+def strategy_options(cfg: TrainConfig, strategy_name: str) -> dict:
+    """Keyword arguments for the strategy from the config: 16-bit gradient all-reduce for the
+    data-parallel ones (``--grad_comm_dtype``; one process has nothing to communicate)."""
+    if cfg.grad_comm_dtype == "float32" or strategy_name not in GRAD_COMM_STRATEGIES:
+        return {}
+    return {"grad_comm_dtype": getattr(torch, cfg.grad_comm_dtype)}
+
+
 @dataclass
 class Precision:
     """Autocast for bf16/fp16 (none for fp32) and the loss scaler (enabled for fp16 only)."""
     autocast: AbstractContextManager
     scaler: torch.amp.GradScaler
     good_steps: int = 0  # consecutive finite fp16 steps (for the scale's growth)
+    skipped: int = 0  # fp16 steps skipped so far because their gradients overflowed
 
     @classmethod
     def for_runtime(cls, rt: Runtime) -> Precision:
@@ -59,6 +69,7 @@ class Run:
     meta: dict
     start_iter: int = 0
     best_val: float = math.inf
+    act_model_bytes: float = 0.0  # activations of one micro-batch, modelled (metrics.csv act_model_mb)
 
 
 def setup_run(cfg: TrainConfig, rt: Runtime) -> Run:
@@ -68,11 +79,11 @@ def setup_run(cfg: TrainConfig, rt: Runtime) -> Run:
     torch.manual_seed(cfg.seed)  # the same seed on every rank gives the same initial weights
     gptconf = GPTConfig(block_size=cfg.block_size, vocab_size=model_vocab_size(meta), n_layer=cfg.n_layer,
                         n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias)
-    model = GPT(gptconf).to(rt.device)
+    model = GPT(gptconf).to(rt.device).set_recompute(cfg.recompute)
     if cfg.compile:
         model.compile()  # in place: parameter names (and checkpoints) stay those of the plain model
     strategy_name = cfg.resolved_strategy(rt.world_size)
-    strategy = build_strategy(strategy_name, model, optimizer_factory(cfg))
+    strategy = build_strategy(strategy_name, model, optimizer_factory(cfg), **strategy_options(cfg, strategy_name))
     batches = TrainBatches(train_tokens, cfg.batch_size, cfg.block_size, cfg.gradient_accumulation_steps,
                            rt.rank, rt.world_size, cfg.seed, rt.device)
     eval_sets = {split: eval_batches(tokens, cfg.batch_size, cfg.block_size, cfg.eval_iters, cfg.seed + 1 + i,
@@ -80,7 +91,8 @@ def setup_run(cfg: TrainConfig, rt: Runtime) -> Run:
                  for i, (split, tokens) in enumerate((("train", train_tokens), ("val", val_tokens)))}
     torch.manual_seed(cfg.seed + rt.rank)  # per-rank randomness from here on (dropout, as in nanoGPT)
     random.seed(cfg.seed + rt.rank)
-    run = Run(cfg, rt, model, strategy, strategy_name, batches, eval_sets, Precision.for_runtime(rt), meta)
+    run = Run(cfg, rt, model, strategy, strategy_name, batches, eval_sets, Precision.for_runtime(rt), meta,
+              act_model_bytes=modelled_bytes(cfg, gptconf.vocab_size, rt.dtype, rt.device_type))
     if cfg.init_from == "resume":
         _resume(run)
     return run
@@ -94,6 +106,7 @@ def _resume(run: Run) -> None:
     if ck["scaler"] is not None and run.precision.scaler.is_enabled():
         run.precision.scaler.load_state_dict(ck["scaler"]["state"])
         run.precision.good_steps = ck["scaler"]["good_steps"]
+        run.precision.skipped = ck["scaler"].get("skipped", 0)
     ckpt_io.set_rng_state(ck["rng"][run.rt.rank], run.batches.generator)
     run.start_iter, run.best_val = ck["iter_num"], ck["best_val_loss"]
 
@@ -133,7 +146,8 @@ def save_checkpoint(run: Run, it: int, val_loss: float, is_best: bool) -> None:
         "best_val_loss": run.best_val, "config": cfg.to_dict(), "model_args": dataclasses.asdict(run.model.config),
         "meta": {k: run.meta[k] for k in ("dataset", "tokenizer", "vocab_size", "chars") if k in run.meta},
         "world_size": run.rt.world_size, "rng": rngs,
-        "scaler": {"state": scaler.state_dict(), "good_steps": run.precision.good_steps} if scaler.is_enabled() else None,
+        "scaler": {"state": scaler.state_dict(), "good_steps": run.precision.good_steps,
+                   "skipped": run.precision.skipped} if scaler.is_enabled() else None,
     })
     if is_best:
         ckpt_io.copy_checkpoint(out / ckpt_io.LAST, out / ckpt_io.BEST)

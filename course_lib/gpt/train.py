@@ -29,6 +29,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
+from course_lib.gpt.activation_meter import SavedTensorMeter
 from course_lib.gpt.checkpoint import CheckpointError
 from course_lib.gpt.config import ConfigError, TrainConfig, arg_parser, config_from_args
 from course_lib.gpt.data import DataError
@@ -84,25 +85,28 @@ def train_loop(run: Run, meter: RunMeter) -> dict:
         lr = get_lr(it, cfg)
         for group in strategy.optimizer.param_groups:
             group["lr"] = lr
-        loss, grad_norm = train_step(strategy, x, y, cfg, run.precision, meter)
+        measure = meter.wants_row(it)  # activations are counted on the steps that get a row
+        loss, grad_norm, act_bytes = train_step(strategy, x, y, cfg, run.precision, meter, measure)
         x, y = run.batches.next()  # the next batch (asynchronous copy on a GPU)
-        meter.log(it, loss, lr, grad_norm)
+        meter.log(it, loss, lr, grad_norm, precision_columns(run, act_bytes) if measure else None)
     return meter.finish(cfg.max_iters, run.best_val)
 
 
 def train_step(strategy, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig, precision: Precision,
-               meter: RunMeter) -> tuple[torch.Tensor, torch.Tensor | None]:
+               meter: RunMeter, measure: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, int | None]:
     """One optimizer step on one global batch; x, y (accum, B, T) are this rank's micro-batches.
 
     Forward/backward over the micro-batches (gradients synchronised on the last one only),
     finish the gradients (the all-reduce), clip the global norm, step (fp16: or skip), zero.
-    Returns this rank's mean loss (a device tensor: no host sync) and the norm (None unclipped).
+    Returns this rank's mean loss (a device tensor: no host sync), the norm (None unclipped) and,
+    with ``measure``, the bytes the first micro-batch's forward kept for backward (else None).
     """
     accum, scaler, loss_sum = cfg.gradient_accumulation_steps, precision.scaler, None
+    saved = SavedTensorMeter(strategy.module) if measure else None
     with meter.compute():
         for micro in range(accum):
             with nullcontext() if micro == accum - 1 else strategy.no_sync():
-                with precision.autocast:
+                with precision.autocast, saved if (saved and micro == 0) else nullcontext():
                     _, loss = strategy.model(x[micro], y[micro])
                 loss = loss / accum  # the mean over the micro-batches
                 scaler.scale(loss).backward()
@@ -115,11 +119,22 @@ def train_step(strategy, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig, pre
         if cfg.grad_clip > 0 or scaler.is_enabled():  # the norm over all ranks' gradients
             grad_norm = strategy.clip_grad_norm_(cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
         if scaler.is_enabled():
+            scale = scaler.get_scale()
             precision.good_steps = _fp16_step(strategy, scaler, grad_norm, precision.good_steps)
+            precision.skipped += scaler.get_scale() < scale  # backed off: the step was skipped
         else:
             strategy.step()
         strategy.zero_grad()
-    return loss_sum, grad_norm
+    return loss_sum, grad_norm, saved.bytes if saved else None
+
+
+def precision_columns(run: Run, act_bytes: int | None) -> dict:
+    """metrics.csv's activation and loss-scale columns for a logged step."""
+    row = {"act_mb": act_bytes / 1e6 if act_bytes is not None else None,
+           "act_model_mb": run.act_model_bytes / 1e6}
+    if run.precision.scaler.is_enabled():
+        row.update(loss_scale=run.precision.scaler.get_scale(), skipped_steps=run.precision.skipped)
+    return row
 
 
 def _fp16_step(strategy, scaler, grad_norm: torch.Tensor, good_steps: int) -> int:

@@ -32,7 +32,8 @@ from course_lib.hardware import PROFILES
 
 CUSTOM = "custom"  # the model choice "give a parameter count" (model states only)
 DP_CHOICES = tuple(2**i for i in range(11))  # 1, 2, 4, ..., 1024 data-parallel ranks
-DTYPE_CHOICES = (("mixed precision (16-bit weights, fp32 Adam)", "mixed"), ("fp32", "fp32"))
+DTYPE_CHOICES = (("mixed precision (16-bit weights, fp32 Adam)", "mixed"),
+                 ("torch.autocast (fp32 weights, 16-bit activations)", "autocast"), ("fp32", "fp32"))
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 PARTS = ("params", "grads", "optimizer", "activations")
 
@@ -258,6 +259,6 @@ def memory_calculator(model: str = "gpt2", params_b: float = 7.5, dp: int = 1, s
     if gpu not in gpu_choices():
         raise ValueError(f"gpu must be one of {', '.join(gpu_choices())}, got {gpu!r}")
     if dtype not in {value for _, value in DTYPE_CHOICES}:
-        raise ValueError(f"dtype must be 'mixed' or 'fp32', got {dtype!r}")
+        raise ValueError(f"dtype must be 'mixed', 'autocast' or 'fp32', got {dtype!r}")
     return MemoryCalculator(Settings(model, params_b, dp, stage, dtype, recompute, batch_size,
                                      flash_attention, gpu), plot=plot)

@@ -129,11 +129,22 @@ class TorchDDP(Strategy):
 
     name = "torch_ddp"
 
-    def __init__(self, model, make_optimizer, group=None, bucket_cap_mb: float = 25):
+    def __init__(self, model, make_optimizer, group=None, bucket_cap_mb: float = 25,
+                 grad_comm_dtype: torch.dtype | None = None):
         super().__init__(model, make_optimizer, group)
         device_ids = [model_device(model).index] if model_device(model).type == "cuda" else None
         self.model = nn.parallel.DistributedDataParallel(
             model, device_ids=device_ids, process_group=group, bucket_cap_mb=bucket_cap_mb)
+        if grad_comm_dtype is not None and grad_comm_dtype != torch.float32:
+            # PyTorch's compression hooks (cast each bucket to 16 bits, all-reduce, cast back);
+            # its bf16 hook insists on NCCL, so on gloo the same three steps in compress_hook
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            hook = {torch.bfloat16: default_hooks.bf16_compress_hook,
+                    torch.float16: default_hooks.fp16_compress_hook}[grad_comm_dtype]
+            state = group
+            if model_device(model).type != "cuda":
+                hook, state = compress_hook, (group, grad_comm_dtype)
+            self.model.register_comm_hook(state, hook)
 
     def no_sync(self):
         return self.model.no_sync()
@@ -142,6 +153,21 @@ class TorchDDP(Strategy):
         if model_device(self.module).type == "cuda":
             with self._timed_comm():
                 torch.cuda.synchronize()
+
+
+def compress_hook(state: tuple, bucket):
+    """A DDP communication hook, ``state = (group, dtype)``: the bucket's gradients averaged in
+    ``dtype`` (what PyTorch's ``bf16_compress_hook`` / ``fp16_compress_hook`` do, any backend)."""
+    group, dtype = state
+    group = group if group is not None else dist.group.WORLD
+    buffer = bucket.buffer()  # (numel,) flat gradients of this bucket
+    wire = buffer.to(dtype).div_(dist.get_world_size(group))
+    fut = dist.all_reduce(wire, group=group, async_op=True).get_future()
+
+    def decompress(f):
+        buffer.copy_(f.value()[0])
+        return buffer
+    return fut.then(decompress)
 
 
 def model_device(model: nn.Module) -> torch.device:
