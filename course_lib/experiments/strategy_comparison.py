@@ -40,7 +40,12 @@ from pathlib import Path
 import torch
 
 from course_lib.gpt.config import make_config
-from course_lib.parallel.strategy import STRATEGIES
+from course_lib.gpt.data import TrainBatches, load_meta, load_tokens, model_vocab_size, prepare
+from course_lib.gpt.model import GPT, GPTConfig
+from course_lib.gpt.run import optimizer_factory
+from course_lib.parallel.footprint import measure_model_states, peak
+from course_lib.parallel.spawn import run_ranks
+from course_lib.parallel.strategy import STRATEGIES, build_strategy
 
 FIELDS = ["strategy", "nodes", "ranks", "ms_per_iter", "ms_min", "ms_max", "tokens_per_s", "speedup",
           "efficiency", "comm_ms", "model_states_mb", "rss_mb", "runs", "threads_per_rank", "scaling"]
@@ -48,12 +53,6 @@ FIELDS = ["strategy", "nodes", "ranks", "ms_per_iter", "ms_min", "ms_max", "toke
 
 def bench_worker(rank: int, world_size: int, spec: dict) -> dict:
     """One run on one rank: time spec['iters'] steps, then measure the model states once."""
-    from course_lib.gpt.data import TrainBatches, load_meta, load_tokens, model_vocab_size
-    from course_lib.gpt.model import GPT, GPTConfig
-    from course_lib.gpt.run import optimizer_factory
-    from course_lib.parallel.footprint import measure_model_states, peak
-    from course_lib.parallel.strategy import build_strategy
-
     cfg = make_config("shakespeare_char_cpu", spec["overrides"])
     torch.set_num_threads(spec["threads"])
     meta = load_meta(None, cfg.dataset)
@@ -100,8 +99,6 @@ def bench_worker(rank: int, world_size: int, spec: dict) -> dict:
 
 def one_run(strategy: str, ranks: int, iters: int, warmup: int, scaling: str, threads: int) -> dict:
     """One run of a cell: fresh processes, model and strategy; the slowest rank's figures."""
-    from course_lib.parallel.spawn import run_ranks
-
     recipe = make_config("shakespeare_char_cpu")
     overrides = {"device": "cpu", "dtype": "float32"}
     if scaling == "strong":
@@ -147,8 +144,6 @@ def compare(strategies: list[str], ranks: list[int], repeats: int = 5, iters: in
     and writes the three files of the module docstring into ``out_dir``.
     """
     from tqdm.auto import tqdm  # imported here: only the run itself needs it
-
-    from course_lib.gpt.data import prepare
 
     unknown = [n for n in strategies if n not in STRATEGIES]
     if unknown:
