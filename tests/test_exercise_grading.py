@@ -122,6 +122,23 @@ def test_isolated_returns_stops_forbids_and_reports():
     assert _ring_time() > 0  # only the child's copy was disabled
 
 
+def _earlier_answer(x):  # stands for a notebook's answer to an earlier question (a wrong one)
+    return 2 * x + 1
+
+
+def _later_answer(x):  # a later question's answer that calls it
+    return _earlier_answer(x) * 10
+
+
+def test_stand_ins_grade_a_question_on_its_own_in_the_child_only():
+    """A mistake in an earlier answer is not charged again: the later answer sees the right one."""
+    from course_lib.exercises.grading import isolated
+
+    assert isolated(lambda: _later_answer(3)) == 70  # the wrong earlier answer shows through
+    assert isolated(lambda: _later_answer(3), stand_ins={_later_answer: {"_earlier_answer": lambda x: x}}) == 30
+    assert _later_answer(3) == 70 and _earlier_answer(3) == 7  # this process kept its own
+
+
 def test_messages_say_expected_found_and_the_factor():
     import torch
 

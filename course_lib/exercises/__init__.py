@@ -67,6 +67,7 @@ from course_lib.exercises.layout import (
     Exercise,
     default_root,
     discover,
+    discover_releases,
     select,
 )
 
@@ -88,6 +89,7 @@ __all__ = [
     "colab_setup_cell",
     "default_root",
     "discover",
+    "discover_releases",
     "fetch_student_tests",
     "find_autograder",
     "grade",

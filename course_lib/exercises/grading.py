@@ -116,14 +116,17 @@ class AnswerTimeoutError(AssertionError):
 
 
 def isolated(check: Callable[..., Any], *args: Any, timeout: float | None = None,
-             forbid: Iterable = ()) -> Any:
+             forbid: Iterable = (), stand_ins: dict | None = None) -> Any:
     """Run ``check(*args)`` in a forked child and return its value; kill it after ``timeout``
     seconds (default: the grading timeout) and raise :class:`AnswerTimeoutError`.
 
     An ``AssertionError`` in the child is raised here with the same message; any other exception
     becomes an ``AssertionError`` that names it (the answer crashed). ``forbid``: functions that
     raise ``PermissionError`` inside the child (reference implementations the answer must not
-    use). The child never runs the parent's exit handlers.
+    use). ``stand_ins``: ``{answer: {name: value}}``, global names an answer function sees in the
+    child instead of the notebook's (a correct earlier answer it calls, so that a mistake in an
+    earlier question is not charged twice); the notebook never sees the change. The child never
+    runs the parent's exit handlers.
     """
     timeout = default_timeout() if timeout is None else float(timeout)
     forbid = list(forbid)
@@ -134,6 +137,8 @@ def isolated(check: Callable[..., Any], *args: Any, timeout: float | None = None
         code = 0
         try:
             _disable(forbid)
+            for answer, names in (stand_ins or {}).items():
+                answer.__globals__.update(names)
             message = ("ok", check(*args))
         except AssertionError as e:
             message = ("assert", str(e) or "a check failed (no message)")

@@ -8,8 +8,9 @@ students can see:
                                                   `make exercises`): solution notebook, all tests,
                                                   autograder.zip for `course grade` and Gradescope
 
-``instructor/`` is the instructor's private part (see exercises/README.md: publish the course
-without it, or keep it as a private repository); ``exercises/`` and everything else is public.
+``instructor/`` is private and never committed to the public tree: a worktree of the
+``instructor`` branch that only the instructor's private remote carries (exercises/README.md,
+``make instructor-sources``); ``exercises/`` and everything else is public.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def default_root() -> Path:
     if root is None or not (root / SOURCES).is_dir():
         raise FileNotFoundError(
             f"no {SOURCES}/ folder with the exercise sources found: the instructor sources are "
-            "private (exercises/README.md says where to keep them); pass --root, or for grading "
+            "private (exercises/README.md, 'The private copy'); `make instructor-sources` checks "
+            "out the `instructor` branch where a clone has it; else pass --root, or for grading "
             "--autograder ZIP")
     return root / SOURCES
 
@@ -79,6 +81,16 @@ def discover(root: Path | None = None) -> list[Exercise]:
     top = root.resolve().parent
     return [Exercise(d.name, d, top / RELEASES / d.name, top / AUTOGRADERS / d.name)
             for d in sorted(root.iterdir()) if d.is_dir() and (d / f"{d.name}.ipynb").is_file()]
+
+
+def discover_releases(top: Path | None = None) -> list[Exercise]:
+    """Every public student release ``top/exercises/NN_topic/`` (``top``: this clone), whether or
+    not the private sources are here; each one's ``dir`` is where its source would be."""
+    top = Path(top) if top is not None else repo_root()
+    if top is None or not (top / RELEASES).is_dir():
+        return []
+    return [Exercise(d.name, top / SOURCES / d.name, d, top / AUTOGRADERS / d.name)
+            for d in sorted((top / RELEASES).iterdir()) if (d / MANIFEST).is_file()]
 
 
 def select(names: list[str], root: Path | None = None) -> list[Exercise]:
