@@ -16,6 +16,11 @@ $(VPY):
 $(STAMP): pyproject.toml | $(VPY)
 	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q torch==2.13.0
 	$(VPY) -m pip install -q -e '.[dev]'
+	@# jsonschema imports rfc3987-syntax eagerly if it is installed (jupyter-events pulls it in), and
+	@# that builds ~35 Earley parsers: 1.5 s on every import of nbformat (each kernel, each grading
+	@# worker, each notebook run). No Jupyter schema uses the iri formats it checks; without it
+	@# jsonschema skips them (python-jsonschema/jsonschema#1428).
+	$(VPY) -m pip uninstall -y -q rfc3987-syntax 2>/dev/null || true
 	touch $(STAMP)
 
 install: $(STAMP)

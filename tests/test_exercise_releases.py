@@ -89,7 +89,7 @@ def test_the_marker_check_finds_what_an_instructor_source_holds():
     """The check above is only as good as its patterns: they must match otter's markers."""
     source = "\n".join([
         "# BEGIN SOLUTION", "    return 2 * (p - 1) * alpha  # SOLUTION", "# END SOLUTION",
-        "# BEGIN TESTS", "# HIDDEN", "# END TESTS", "@test_case(points=None, " + "hidden=True)"])
+        "# BEGIN TESTS", "# HIDDEN", "# END TESTS", "@test_case(points=None, hid" + "den=True)"])
     assert len(private_lines(source)) == 7
     assert private_lines("x = 1  # a solution comes later\nprint('# SOLUTION')") == []
 

@@ -6,7 +6,7 @@ graded exercises): the one ``run_ranks`` of the course.
     results = run_ranks(fn, 2, timeout=10)               # never longer than ~10 s + start-up
 
 Each worker sets ``OMP_NUM_THREADS`` (default 1, so N workers do not oversubscribe the cores),
-joins a gloo (or NCCL) process group on a free local port, runs ``fn`` and returns its value to
+joins a gloo (or NCCL) process group (meeting in a file store of its own, no port), runs ``fn`` and returns its value to
 the parent, where ``results[r]`` is rank r's. A rank that raises stops the run with
 :class:`RankError` (its traceback in the message). With ``timeout`` every collective of the group
 times out after that many seconds and the whole call gets ``timeout + 5`` s of wall clock, after
@@ -31,7 +31,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-from course_lib.utils import free_port
 
 GRACE_S = 5.0  # wall clock beyond the collective timeout: start-up, reporting the timeout
 
@@ -44,7 +43,7 @@ class RanksTimeoutError(TimeoutError):
     """Some ranks did not finish in time (a collective or a receive another rank never joined)."""
 
 
-def _worker(rank: int, fn, world_size: int, args: tuple, backend: str, port: int,
+def _worker(rank: int, fn, world_size: int, args: tuple, backend: str, init_method: str,
             out_dir: str, threads: int, timeout: float | None) -> None:
     # The parent died (a killed grader, a closed notebook): do not linger as an orphan.
     from course_lib.launch.procs import reset_locks_after_fork, set_parent_death_signal  # only workers need it
@@ -60,7 +59,7 @@ def _worker(rank: int, fn, world_size: int, args: tuple, backend: str, port: int
         kwargs["device_id"] = torch.device("cuda", rank)
     if timeout is not None:
         kwargs["timeout"] = timedelta(seconds=timeout)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group(backend, init_method=init_method, rank=rank,
                             world_size=world_size, **kwargs)
     try:
         result = fn(rank, world_size, *args)
@@ -121,9 +120,13 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), backend
         # Optimizers import torch._dynamo lazily (1-2 s): once here, not once per worker.
         importlib.import_module("torch._dynamo")
     with tempfile.TemporaryDirectory(prefix="course_ranks_") as out_dir:
+        # The ranks meet in a file of their own (a FileStore), not on a TCP port: a port found
+        # free can be taken by a concurrent run before rank 0 binds it, and ranks of two runs
+        # would then join each other's group (gloo: "connectFullMesh failed").
+        store = f"file://{Path(out_dir) / 'store'}"
         context = mp.start_processes(
             _worker, nprocs=world_size, join=False, start_method=start_method,
-            args=(fn, world_size, args, backend, free_port(), out_dir, threads, timeout))
+            args=(fn, world_size, args, backend, store, out_dir, threads, timeout))
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout + GRACE_S
         try:
