@@ -16,11 +16,12 @@ $(VPY):
 $(STAMP): pyproject.toml | $(VPY)
 	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q torch==2.13.0
 	$(VPY) -m pip install -q -e '.[dev]'
-	@# jsonschema imports rfc3987-syntax eagerly if it is installed (jupyter-events pulls it in), and
-	@# that builds ~35 Earley parsers: 1.5 s on every import of nbformat (each kernel, each grading
-	@# worker, each notebook run). No Jupyter schema uses the iri formats it checks; without it
-	@# jsonschema skips them (python-jsonschema/jsonschema#1428).
-	$(VPY) -m pip uninstall -y -q rfc3987-syntax 2>/dev/null || true
+	@# jsonschema imports rfc3987-syntax (pulled in by jupyter-events) eagerly, which builds ~35
+	@# Earley parsers: 1.5 s on every import of nbformat (each kernel, each grading worker, each
+	@# notebook run; python-jsonschema/jsonschema#1428). It skips that import when the regex-based
+	@# rfc3987 is installed: a development-environment speed-up only (rfc3987 is GPL; course_lib
+	@# neither depends on it nor ships it).
+	$(VPY) -m pip install -q rfc3987==1.3.8
 	touch $(STAMP)
 
 install: $(STAMP)
