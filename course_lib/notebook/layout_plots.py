@@ -72,6 +72,11 @@ def plot_layouts(runs: dict[str, str | Path]):
         ax_bytes.bar(x, values, bottom=bottom, label=g)
         bottom = [b + v for b, v in zip(bottom, values)]
     ax_bytes.set(ylabel="MB sent per step (busiest rank)", title="communication per group")
+    # plain data parallelism (no tp/pp/cp) writes no per-rank figures: say so instead of an empty slot
+    for i, missing in enumerate(table["model_states_MB"].isna()):
+        for ax in (ax_mem, ax_bytes) if missing else ():
+            ax.text(i, 0.02, "not recorded\n(plain data parallel)", rotation=90, ha="center", va="bottom",
+                    fontsize=7, color="gray", transform=ax.get_xaxis_transform())
     for ax in (ax_mem, ax_bytes):
         ax.set_xticks(list(x), names, rotation=30, ha="right", fontsize=8)
         ax.legend(fontsize=8)
