@@ -19,7 +19,6 @@ from course_lib.gpt.config import STRATEGY_NAMES, make_config
 from course_lib.gpt.data import prepare
 from course_lib.parallel.spawn import run_ranks
 from course_lib.parallel.strategy import STRATEGIES
-from course_lib.utils import free_port
 
 ITERS = 6
 TINY = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "batch_size": 4,
@@ -30,7 +29,7 @@ TINY = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "batch_size":
 DISTRIBUTED = [s for s in STRATEGY_NAMES if s != "single"]
 
 
-def trainer_worker(rank: int, world_size: int, configs: list[dict], ports: list[int]) -> list[dict]:
+def trainer_worker(rank: int, world_size: int, configs: list[dict], stores: list[str]) -> list[dict]:
     from course_lib.gpt.config import TrainConfig
     from course_lib.gpt.train import train
 
@@ -38,17 +37,19 @@ def trainer_worker(rank: int, world_size: int, configs: list[dict], ports: list[
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                           LOCAL_WORLD_SIZE=str(world_size))
     summaries = []
-    for cfg, port in zip(configs, ports):
+    for cfg, store in zip(configs, stores):
         if world_size > 1 and not dist.is_initialized():  # train() ends the group it ran in
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                    world_size=world_size)
+            # a new file per group: a TCP port picked free at the start could by now be one of
+            # gloo's own listening sockets, and the ranks would wait on it forever
+            dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
         summaries.append(train(TrainConfig.from_dict(cfg), progress=False))
     return summaries
 
 
 def run(configs: list, world_size: int) -> None:
-    run_ranks(trainer_worker, world_size, args=([c.to_dict() for c in configs],
-                                                 [free_port() for _ in configs]))
+    stores = [os.path.join(os.path.dirname(c.out_dir), f".store-{os.path.basename(c.out_dir)}-{i}")
+              for i, c in enumerate(configs)]
+    run_ranks(trainer_worker, world_size, args=([c.to_dict() for c in configs], stores))
 
 
 def losses(out_dir) -> dict[int, tuple]:
