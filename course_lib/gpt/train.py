@@ -21,6 +21,7 @@ broadcasts rank 0's weights), each rank trains on its own slice of one global ba
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import sys
@@ -59,12 +60,18 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
     """
     threads_before = torch.get_num_threads()
     rt = setup_runtime(cfg)
+    run = meter = None
     try:
         run = setup_run(cfg, rt)
         meter = RunMeter(cfg, rt, run.strategy, run.strategy_name, run.model, run.start_iter, progress)
         return train_loop(run, meter)
     finally:
         if rt.distributed and dist.is_initialized():
+            # Free the strategy (PyTorch's DDP and FSDP keep the group inside their C++ objects)
+            # while the group is alive; freed after destroy_process_group, a gloo group's
+            # destructor could block one rank for good while the other had moved on.
+            run = meter = None
+            gc.collect()
             dist.destroy_process_group()
         torch.set_num_threads(threads_before)  # a notebook or test process keeps its own setting
 
