@@ -61,6 +61,10 @@ def _worker(rank: int, fn, world_size: int, args: tuple, backend: str, init_meth
         kwargs["timeout"] = timedelta(seconds=timeout)
     dist.init_process_group(backend, init_method=init_method, rank=rank,
                             world_size=world_size, **kwargs)
+    # gloo's init returns on a rank once its own connections are up; a rank whose fn is quick
+    # could then exit and close them while a peer still completes its handshake with it
+    # ("connectFullMesh failed: Connection closed by peer"): everyone is connected before fn runs.
+    dist.barrier()
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
