@@ -6,8 +6,8 @@ graded exercises): the one ``run_ranks`` of the course.
     results = run_ranks(fn, 2, timeout=10)               # never longer than ~10 s + start-up
 
 Each worker sets ``OMP_NUM_THREADS`` (default 1, so N workers do not oversubscribe the cores),
-joins a gloo (or NCCL) process group (meeting in a file store of its own, no port), runs ``fn`` and returns its value to
-the parent, where ``results[r]`` is rank r's. A rank that raises stops the run with
+joins a gloo (or NCCL) process group (meeting in a file store of its own, no port), runs ``fn``
+and returns its value to the parent, where ``results[r]`` is rank r's. A rank that raises stops the run with
 :class:`RankError` (its traceback in the message). With ``timeout`` every collective of the group
 times out after that many seconds and the whole call gets ``timeout + 5`` s of wall clock, after
 which the ranks are killed and :class:`RanksTimeoutError` names the ranks that never finished:
@@ -125,8 +125,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), backend
         importlib.import_module("torch._dynamo")
     with tempfile.TemporaryDirectory(prefix="course_ranks_") as out_dir:
         # The ranks meet in a file of their own (a FileStore), not on a TCP port: a port found
-        # free can be taken by a concurrent run before rank 0 binds it, and ranks of two runs
-        # would then join each other's group (gloo: "connectFullMesh failed").
+        # free can be taken by another process before rank 0 binds it.
         store = f"file://{Path(out_dir) / 'store'}"
         context = mp.start_processes(
             _worker, nprocs=world_size, join=False, start_method=start_method,
