@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 NPROC   ?= auto
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-.PHONY: demo test test-fast install instructor-sources images images-check notebooks-clear exercises bench browser-deps slurm-deps slurm-local check-gpu book clean
+.PHONY: demo test test-fast install instructor-sources images images-check notebooks-clear exercises bench browser-deps slurm-deps slurm-local check-gpu test-gpu book clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -98,9 +98,14 @@ book: $(STAMP)
 bench: $(STAMP)
 	$(VPY) benchmarks/train_throughput.py
 
-# On a machine with one CUDA GPU (< 10 min): appends its report to benchmarks/RESULTS.md.
+# On a machine with one CUDA GPU (< 12 min): appends its report to benchmarks/RESULTS.md.
 check-gpu: $(STAMP)
 	$(VPY) benchmarks/gpu_check.py
+
+# check-gpu plus the tests marked gpu and every lesson in full mode, each timed (~35 min).
+test-gpu: $(STAMP)
+	$(VENV)/bin/course data prepare shakespeare_char
+	$(VPY) benchmarks/gpu_check.py --full
 
 clean:
 	rm -rf runs/ .pytest_cache build *.egg-info

@@ -1,4 +1,4 @@
-"""python benchmarks/gpu_check.py [--dry-run]   (= course check-gpu; make check-gpu)
+"""python benchmarks/gpu_check.py [--dry-run] [--full]   (= course check-gpu; make check-gpu, make test-gpu)
 
 The GPU check of :mod:`course_lib.experiments.gpu_check` on one CUDA GPU: the shakespeare_char
 recipe in bf16 against nanoGPT's 1.4697 and in fp16 with loss scaling, NCCL through torchrun and

@@ -12,11 +12,12 @@ import math
 import subprocess
 import sys
 
+import nbformat
 import pytest
 import torch
 
 from course_lib.analysis.memory import ModelShape
-from course_lib.experiments import gpu_check, gpu_check_steps
+from course_lib.experiments import gpu_check, gpu_check_course, gpu_check_steps
 from course_lib.experiments.gpu_check import FP16_MATCH, LOSS_MARGIN, NANOGPT_VAL_LOSS, PLAN, judge, run_check
 from course_lib.gpt.data import prepare
 
@@ -34,7 +35,11 @@ GOOD = {
                "activation_bytes": 6.4 * 2**30, "ratio": 13.1 / 8.4},
     "mfu": {"eager": {"mfu": 0.31, "ms_per_step": 90.0}, "compiled": {"mfu": 0.45, "ms_per_step": 62.0},
             "compile_speedup": 90 / 62},
+    "ranks": {k: {"ok": True, "seconds": 1.5} for k in ("run_ranks", "notebook_launcher", "isolated")},
+    "share": {"ran": True, "world_size": 2, "device": "cuda", "backend": "gloo"},
 }
+FULL = {**GOOD, "gpu_tests": {"passed": 5, "failed": 0, "skipped": 0},
+        "lessons": {"01_setup": {"ok": True, "seconds": 20.0}, "08_distributed": {"ok": True, "seconds": 90.0}}}
 
 
 def _status(verdicts, check):
@@ -54,8 +59,9 @@ def _with(path: str, value):
 
 
 def test_plan_fits_the_time_limit_and_dry_run_prints_it():
-    assert [s.name for s in PLAN] == ["profile", "data", "recipes", "nccl", "memory", "mfu"]
+    assert [s.name for s in PLAN] == ["profile", "data", "recipes", "nccl", "memory", "mfu", "ranks", "share"]
     assert sum(s.budget_s for s in PLAN) <= gpu_check.TIME_LIMIT_S
+    assert sum(s.budget_s for s in gpu_check.FULL_PLAN) <= gpu_check.time_limit(gpu_check.FULL_PLAN)
     done = subprocess.run([sys.executable, "-m", "course_lib.cli", "check-gpu", "--dry-run"],
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
@@ -74,7 +80,7 @@ def test_without_cuda_a_one_line_error(tmp_path, capsys):
 
 def test_judge_passes_good_figures_and_fails_each_fault():
     verdicts = judge(GOOD, {}, wall_s=480)
-    assert [v.status for v in verdicts] == ["pass"] * 7, verdicts
+    assert [v.status for v in verdicts] == ["pass"] * 9, verdicts
     bf16 = "bf16 recipe vs nanoGPT"
     assert _status(judge(_with("recipes.bf16.best_val_loss", NANOGPT_VAL_LOSS + LOSS_MARGIN - 1e-4), {}, 1), bf16) \
         == "pass"
@@ -98,7 +104,15 @@ def test_judge_passes_good_figures_and_fails_each_fault():
     assert _status(judge(_with("mfu.eager.mfu", 1.2), {}, 1), "GPT-2 small MFU") == "fail"  # a wrong peak
     assert _status(judge(_with("profile.known_profile", False), {}, 1), "profile and dtype") == "fail"
     assert _status(judge(_with("profile.dtype", "float32"), {}, 1), "profile and dtype") == "fail"
-    assert _status(judge(GOOD, {}, 601), "within the time limit") == "fail"
+    assert _status(judge(GOOD, {}, gpu_check.TIME_LIMIT_S + 1), "within the time limit") == "fail"
+    ranks = "in-kernel ranks after a CUDA backward"
+    assert _status(judge(_with("ranks.isolated", {"ok": False, "error": "RuntimeError: fork", "seconds": 1}), {}, 1),
+                   ranks) == "fail"
+    share = "--nproc=2 on one GPU"
+    assert _status(judge(_with("share.device", "cpu"), {}, 1), share) == "fail"  # the GPU recipe on CPU ranks
+    refused = {"ran": False, "refused_before_start": True, "message": "use --nproc=1\n"}
+    assert _status(judge(_with("share", refused), {}, 1), share) == "pass"
+    assert _status(judge(_with("share", {**refused, "refused_before_start": False}), {}, 1), share) == "fail"
     missing = {k: v for k, v in GOOD.items() if k != "memory"}
     (v,) = [v for v in judge(missing, {"memory": "OutOfMemoryError: CUDA out of memory\ntraceback"}, 1)
             if v.check.startswith("GPT-2 small memory")]
@@ -125,12 +139,12 @@ def test_reports_are_written_and_appended(tmp_path):
     assert saved["figures"]["recipes"] == GOOD["recipes"] and "memory" not in saved["figures"]
     assert saved["errors"]["memory"].startswith("RuntimeError: memory broke")
     assert {v["check"]: v["status"] for v in saved["verdicts"]}["GPT-2 small memory vs model"] == "error"
-    assert [s["status"] for s in saved["steps"]] == ["ok", "ok", "ok", "ok", "error", "ok"]
+    assert [s["status"] for s in saved["steps"]] == ["ok", "ok", "ok", "ok", "error", "ok", "ok", "ok"]
     md = (tmp_path / "out" / "gpu_check.md").read_text()
     assert md.startswith("## GPU check (`course check-gpu`)") and "NVIDIA H100 80GB HBM3" in md
     assert "| bf16 recipe vs nanoGPT | pass | best val 1.4702 vs 1.4697 (+0.0005, margin 0.05)" in md
     assert "| GPT-2 small memory vs model | ERROR | RuntimeError: memory broke |" in md
-    assert "6 of 7 checks pass" in md
+    assert "8 of 9 checks pass" in md
     text = results.read_text()
     assert text.startswith("# Benchmark results\n\n## Earlier section\n\nkept\n\n## GPU check") and text.endswith(md)
     assert report["verdicts"] == saved["verdicts"]
@@ -178,3 +192,49 @@ def test_measurement_steps_run_on_a_cpu_at_toy_sizes(tmp_path):
     assert mfu["eager"]["tokens_per_s"] > 0 and 0 < mfu["eager"]["mfu"] < 1 and "compiled" not in mfu
     verdicts = judge({"mfu": mfu}, {}, 1)
     assert _status(verdicts, "GPT-2 small MFU") == "fail"  # the compiled half is missing
+
+    share = gpu_check_course.share_step(tmp_path, [*TINY, data, "--nproc=2"])
+    assert (share["ran"], share["world_size"], share["device"]) == (True, 2, "cpu")
+    refused = gpu_check_course.share_step(tmp_path, [*TINY, data, "--nproc=0"])  # bad input: nothing starts
+    assert not refused["ran"] and refused["refused_before_start"] and "nproc" in refused["message"]
+
+
+def test_full_plan_judges_the_gpu_tests_and_every_lesson():
+    full = gpu_check.FULL_PLAN
+    assert [v.status for v in judge(FULL, {}, 1, full)] == ["pass"] * 11
+    assert _status(judge({**FULL, "gpu_tests": {"passed": 4, "failed": 0, "skipped": 1}}, {}, 1, full),
+                   "tests marked gpu") == "fail"  # a GPU test that skips on a GPU machine is a fault
+    bad = {**FULL["lessons"], "09_mixed": {"ok": False, "seconds": 3.0, "error": "CellExecutionError"}}
+    (v,) = [v for v in judge({**FULL, "lessons": bad}, {}, 1, full) if v.check == "lessons in full mode"]
+    assert v.status == "fail" and "09 3 s FAILED" in v.detail
+    assert "lessons in full mode" not in {v.check for v in judge(GOOD, {}, 1)}  # not planned without --full
+
+
+@pytest.mark.timeout(240)
+def test_rank_probe_runs_the_in_kernel_helpers_after_a_backward(tmp_path):
+    """The probe check-gpu runs after a CUDA backward, here after a CPU one: every helper answers
+    with the right value, in a process of its own."""
+    figures = gpu_check_course.ranks_step(tmp_path, device="cpu")
+    for name in ("run_ranks", "notebook_launcher", "isolated"):
+        assert figures[name]["ok"], figures[name]
+    assert (tmp_path / "ranks_probe.log").exists()
+
+
+def test_gpu_tests_and_lessons_steps_count_what_ran(tmp_path):
+    root = tmp_path / "clone"
+    (root / "tests").mkdir(parents=True)
+    (root / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs a GPU\n")
+    (root / "tests" / "test_x.py").write_text(
+        "import pytest\n\n@pytest.mark.gpu\ndef test_a():\n    pass\n\n@pytest.mark.gpu\n"
+        "def test_b():\n    assert 1 == 2\n\ndef test_not_gpu():\n    pass\n")
+    t = gpu_check_course.gpu_tests_step(tmp_path, root=root)
+    assert (t["passed"], t["failed"], t["skipped"]) == (1, 1, 0) and t["exit_code"] == 1
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1 + 1")])
+    bad = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("raise ValueError('boom')")])
+    for name, book in (("01_ok.ipynb", nb), ("02_bad.ipynb", bad)):
+        nbformat.write(book, tmp_path / name)
+    lessons = gpu_check_course.lessons_step(tmp_path, [tmp_path / "01_ok.ipynb", tmp_path / "02_bad.ipynb"],
+                                            smoke=True)
+    assert lessons["01_ok"]["ok"] and lessons["01_ok"]["seconds"] >= 0
+    assert not lessons["02_bad"]["ok"] and "boom" in lessons["02_bad"]["error"]

@@ -14,4 +14,5 @@
     hang                   a deliberate hang turned into an error (notebook 2)
     gpu_check              ``course check-gpu``: the course on one CUDA GPU, a verdict per check
     gpu_check_steps        the measurements behind each of those checks
+    gpu_check_course       its checks of what broke on a GPU: in-kernel ranks after CUDA, 2 ranks on 1 GPU, lessons
 """
