@@ -14,7 +14,8 @@
 
 ARCHITECTURE.md (top of the repository) shows how they depend on each other. Importing this
 package has no side effects. ``%load_ext course_lib`` registers the
-``%%torchrun`` and ``%%mpirun`` cell magics (see :mod:`course_lib.launch`).
+``%%torchrun`` and ``%%mpirun`` cell magics and the ``%ranks`` / ``%%ranks`` magics of the
+persistent rank pool (see :mod:`course_lib.launch`).
 """
 
 __version__ = "0.1.0"
@@ -28,6 +29,7 @@ GITHUB_BRANCH = "main"
 
 
 def load_ipython_extension(ipython):  # pragma: no cover - exercised through a real kernel
-    from course_lib.launch.magics import register  # IPython and the launcher only on %load_ext
+    from course_lib.launch import magics, rank_pool_magics  # IPython and the launcher only on %load_ext
 
-    register(ipython)
+    magics.register(ipython)
+    rank_pool_magics.register(ipython)

@@ -6,53 +6,18 @@ and the last one shuts the kernel down. Every cell passes ``--env COURSE_TEST_MA
 the launched processes (agents and workers, not the kernel) can be found afterwards.
 """
 
-import os
-import queue
 import re
 import signal
-import sys
 import time
 import uuid
 
 import pytest
+from kernel_cells import Cell, run, start_kernel
 
 from course_lib.launch.procs import find_by_env
 
 jupyter_client = pytest.importorskip("jupyter_client")
 MARK = "COURSE_TEST_MARKER"
-
-
-class Cell:
-    """A cell executing in the kernel; pump() reads its output until a condition or the end."""
-
-    def __init__(self, kc, code: str):
-        self.kc, self.msg_id = kc, kc.execute(code)
-        self.stdout = self.stderr = ""
-        self.error = None
-        self.done = False
-
-    def pump(self, until=None, timeout: float = 90.0) -> "Cell":
-        deadline = time.monotonic() + timeout
-        while not self.done and not (until and until(self)):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"cell still running; output so far:\n{self.stdout}\n{self.stderr}")
-            try:
-                msg = self.kc.get_iopub_msg(timeout=0.2)
-            except queue.Empty:
-                continue
-            if msg["parent_header"].get("msg_id") != self.msg_id:
-                continue
-            kind, c = msg["msg_type"], msg["content"]
-            if kind == "stream":
-                if c["name"] == "stdout":
-                    self.stdout += c["text"]
-                else:
-                    self.stderr += c["text"]
-            elif kind == "error":
-                self.error = c
-            elif kind == "status" and c["execution_state"] == "idle":
-                self.done = True
-        return self
 
 
 def _wait_gone(marker: str, within: float = 20.0) -> list:
@@ -67,25 +32,13 @@ def _wait_gone(marker: str, within: float = 20.0) -> list:
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
-    from jupyter_client.manager import KernelManager
-
-    cwd = tmp_path_factory.mktemp("kernel")
-    env = dict(os.environ, PATH=f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ.get('PATH', '')}")
-    km = KernelManager(kernel_name="python3")
-    km.start_kernel(env=env, cwd=str(cwd))
-    kc = km.client()
-    kc.start_channels()
-    kc.wait_for_ready(timeout=60)
+    km, kc = start_kernel(tmp_path_factory.mktemp("kernel"))
     state = {"km": km, "kc": kc}
-    _run(kc, "%load_ext course_lib")
+    run(kc, "%load_ext course_lib")
     yield state
     kc.stop_channels()
     if km.is_alive():
         km.shutdown_kernel(now=True)
-
-
-def _run(kc, code, timeout=120) -> Cell:
-    return Cell(kc, code).pump(timeout=timeout)
 
 
 def _ranks_ready(n):
@@ -105,13 +58,13 @@ def _sleeping_ranks(kernel, marker: str) -> Cell:
 @pytest.mark.timeout(150)
 def test_torchrun_cell_runs_on_two_ranks(kernel):
     marker = uuid.uuid4().hex
-    cell = _run(kernel["kc"], f"%%torchrun -n 2 --env {MARK}={marker}\n"
+    cell = run(kernel["kc"], f"%%torchrun -n 2 --env {MARK}={marker}\n"
                               "t = torch.ones(2) * (RANK + 1)\n"
                               "dist.all_reduce(t)\n"
                               "print(RANK, WORLD_SIZE, LOCAL_RANK, t.tolist())\n")
     assert cell.error is None, cell.error
     assert "[rank0] 0 2 0 [3.0, 3.0]" in cell.stdout and "[rank1] 1 2 1 [3.0, 3.0]" in cell.stdout
-    check = _run(kernel["kc"], "print(torchrun_result.ok, torchrun_result.nproc, torchrun_result.run_dir.name)")
+    check = run(kernel["kc"], "print(torchrun_result.ok, torchrun_result.nproc, torchrun_result.run_dir.name)")
     assert check.stdout.startswith("True 2 ")
     assert _wait_gone(marker, 0) == []
 
@@ -119,7 +72,7 @@ def test_torchrun_cell_runs_on_two_ranks(kernel):
 @pytest.mark.timeout(60)
 def test_mpirun_cell(kernel):
     marker = uuid.uuid4().hex
-    cell = _run(kernel["kc"], f"%%mpirun -n 3 --env {MARK}={marker}\n"
+    cell = run(kernel["kc"], f"%%mpirun -n 3 --env {MARK}={marker}\n"
                               "print(RANK, WORLD_SIZE, comm.allreduce(RANK + 1))\n")
     assert cell.error is None, cell.error
     for r in range(3):
@@ -130,7 +83,7 @@ def test_mpirun_cell(kernel):
 @pytest.mark.timeout(150)
 def test_failing_rank_is_named_with_traceback(kernel):
     marker = uuid.uuid4().hex
-    cell = _run(kernel["kc"], f"%%torchrun -n 2 --env {MARK}={marker}\n"
+    cell = run(kernel["kc"], f"%%torchrun -n 2 --env {MARK}={marker}\n"
                               "x = 1\n"
                               "if RANK == 1:\n"
                               "    x = 1 / 0\n"
@@ -181,7 +134,7 @@ def test_kernel_restart_leaves_no_process(kernel):
     kernel["km"].restart_kernel(now=True)  # the kernel is killed, as by "Restart" on a busy kernel
     assert _wait_gone(marker) == []
     kernel["kc"].wait_for_ready(timeout=60)
-    _run(kernel["kc"], "%load_ext course_lib")
+    run(kernel["kc"], "%load_ext course_lib")
 
 
 @pytest.mark.timeout(150)

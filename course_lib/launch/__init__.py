@@ -3,6 +3,7 @@
     %load_ext course_lib
     %%torchrun -n 2            # the cell runs on 2 ranks, process group ready
     %%mpirun -n 4              # the cell runs on 4 MPI ranks (mpi4py)
+    %ranks start 4             # 4 ranks that live across cells; then %%ranks cells, ranks.pull("t")
 
     from course_lib.launch import launch, launch_training, notebook_launcher, mpirun
 
@@ -17,6 +18,11 @@ Modules:
     mpi         mpirun(): the same for MPI ranks (mpi4py)
     forked      notebook_launcher(): N processes forked from the kernel, running a notebook function
     magics      the %%torchrun and %%mpirun cell magics
+    placement   where ranks run: the device of each rank and the backend, decided before any start
+    rank_pool   RankPool: persistent ranks across cells (ipyparallel engines + a process group)
+    rank_pool_engine   what runs in those ranks: setup, the collective tracker, the parent watch
+    rank_pool_view     a cell's output grouped by rank, redrawn while it runs
+    rank_pool_magics   %ranks start|stop|restart|status and %%ranks [0,2]
     cluster     ``course submit``: SLURM and PBS batch scripts
     allocation  the SLURM or PBS job this process runs in
     slurm_local a real two-node SLURM on this machine, to try ``course submit`` (make slurm-local)
@@ -45,6 +51,7 @@ _EXPORTS = {
     "notebook_launcher": "course_lib.launch.forked",
     "NotebookLaunchError": "course_lib.launch.forked",
     "RankFailure": "course_lib.launch.supervise",
+    "RankPool": "course_lib.launch.rank_pool",
 }
 
 __all__ = list(_EXPORTS)

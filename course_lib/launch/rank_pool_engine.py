@@ -1,0 +1,143 @@
+"""python -m course_lib.launch.rank_pool_engine engine|controller [ipyparallel args]   (RankPool runs it)
+
+What runs inside the processes of a :class:`course_lib.launch.rank_pool.RankPool`:
+
+* the entry point of each ipyparallel engine and of its controller. It watches the process that
+  started it (the notebook kernel) and exits when that process is gone, so a kernel that is
+  killed or restarted leaves no rank behind; then it runs ipyparallel's own entry point;
+* :func:`setup`, called on each engine once: the rank's device and threads, the default process
+  group (meeting in a FileStore), and the names a cell sees (``torch``, ``dist``, ``RANK``,
+  ``WORLD_SIZE``, ``DEVICE``);
+* the collective tracker: every blocking collective of ``torch.distributed`` called by name
+  (``dist.all_reduce(...)``, also from course_lib) writes what it is waiting in to a file of its
+  rank while it runs, so that when a cell hangs the pool can say which ranks waited in which
+  collective, though they are stuck inside C++ and cannot answer;
+* :func:`regroup`: a new process group after a hang (a timed-out gloo group is not reused).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import runpy
+import sys
+import threading
+import time
+
+# The blocking collectives and point-to-point calls of torch.distributed, tracked by name.
+TRACKED = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
+           "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier",
+           "monitored_barrier", "send", "recv", "scatter", "gather", "broadcast_object_list",
+           "gather_object", "scatter_object_list")
+
+
+def _track(fn, name: str, op_file: str):
+    @functools.wraps(fn)
+    def tracked(*args, **kwargs):
+        if kwargs.get("async_op"):  # returns at once; the wait is the caller's
+            return fn(*args, **kwargs)
+        peer = kwargs.get("src", kwargs.get("dst"))
+        peer = args[1] if peer is None and name in ("send", "recv", "broadcast", "reduce") and len(args) > 1 \
+            else peer
+        with open(op_file, "w") as f:
+            f.write(f"{name}\t{time.time():.3f}\t{'' if peer is None else peer}\n")
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            try:
+                os.remove(op_file)
+            except FileNotFoundError:
+                pass
+    tracked.__course_tracked__ = fn
+    return tracked
+
+
+def install_tracker(op_file: str) -> None:
+    """Wrap each of :data:`TRACKED` in ``torch.distributed`` (once per process)."""
+    import torch.distributed as dist
+
+    for name in TRACKED:
+        fn = getattr(dist, name, None)
+        if fn is not None and not hasattr(fn, "__course_tracked__"):
+            setattr(dist, name, _track(fn, name, op_file))
+
+
+def _init_group(backend: str, store: str, rank: int, world_size: int, timeout_s: float, device: str) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    kwargs = {"timeout": timedelta(seconds=timeout_s)}
+    if backend == "nccl":
+        import torch
+
+        kwargs["device_id"] = torch.device(device)  # binds the communicator to this rank's GPU
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size, **kwargs)
+    dist.barrier()  # everyone connected before the first cell runs
+
+
+def setup(rank: int, world_size: int, backend: str, device: str, store: str, op_file: str,
+          timeout_s: float, threads: int) -> int:
+    """Make this engine rank ``rank``; returns its pid (the pool signals ranks by pid)."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      OMP_NUM_THREADS=str(threads))
+    torch.set_num_threads(threads)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    _init_group(backend, store, rank, world_size, timeout_s, device)
+    install_tracker(op_file)
+    user = _user_namespace()
+    user.update(torch=torch, dist=dist, RANK=rank, WORLD_SIZE=world_size, DEVICE=torch.device(device))
+    return os.getpid()
+
+
+def regroup(backend: str, store: str, rank: int, world_size: int, timeout_s: float, device: str) -> bool:
+    """Replace the default process group by a new one meeting in ``store``."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001, S110 - a group broken by a timeout may fail to close
+            pass
+    _init_group(backend, store, rank, world_size, timeout_s, device)
+    return True
+
+
+def _user_namespace() -> dict:
+    from IPython import get_ipython  # the engine is an IPython kernel: cells run in its user_ns
+
+    return get_ipython().user_ns
+
+
+def _watch_parent(parent: int, every_s: float = 0.5) -> None:
+    """Once ``parent`` is gone (this process was reparented), kill this process's descendants
+    (the controller forks its schedulers, an engine its nanny) and exit: no orphaned ranks."""
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
+        os._exit(3)
+    threading.Thread(target=watch, name="course-parent-watch", daemon=True).start()
+
+
+def main(argv: list[str]) -> None:
+    role, rest = argv[0], argv[1:]
+    if role not in ("engine", "controller"):
+        sys.exit("usage: python -m course_lib.launch.rank_pool_engine engine|controller [args]")
+    _watch_parent(os.getppid())
+    sys.argv = [f"ipyparallel.{role}", *rest]
+    runpy.run_module(f"ipyparallel.{role}", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,99 @@
+"""The ``%ranks`` line magic and ``%%ranks`` cell magic (``%load_ext course_lib``): a
+:class:`~course_lib.launch.rank_pool.RankPool` driven from notebook cells.
+
+    %ranks start 4 [--backend gloo|nccl] [--device cpu|cuda] [--timeout 30]
+    %%ranks                 # the cell on every rank
+    %%ranks 0,2             # on ranks 0 and 2 only
+    %%ranks --timeout 60    # this cell may run 60 s
+    %ranks status | restart | stop
+
+``%ranks start`` defines ``ranks`` in the notebook: the pool, for ``ranks.pull("t")`` (one value
+per rank) and ``ranks.push(x=...)`` / ``ranks.push_each(x=[...])``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+
+from course_lib.launch.checks import LaunchConfigError
+from course_lib.launch.rank_pool import DEFAULT_TIMEOUT_S, RankPool
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line in the notebook, not a SystemExit
+        raise UsageError(f"{self.prog}: {message}\n{self.format_usage()}")
+
+
+def _line_parser() -> _Parser:
+    p = _Parser(prog="%ranks", add_help=False)
+    p.add_argument("action", choices=("start", "stop", "restart", "status"))
+    p.add_argument("n", nargs="?", type=int, help="ranks (start)")
+    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help="seconds a cell may run, and the collective timeout")
+    return p
+
+
+def _cell_parser() -> _Parser:
+    p = _Parser(prog="%%ranks", add_help=False)
+    p.add_argument("ranks", nargs="?", default=None, help="e.g. 0,2 (default: every rank)")
+    p.add_argument("--timeout", type=float, default=None)
+    return p
+
+
+def parse_ranks(text: str | None) -> list[int] | None:
+    if text in (None, "", "all"):
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"%%ranks: ranks are whole numbers separated by commas, e.g. 0,2 (got {text!r})") from None
+
+
+@magics_class
+class RankPoolMagics(Magics):
+    """Holds the notebook's pool (one per kernel)."""
+
+    pool: RankPool | None = None
+
+    @line_cell_magic
+    def ranks(self, line: str, cell: str | None = None):
+        if cell is None:
+            return self._line(_line_parser().parse_args(shlex.split(line)))
+        a = _cell_parser().parse_args(shlex.split(line))
+        if self.pool is None or not self.pool.running:
+            raise UsageError("no ranks are running: %ranks start N first")
+        self.pool.run(cell, ranks=parse_ranks(a.ranks), timeout=a.timeout)
+        return None
+
+    def _line(self, a):
+        if a.action == "start":
+            if a.n is None:
+                raise UsageError("%ranks start N: how many ranks?")
+            if self.pool is not None and self.pool.running:
+                raise UsageError(f"{self.pool.world_size} ranks are running: %ranks stop first, or %ranks restart")
+            try:
+                self.pool = RankPool(a.n, backend=a.backend, device=a.device, timeout=a.timeout)
+            except LaunchConfigError as e:
+                raise UsageError(str(e)) from None
+            self.pool.start()
+            self.shell.user_ns["ranks"] = self.pool
+        elif self.pool is None:
+            raise UsageError("no ranks were started: %ranks start N")
+        elif a.action == "stop":
+            self.pool.stop()
+            print("ranks stopped")
+        elif a.action == "restart":
+            self.pool.restart()
+        else:
+            state = "running" if self.pool.running else "stopped"
+            print(f"{self.pool.placement.line()} · cell limit {self.pool.timeout:g} s · {state}")
+
+
+def register(ipython) -> None:
+    ipython.register_magics(RankPoolMagics)

@@ -1,0 +1,107 @@
+"""RankBoard: a cell's output on each rank of a :class:`~course_lib.launch.rank_pool.RankPool`,
+grouped by rank and updated while the cell runs.
+
+In a notebook it is one output, redrawn in place: a box per rank with its stdout, its stderr (in
+red) and, if it raised, its traceback; the plain-text version (what a terminal, nbconvert or a
+grader sees) is the same boxes as text. Outside IPython each new line is printed as it comes,
+prefixed ``[rank K]``.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+import sys
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_STYLE = ("font-family:monospace;font-size:12px;border:1px solid #ccc;border-radius:4px;margin:2px 0;"
+          "padding:2px 6px;white-space:pre-wrap")
+
+
+class _Boards:
+    """What IPython displays: ``_repr_html_`` for notebooks, ``__repr__`` as text/plain."""
+
+    def __init__(self, parts: dict[int, tuple[str, str, str]], running: set[int], stopped: dict[int, str]):
+        self.parts, self.running, self.stopped = parts, running, stopped
+
+    def _head(self, rank: int) -> str:
+        tb = self.parts[rank][2]
+        if rank in self.stopped:
+            return f"rank {rank} · stopped ({self.stopped[rank]})"
+        state = "running" if rank in self.running else ("error" if tb else "done")
+        return f"rank {rank} · {state}"
+
+    def __repr__(self) -> str:
+        blocks = []
+        for rank, (out, err, tb) in self.parts.items():
+            body = "".join(x if x.endswith("\n") or not x else x + "\n" for x in (out, err, tb))
+            blocks.append(f"── {self._head(rank)} ──\n{body}")
+        return "".join(blocks).rstrip("\n")
+
+    def _repr_html_(self) -> str:
+        cells = []
+        for rank, (out, err, tb) in self.parts.items():
+            colour = "#c00" if tb else ("#888" if rank in self.running else "#2a7")
+            body = html.escape(out) + (f'<span style="color:#c00">{html.escape(err + tb)}</span>' if err or tb else "")
+            cells.append(f'<div class="course-rank" data-rank="{rank}" style="{_STYLE}">'
+                         f'<b style="color:{colour}">{html.escape(self._head(rank))}</b>\n{body}</div>')
+        return '<div class="course-rank-board">' + "".join(cells) + "</div>"
+
+
+class RankBoard:
+    """Follows the per-rank metadata of an ipyparallel result (stdout, stderr, error, completed)."""
+
+    def __init__(self, ranks: list[int], out=None):
+        self.ranks = ranks
+        self._seen: dict[int, int] = dict.fromkeys(ranks, 0)
+        self._last = None
+        self._handle = None
+        self._out = out
+        self._notebook = out is None and _in_kernel()
+
+    def update(self, metadata, final: bool = False, stopped: dict[int, str] | None = None) -> None:
+        """Redraw from ipyparallel's per-rank metadata; ``stopped``: ranks the pool interrupted, and
+        why (their KeyboardInterrupt traceback is not shown: it says nothing about the cell)."""
+        parts, running, stopped = {}, set(), stopped or {}
+        for rank, md in zip(self.ranks, metadata, strict=True):
+            err = md.get("error")
+            tb = _ANSI.sub("", err.traceback or f"{err.ename}: {err.evalue}") if err is not None else ""
+            if rank in stopped:
+                tb = ""
+            parts[rank] = (md.get("stdout") or "", md.get("stderr") or "", tb)
+            if md.get("completed") is None and not final:
+                running.add(rank)
+        key = (repr(parts), tuple(sorted(running)), repr(stopped))
+        if key == self._last:
+            return
+        self._last = key
+        if self._notebook:
+            self._show(_Boards(parts, running, stopped))
+        else:
+            self._print_new(parts, stopped)
+
+    def _show(self, boards: _Boards) -> None:
+        from IPython.display import display
+
+        if self._handle is None:
+            self._handle = display(boards, display_id=True)
+        else:
+            self._handle.update(boards)
+
+    def _print_new(self, parts, stopped: dict[int, str]) -> None:
+        out = self._out or sys.stdout
+        for rank, (stdout, stderr, tb) in parts.items():
+            text = stdout + stderr + tb + (f"stopped ({stopped[rank]})\n" if rank in stopped else "")
+            new, self._seen[rank] = text[self._seen[rank]:], len(text)
+            for line in new.splitlines():
+                out.write(f"[rank {rank}] {line}\n")
+        out.flush()
+
+
+def _in_kernel() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None

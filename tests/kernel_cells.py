@@ -1,0 +1,69 @@
+"""A cell executing in a real Jupyter kernel, read message by message (tests of the magics)."""
+
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import time
+
+
+class Cell:
+    """A cell executing in the kernel; pump() reads its output until a condition or the end.
+
+    ``stdout``/``stderr``: the streams; ``displays``: the latest text/plain of each display (by
+    display id, updates included); ``error``: the error reply's content, if any."""
+
+    def __init__(self, kc, code: str):
+        self.kc, self.msg_id = kc, kc.execute(code)
+        self.stdout = self.stderr = ""
+        self.displays: dict[str, str] = {}
+        self.error = None
+        self.done = False
+
+    @property
+    def display_text(self) -> str:
+        return "\n".join(self.displays.values())
+
+    def pump(self, until=None, timeout: float = 90.0) -> Cell:
+        deadline = time.monotonic() + timeout
+        while not self.done and not (until and until(self)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cell still running; output so far:\n{self.stdout}\n{self.stderr}")
+            try:
+                msg = self.kc.get_iopub_msg(timeout=0.2)
+            except queue.Empty:
+                continue
+            if msg["parent_header"].get("msg_id") != self.msg_id:
+                continue
+            kind, c = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                if c["name"] == "stdout":
+                    self.stdout += c["text"]
+                else:
+                    self.stderr += c["text"]
+            elif kind in ("display_data", "update_display_data", "execute_result"):
+                key = c.get("transient", {}).get("display_id") or f"{kind}{len(self.displays)}"
+                self.displays[key] = c["data"].get("text/plain", "")
+            elif kind == "error":
+                self.error = c
+            elif kind == "status" and c["execution_state"] == "idle":
+                self.done = True
+        return self
+
+
+def start_kernel(cwd):
+    """A python3 kernel in ``cwd`` with this interpreter's bin/ first on PATH; (manager, client)."""
+    from jupyter_client.manager import KernelManager
+
+    env = dict(os.environ, PATH=f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ.get('PATH', '')}")
+    km = KernelManager(kernel_name="python3")
+    km.start_kernel(env=env, cwd=str(cwd))
+    kc = km.client()
+    kc.start_channels()
+    kc.wait_for_ready(timeout=60)
+    return km, kc
+
+
+def run(kc, code, timeout=120) -> Cell:
+    return Cell(kc, code).pump(timeout=timeout)

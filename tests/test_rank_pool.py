@@ -1,0 +1,130 @@
+"""%ranks / %%ranks through a real Jupyter kernel, as a student uses them: a pool of 2 gloo ranks
+that lives across cells, its values against a one-process reference, a rank's exception, a
+deadlock, an interrupt, ``%ranks stop`` and a killed kernel, with the process table checked after
+each. One kernel serves the tests of this file, in file order; the last one kills it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+import torch
+from kernel_cells import Cell, run, start_kernel
+
+from course_lib.launch.checks import LaunchConfigError
+from course_lib.launch.placement import choose_placement
+
+LIMIT = 4  # the pool's cell limit and collective timeout in these tests, seconds
+
+
+def test_placement_is_decided_before_anything_starts():
+    cpu = choose_placement(4, gpus=0)
+    assert (cpu.backend, cpu.devices, cpu.line()) == ("gloo", ("cpu",) * 4, "4 ranks · cpu · gloo")
+    two = choose_placement(2, gpus=2)
+    assert (two.backend, two.devices) == ("nccl", ("cuda:0", "cuda:1"))
+    shared = choose_placement(2, gpus=1)  # Colab's one T4: both ranks on it, over gloo
+    assert (shared.backend, shared.devices) == ("gloo", ("cuda:0", "cuda:0"))
+    assert shared.line() == "2 ranks · cuda:0 (ranks share it) · gloo"
+    assert choose_placement(2, backend="gloo", gpus=1).devices == ("cpu", "cpu")
+    with pytest.raises(LaunchConfigError, match="one rank per GPU: 2 ranks, 1 GPU"):
+        choose_placement(2, backend="nccl", gpus=1)
+    with pytest.raises(LaunchConfigError, match="no GPU"):
+        choose_placement(2, device="cuda", gpus=0)
+    for bad in (0, 2.5, True, "4"):
+        with pytest.raises(LaunchConfigError, match="whole number"):
+            choose_placement(bad, gpus=0)
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    km, kc = start_kernel(tmp_path_factory.mktemp("kernel"))
+    run(kc, "%load_ext course_lib")
+    yield km, kc
+    kc.stop_channels()
+    if km.is_alive():
+        km.shutdown_kernel(now=True)
+
+
+def _children(km) -> list[psutil.Process]:
+    return psutil.Process(km.provisioner.process.pid).children(recursive=True)
+
+
+def _gone(procs: list[psutil.Process], within: float = 15.0) -> list[int]:
+    _, alive = psutil.wait_procs(procs, timeout=within)
+    return [p.pid for p in alive]
+
+
+@pytest.mark.timeout(180)
+def test_pool_keeps_each_ranks_values_across_cells(kernel):
+    _, kc = kernel
+    start = run(kc, f"%ranks start 2 --timeout {LIMIT}")
+    assert start.error is None, start.error
+    assert f"2 ranks · cpu · gloo · cell limit {LIMIT} s · started" in start.stdout
+    cell = run(kc, "%%ranks\nx = torch.arange(4.0) * (RANK + 1)\nprint('x', RANK, x.tolist())")
+    assert cell.error is None, cell.error
+    assert "rank 0 · done" in cell.display_text and "x 1 [0.0, 2.0, 4.0, 6.0]" in cell.display_text
+    # the next cell sees x: the ranks are the same processes, and all-reduce sums their values
+    run(kc, "%%ranks\ny = x.clone()\ndist.all_reduce(y)")
+    pulled = run(kc, "import torch; ys = ranks.pull('y'); xs = ranks.pull('x'); print(torch.stack(ys).tolist())")
+    reference = (torch.arange(4.0) * 1 + torch.arange(4.0) * 2).tolist()  # one process does the sum
+    assert pulled.stdout.strip() == str([reference, reference])
+    run(kc, "ranks.push_each(z=[torch.tensor(10.0), torch.tensor(20.0)]); ranks.push(w=1.5)")
+    some = run(kc, "%%ranks 1\nprint('only', RANK, float(z + w))")
+    assert "only 1 21.5" in some.display_text and "rank 0" not in some.display_text
+
+
+@pytest.mark.timeout(120)
+def test_an_exception_shows_that_ranks_traceback_and_leaves_the_others(kernel):
+    _, kc = kernel
+    cell = run(kc, "%%ranks\nif RANK == 1:\n    x = x / 0 + undefined_name\nprint('fine', RANK)")
+    assert cell.error is not None and cell.error["ename"] == "RankPoolError"
+    assert "rank 1: NameError: name 'undefined_name' is not defined" in cell.error["evalue"]
+    assert "ranks [0] finished and are usable" in cell.error["evalue"]
+    assert "rank 1 · error" in cell.display_text and "----> 2     x = x / 0 + undefined_name" in cell.display_text
+    after = run(kc, "%%ranks\ndist.all_reduce(y)\nprint('sum', y.tolist())")
+    assert after.error is None and after.display_text.count("sum [0.0, 6.0, 12.0, 18.0]") == 2
+
+
+@pytest.mark.timeout(120)
+def test_a_deadlock_names_the_waiting_rank_and_the_pool_survives(kernel):
+    _, kc = kernel
+    t0 = time.monotonic()
+    cell = run(kc, "%%ranks\nif RANK == 0:\n    dist.all_reduce(y)\nprint('left', RANK)")
+    took = time.monotonic() - t0
+    assert cell.error is not None and cell.error["ename"] == "RankHangError", cell.error
+    assert f"the cell ran past {LIMIT} s and was stopped" in cell.error["evalue"]
+    assert "rank 0: waiting in all_reduce" in cell.error["evalue"]
+    assert "finished the cell: rank(s) 1" in cell.error["evalue"]
+    assert took < 2 * LIMIT + 15, took  # stopped at the limit, the collective back within its timeout
+    after = run(kc, "%%ranks\nq = torch.ones(1) * RANK\ndist.all_reduce(q)\nprint('q', q.item(), y.tolist())")
+    assert after.error is None, after.error
+    assert after.display_text.count("q 1.0 [0.0, 6.0, 12.0, 18.0]") == 2  # a new group, the same variables
+
+
+@pytest.mark.timeout(120)
+def test_interrupting_the_kernel_interrupts_the_ranks(kernel):
+    km, kc = kernel
+    cell = Cell(kc, "%%ranks\nimport time\nprint('sleeping', flush=True)\ntime.sleep(600)")
+    cell.pump(until=lambda c: c.display_text.count("sleeping") == 2)
+    t0 = time.monotonic()
+    km.interrupt_kernel()
+    cell.pump(timeout=30)
+    assert cell.error is not None and cell.error["ename"] == "KeyboardInterrupt"
+    assert "interrupted rank(s) [0, 1]" in cell.error["evalue"] and time.monotonic() - t0 < 20
+    assert run(kc, "%%ranks\nprint('awake', RANK)").display_text.count("awake") == 2
+
+
+@pytest.mark.timeout(180)
+def test_stop_and_a_killed_kernel_leave_no_process(kernel):
+    km, kc = kernel
+    procs = _children(km)
+    assert len(procs) >= 3  # the controller and two engines, at least
+    assert run(kc, "%ranks stop").stdout.strip() == "ranks stopped"
+    assert _gone(procs) == []
+    assert run(kc, f"%ranks start 2 --timeout {LIMIT}").error is None
+    procs = _children(km)
+    assert len(procs) >= 3
+    psutil.Process(km.provisioner.process.pid).kill()  # a crash, or a restart of a busy kernel: no atexit
+    assert _gone(procs) == []
