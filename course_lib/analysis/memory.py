@@ -20,6 +20,11 @@ weights themselves are the master copy). ``dtype="autocast"`` is what ``torch.au
 (the course trainer with ``--dtype=bfloat16/float16``): model states as in fp32, 4 + 4 + 8, and
 16-bit activations with autocast's extras (:func:`course_lib.analysis.precision.autocast_activation_bytes`).
 
+ZeRO-Offload (Ren et al. 2021, "ZeRO-Offload: Democratizing Billion-Scale Model Training", USENIX
+ATC, Sec. 3-4) keeps only the 16-bit weights on the GPU and moves gradients (as backward produces
+them), optimizer states and the Adam step to CPU memory: ``offload=True`` leaves 2 Psi (2 Psi / N
+at stage 3) on the device, 8x less than 16 Psi; the paper trains 13B parameters on one 32 GB V100.
+
 Not modelled (the paper's "residual states" besides activations): temporary buffers, memory
 fragmentation, ZeRO-3's gathered copy of the layer being computed and the CUDA context (a few
 hundred MB), so a "fits" with little to spare may still run out of memory on a real GPU.
@@ -95,7 +100,7 @@ def dtype_bytes(dtype: str, k: float | None = None) -> tuple[int, int, float]:
 
 
 def model_state_bytes(num_params: float, dp: int = 1, stage: int = 0, k: float | None = None,
-                      dtype: str = "mixed", tp: int = 1) -> ModelStates:
+                      dtype: str = "mixed", tp: int = 1, offload: bool = False) -> ModelStates:
     """Model-state bytes per device for ZeRO ``stage`` (0 = plain data parallel).
 
     num_params: Psi, the parameter count (float allowed, e.g. 7.5e9).
@@ -103,6 +108,7 @@ def model_state_bytes(num_params: float, dp: int = 1, stage: int = 0, k: float |
     k: optimizer-state bytes per parameter (default 12 for "mixed", 8 for "fp32").
     tp: tensor-parallel degree; each device holds Psi / tp parameters before ZeRO sharding
         (Megatron splits the large matrices; the small replicated LayerNorm vectors are ignored).
+    offload: ZeRO-Offload (module docstring): gradients and optimizer states live in CPU memory.
     """
     if not num_params > 0:
         raise ValueError(f"num_params must be > 0, got {num_params!r}")
@@ -112,10 +118,11 @@ def model_state_bytes(num_params: float, dp: int = 1, stage: int = 0, k: float |
         raise ValueError(f"ZeRO stage must be 0 (plain DP), 1, 2 or 3, got {stage!r}")
     p_bytes, g_bytes, k = dtype_bytes(dtype, k)
     psi = float(num_params) / tp
+    on_gpu = 0.0 if offload else 1.0
     return ModelStates(
         params=p_bytes * psi / (dp if stage >= 3 else 1),
-        grads=g_bytes * psi / (dp if stage >= 2 else 1),
-        optimizer=k * psi / (dp if stage >= 1 else 1),
+        grads=on_gpu * g_bytes * psi / (dp if stage >= 2 else 1),
+        optimizer=on_gpu * k * psi / (dp if stage >= 1 else 1),
     )
 
 
@@ -246,7 +253,8 @@ def breakdown(num_params: float | None = None, *, preset: str | ModelShape | Non
               dp: int = 1, stage: int = 0, k: float | None = None, dtype: str = "mixed",
               tp: int = 1, sequence_parallel: bool = False, recompute: str = "none",
               batch_size: int | None = None, seq_len: int | None = None,
-              flash_attention: bool = False, dropout: bool | None = None) -> MemoryBreakdown:
+              flash_attention: bool = False, dropout: bool | None = None,
+              offload: bool = False) -> MemoryBreakdown:
     """Per-device memory of training a model: model states for ZeRO ``stage`` plus activations.
 
     Give ``num_params`` (model states only) or a ``preset`` (name from :data:`PRESETS` or a
@@ -263,7 +271,7 @@ def breakdown(num_params: float | None = None, *, preset: str | ModelShape | Non
         if shape is None:
             raise ValueError("give num_params (e.g. 7.5e9) or a preset (e.g. 'gpt2')")
         num_params = shape.num_params()
-    states = model_state_bytes(num_params, dp, stage, k, dtype, tp)
+    states = model_state_bytes(num_params, dp, stage, k, dtype, tp, offload)
     acts = 0.0
     if shape is not None:
         if seq_len is not None and seq_len > shape.block_size:

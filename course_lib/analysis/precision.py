@@ -4,8 +4,11 @@
 
 Formats (sign, exponent and mantissa bits; the range follows from them): IEEE 754 binary32 (fp32)
 and binary16 (fp16); NVIDIA's TensorFloat-32 (tf32: fp32's 8 exponent bits, fp16's 10 mantissa
-bits, a matmul input format of A100/H100 tensor cores, NVIDIA A100 whitepaper 2020); Google's
-bfloat16 (bf16: fp32's exponent, 7 mantissa bits; Kalamkar et al. 2019, arXiv:1905.12322); the two
+bits, a matmul input format of A100/H100 tensor cores, NVIDIA A100 whitepaper 2020); Google Brain's
+bfloat16 (bf16: fp32's exponent, 7 mantissa bits), designed for TPUs (Wang and Kanwar 2019,
+"BFloat16: The secret to high performance on Cloud TPUs", Google Cloud blog) and shown to train
+networks to fp32 accuracy by Kalamkar et al. 2019, "A Study of BFLOAT16 for Deep Learning
+Training" (arXiv:1905.12322), who studied it and did not introduce it; the two
 FP8 formats of Micikevicius et al. 2022, "FP8 Formats for Deep Learning" (arXiv:2209.05433): E4M3
 (max 448, no infinities, one NaN pattern) and E5M2 (max 57344, IEEE-like). For a format with E
 exponent bits (bias 2^(E-1) - 1) and M mantissa bits:
@@ -17,8 +20,9 @@ exponent bits (bias 2^(E-1) - 1) and M mantissa bits:
 
 Mixed-precision training (Micikevicius et al. 2018, "Mixed Precision Training", ICLR,
 arXiv:1710.03740): 16-bit weights, activations and gradients, an fp32 master copy of the weights
-for the update, and loss scaling so small fp16 gradients do not flush to zero (Sec. 3.2: 31% of
-an SSD model's gradient values were below fp16's smallest subnormal, 2^-24). The ZeRO paper's
+for the update, and loss scaling so small fp16 gradients do not flush to zero (Sec. 3.2 and
+Fig. 3: many of a Multibox SSD model's activation-gradient values lay below fp16's smallest
+subnormal, 2^-24, and would become zeros, while much of fp16's range went unused). The ZeRO paper's
 accounting of that recipe is 2 + 2 + 12 bytes per parameter (:mod:`course_lib.analysis.memory`).
 ``torch.autocast`` holds the bytes differently: the parameters and their gradients stay fp32 (4 + 4),
 Adam's moments 8, and each matmul casts its weight to 16 bits during forward and keeps that copy
@@ -80,7 +84,7 @@ class NumberFormat:
 FORMATS: dict[str, NumberFormat] = {f.name: f for f in (
     NumberFormat("fp32", 8, 23, source="IEEE 754 binary32"),
     NumberFormat("tf32", 8, 10, source="NVIDIA A100 whitepaper (tensor-core input)"),
-    NumberFormat("bf16", 8, 7, source="Kalamkar et al. 2019"),
+    NumberFormat("bf16", 8, 7, source="Google Brain (Wang and Kanwar 2019)"),
     NumberFormat("fp16", 5, 10, source="IEEE 754 binary16"),
     NumberFormat("fp8_e5m2", 5, 2, source="Micikevicius et al. 2022"),
     NumberFormat("fp8_e4m3", 4, 3, ieee_max=False, source="Micikevicius et al. 2022"),
