@@ -91,8 +91,10 @@ class RankPool:
         cluster.config.LocalEngineSetLauncher.environment = {"OMP_NUM_THREADS": str(self.threads)}
         self._cluster = cluster
         try:
-            self._client = cluster.start_and_connect_sync(activate=False)
-            self._client.wait_for_engines(self.world_size, timeout=120)
+            cluster.start_cluster_sync()
+            self._client = cluster.connect_client_sync()
+            # no progress widget: its saved state would read "0/N" in a reopened notebook
+            self._client.wait_for_engines(self.world_size, timeout=120, interactive=False)
             self._engines = sorted(self._client.ids)[: self.world_size]  # rank r is engine _engines[r]
             self._pids = self._apply_each("setup", lambda r: (
                 r, self.world_size, self.placement.backend, self.placement.devices[r], self._store(),
@@ -136,14 +138,15 @@ class RankPool:
         self.stop()
 
     # -- running cells -------------------------------------------------------------------------
-    def run(self, code: str, ranks=None, timeout: float | None = None, board: RankBoard | None = None) -> None:
-        """Run ``code`` on ``ranks`` (default all), showing each rank's output as it comes."""
+    def run(self, code: str, ranks=None, timeout: float | None = None, show: bool = True) -> None:
+        """Run ``code`` on ``ranks`` (default all), showing each rank's output as it comes
+        (``show=False``: only if a rank writes to stderr or fails)."""
         targets = self._targets(ranks)
         limit = self.timeout if timeout is None else float(timeout)
         for r in targets:
             self._op_file(r).unlink(missing_ok=True)
         ar = self._client[[self._engines[r] for r in targets]].execute(code, block=False, silent=False)
-        board = board or RankBoard(targets)
+        board = RankBoard(targets, quiet=not show)
         start = time.monotonic()
         try:
             while not ar.ready():

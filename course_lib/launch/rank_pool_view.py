@@ -51,8 +51,8 @@ class _Boards:
 class RankBoard:
     """Follows the per-rank metadata of an ipyparallel result (stdout, stderr, error, completed)."""
 
-    def __init__(self, ranks: list[int], out=None):
-        self.ranks = ranks
+    def __init__(self, ranks: list[int], out=None, quiet: bool = False):
+        self.ranks, self.quiet = ranks, quiet
         self._seen: dict[int, int] = dict.fromkeys(ranks, 0)
         self._last = None
         self._handle = None
@@ -71,6 +71,8 @@ class RankBoard:
             parts[rank] = (md.get("stdout") or "", md.get("stderr") or "", tb)
             if md.get("completed") is None and not final:
                 running.add(rank)
+        if self.quiet and not any(err or tb for _, err, tb in parts.values()) and not stopped:
+            return  # quiet: nothing to show unless something went wrong
         key = (repr(parts), tuple(sorted(running)), repr(stopped))
         if key == self._last:
             return

@@ -7,6 +7,7 @@
     widgets         the memory calculator of notebook 4
     live_plot       a loss plot that redraws while the model trains
     source          show_source: a course_lib function's code, highlighted, in a cell
+    rank_tables     each rank's copy of a buffer as one table, step by step (with %%ranks)
     static          a static copy of a widget's state in its output (for a reopened notebook or a website)
     progress        progress bars whose saved output is their finished line
     book            the course website (``make book``): executed notebooks, cached, through Sphinx + MyST-NB

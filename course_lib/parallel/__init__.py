@@ -2,6 +2,7 @@
 
     strategy            the Strategy interface the trainer uses; STRATEGIES, build_strategy
     comms               collectives that count bytes (ZeRO-paper volume, ring bytes) and time
+    ring                the ring all-reduce from point-to-point messages, one step at a time
     buckets             the one bucket-closing rule (DDP's bucket_cap_mb), for DP and ZeRO
     data_parallel       DataParallelNaive / DataParallelBucket (nn.Module wrappers, like torch's
                         DistributedDataParallel); strategies "ddp_naive", "ddp"

@@ -1,0 +1,53 @@
+"""Each rank's copy of a buffer as one table, the values that changed since the last step marked.
+
+    from course_lib.notebook.rank_tables import BufferSteps
+    steps = BufferSteps()
+    steps.show(ranks.pull("data"), "start")            # a table: a row per rank, a column per value
+    ...                                                 # a %%ranks cell runs one step
+    steps.show(ranks.pull("data"), "broadcast")        # changed values are highlighted
+
+For the cells of lesson 02 that step through collectives with a live
+:class:`~course_lib.launch.rank_pool.RankPool`, where each step's effect on every rank should be
+seen at a glance rather than read from N printouts.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+CHANGED = "background-color:#ffe08a;font-weight:bold"
+
+
+class BufferSteps:
+    """The tables of one walk through a collective; remembers the last one to mark changes."""
+
+    def __init__(self):
+        self.previous: pd.DataFrame | None = None
+        self.history: list[tuple[str, pd.DataFrame]] = []
+
+    def table(self, values) -> pd.DataFrame:
+        rows = [[float(x) for x in (v.reshape(-1).tolist() if hasattr(v, "reshape") else v)] for v in values]
+        return pd.DataFrame(rows, index=[f"rank {r}" for r in range(len(rows))])
+
+    def show(self, values, title: str) -> StepTable:
+        """This step's table (Jupyter shows it styled); the plain table is kept in ``history``."""
+        frame = self.table(values)
+        before = self.previous if self.previous is not None and self.previous.shape == frame.shape else frame
+        self.previous = frame
+        self.history.append((title, frame))
+        return StepTable(title, frame, frame.ne(before))
+
+
+class StepTable:
+    """A table with its changed cells marked: HTML in a notebook, text elsewhere (``*`` marks)."""
+
+    def __init__(self, title: str, frame: pd.DataFrame, changed: pd.DataFrame):
+        self.title, self.frame, self.changed = title, frame, changed
+
+    def _repr_html_(self) -> str:
+        styled = self.frame.style.set_caption(self.title).format("{:g}")
+        return styled.apply(lambda _: self.changed.map(lambda c: CHANGED if c else ""), axis=None).to_html()
+
+    def __repr__(self) -> str:
+        marked = self.frame.map(lambda v: f"{v:g}").where(~self.changed, self.frame.map(lambda v: f"*{v:g}"))
+        return f"{self.title}\n{marked.to_string()}"

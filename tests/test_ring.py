@@ -1,0 +1,64 @@
+"""The step-by-step ring all-reduce of lesson 02 on real gloo ranks, against one process's sum,
+and the buffer tables that show it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from course_lib.notebook.rank_tables import BufferSteps
+from course_lib.parallel.ring import chunk_indices, ring_all_reduce, ring_chunks, ring_step
+from course_lib.parallel.spawn import run_ranks
+
+
+def _data(rank: int, n: int) -> torch.Tensor:
+    return torch.arange(float(n)) * (rank + 1) + 100 * rank
+
+
+def _ring_rank(rank: int, world_size: int, n: int):
+    import torch.distributed as dist
+
+    full = _data(rank, n)
+    chunks = ring_chunks(full, world_size)
+    for step in range(world_size - 1):
+        ring_step(chunks, "reduce-scatter", step)
+    owned = chunks[(rank + 1) % world_size].clone()  # complete after the reduce-scatter phase
+    for step in range(world_size - 1):
+        ring_step(chunks, "all-gather", step)
+    again = _data(rank, n)
+    ring_all_reduce(again)
+    reference = _data(rank, n)
+    dist.all_reduce(reference)
+    return full, owned, again, reference
+
+
+@pytest.mark.parametrize(("world_size", "n"), [(2, 6), (3, 7), (4, 8)])
+def test_ring_all_reduce_equals_one_process_sum(world_size, n):
+    expected = sum(_data(r, n) for r in range(world_size))  # one process adds the ranks' tensors
+    results = run_ranks(_ring_rank, world_size, (n,), timeout=60)
+    for rank, (full, owned, again, reference) in enumerate(results):
+        assert torch.equal(full, expected) and torch.equal(again, expected) and torch.equal(reference, expected)
+        assert torch.equal(owned, ring_chunks(expected.clone(), world_size)[(rank + 1) % world_size])
+
+
+def test_each_chunk_travels_once_around_the_ring():
+    p = 4
+    for phase in ("reduce-scatter", "all-gather"):
+        for step in range(p - 1):
+            sent = [chunk_indices(phase, step, r, p)[0] for r in range(p)]
+            received = [chunk_indices(phase, step, r, p)[1] for r in range(p)]
+            assert sorted(sent) == list(range(p))  # every link carries one distinct chunk
+            assert received == [sent[(r - 1) % p] for r in range(p)]  # what the left neighbour sent
+    with pytest.raises(ValueError, match="step must be from 0 to 2"):
+        chunk_indices("all-gather", 3, 0, p)
+    with pytest.raises(ValueError, match="at least 4 values"):
+        ring_chunks(torch.zeros(3), 4)
+
+
+def test_buffer_tables_mark_what_changed():
+    steps = BufferSteps()
+    steps.show([torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])], "start")
+    table = steps.show([torch.tensor([1.0, 6.0]), torch.tensor([3.0, 4.0])], "step")
+    assert table.changed.values.tolist() == [[False, True], [False, False]]
+    assert repr(table) == "step\n        0   1\nrank 0  1  *6\nrank 1  3   4"
+    assert "background-color:#ffe08a" in table._repr_html_().replace(" ", "") and "<caption>step</caption>" in table._repr_html_()
