@@ -125,6 +125,26 @@ def gpu_count() -> int:
     return torch.cuda.device_count()
 
 
+# The launcher's device plan (course_lib.launch.placement), as the ranks receive it.
+RANK_DEVICES_ENV = "COURSE_RANK_DEVICES"  # e.g. "cuda:0,cuda:0": this host's ranks in order
+BACKEND_ENV = "COURSE_BACKEND"  # "gloo" or "nccl"
+
+
+def planned_device(env=None) -> tuple[str, str] | None:
+    """(device, backend) the launcher chose for this rank, or None when it was started otherwise.
+
+    Node g's local rank k takes entry ``g * LOCAL_WORLD_SIZE + k`` when the list holds every
+    simulated node's ranks (torchrun sets GROUP_RANK, LOCAL_RANK, LOCAL_WORLD_SIZE), else entry k.
+    """
+    env = os.environ if env is None else env
+    if not env.get(RANK_DEVICES_ENV) or not env.get(BACKEND_ENV):
+        return None
+    devices = env[RANK_DEVICES_ENV].split(",")
+    local_rank, local_world = int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", 1))
+    index = local_rank + (int(env.get("GROUP_RANK", 0)) * local_world if len(devices) > local_world else 0)
+    return devices[index % len(devices)], env[BACKEND_ENV]
+
+
 def default_nproc(device: str = "auto") -> int:
     """``nproc="auto"``: one rank per GPU; on CPU (or without GPUs) 2 ranks."""
     if device not in ("auto", "cpu", "cuda"):

@@ -29,8 +29,10 @@ from course_lib.gpt.train import train
 from course_lib.launch import launch_training
 
 ITERS = 6
+# device cpu for the reference and the ranks alike: equal to 1e-6 needs the same kernels on both sides
+# (with "auto" a GPU machine would train the one process on the GPU and the two ranks on it over gloo)
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, max_iters=ITERS, lr_decay_iters=ITERS, warmup_iters=2,
-            learning_rate=3e-3, eval_interval=3, eval_iters=2, log_interval=1, dropout=0.0)
+            learning_rate=3e-3, eval_interval=3, eval_iters=2, log_interval=1, dropout=0.0, device="cpu")
 
 
 def flags(d: dict) -> list[str]:
