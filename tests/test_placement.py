@@ -22,6 +22,7 @@ def test_one_gpu_two_ranks_share_it_over_gloo():
     assert plan.devices == ("cuda:0", "cuda:0") and plan.backend == "gloo" and plan.ranks_per_device == 2
     assert plan.line() == "plan: 2 ranks · cuda:0, cuda:0 (ranks share a GPU) · gloo · recipe shakespeare_char"
     assert plan.env() == {RANK_DEVICES_ENV: "cuda:0,cuda:0", BACKEND_ENV: "gloo"}
+    assert plan.gpus_per_node == 1  # what a SLURM job must give: 1 GPU, not 2
     assert plan_ranks(1, "3", device="cuda").devices == ("cuda:0",) * 3  # explicit cuda: shared too
     with pytest.raises(PlanError, match=r"2 ranks on 1 GPU\(s\) here with NCCL: NCCL allows one rank per GPU. "
                                         r"Run one rank per GPU \(--nproc=1, NCCL\), or .*--backend=gloo.*--device=cpu"):
@@ -37,6 +38,7 @@ def test_one_rank_per_gpu_is_nccl_and_cpu_is_gloo():
     assert cpu.devices == ("cpu", "cpu") and cpu.backend == "gloo"
     assert plan_ranks(8, 2, device="cpu").line() == "plan: 2 ranks · cpu, cpu · gloo"  # CPU ranks: only when asked
     assert plan_ranks(1, 1).line() == "plan: 1 rank · cuda:0 · nccl"
+    assert (plan.gpus_per_node, cpu.gpus_per_node) == (2, 0)
 
 
 def test_nodes_on_one_host_share_its_gpus():
@@ -52,9 +54,9 @@ def test_nodes_on_one_host_share_its_gpus():
 
 
 def test_bad_input_is_refused():
-    for bad, match in [(dict(nproc=0), "nproc must be"), (dict(nproc="two"), "nproc must be"),
-                       (dict(nproc=True), "nproc must be"), (dict(device="tpu"), "device must be"),
-                       (dict(backend="mpi"), "backend must be"), (dict(device="cpu", backend="nccl"), "GPUs only")]:
+    for bad, match in [({"nproc": 0}, "nproc must be"), ({"nproc": "two"}, "nproc must be"),
+                       ({"nproc": True}, "nproc must be"), ({"device": "tpu"}, "device must be"),
+                       ({"backend": "mpi"}, "backend must be"), ({"device": "cpu", "backend": "nccl"}, "GPUs only")]:
         with pytest.raises(PlanError, match=match):
             plan_ranks(1, **{"nproc": 2, **bad})
     with pytest.raises(PlanError, match="has no GPU"):

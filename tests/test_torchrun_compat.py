@@ -30,10 +30,10 @@ def older_parser(removed=(), underscore_only=False) -> argparse.ArgumentParser:
     return parser
 
 
-TORCH_2_11 = dict(removed=("--shutdown-timeout",))
-OLDER = dict(removed=("--shutdown-timeout", "--local-addr", "--numa-binding", "--signals-to-handle",
-                      "--virtual-local-rank", "--event-log-handler", "--duplicate-stdout-filters",
-                      "--duplicate-stderr-filters"), underscore_only=True)
+TORCH_2_11 = {"removed": ("--shutdown-timeout",)}
+OLDER = {"removed": ("--shutdown-timeout", "--local-addr", "--numa-binding", "--signals-to-handle",
+                     "--virtual-local-rank", "--event-log-handler", "--duplicate-stdout-filters",
+                     "--duplicate-stderr-filters"), "underscore_only": True}
 
 
 def all_flag_sets():

@@ -155,7 +155,7 @@ def launch(target, args: Sequence[str] = (), *, nproc="auto", nnodes: int = 1,
         raise checks.LaunchConfigError("rdzv_endpoint needs rdzv_id: the same id on every node")
     if output not in ("ranks", "raw"):
         raise checks.LaunchConfigError(f"output must be 'ranks' or 'raw', got {output!r}")
-    checks.check_scheduler(nnodes, nproc, device)  # inside a SLURM/PBS job: what it was given
+    checks.check_scheduler(nnodes, plan.gpus_per_node or nproc, device)  # inside a SLURM/PBS job: what it was given
     torchrun.nccl_debug_env(nccl_debug, nccl_debug_subsys, nccl_debug_file)  # validates
 
     run_dir = _prepare_run_dir(run_dir or default_run_dir())
@@ -171,7 +171,10 @@ def launch(target, args: Sequence[str] = (), *, nproc="auto", nnodes: int = 1,
                                      pg_timeout=collective_timeout)
     join = max(30.0, collective_timeout)
     accepted = torchrun.accepted_options()  # the installed torchrun's own parser, read once per launch
-    fit = lambda flags: torchrun.fit_to_torchrun(flags, accepted)  # noqa: E731
+
+    def fit(flags):
+        return torchrun.fit_to_torchrun(flags, accepted)
+
     agents = []
     if local and nnodes == 1:
         flags = torchrun.single_node_flags(nproc, rdzv=rdzv, run_id=run_id, join_timeout=join,

@@ -59,6 +59,11 @@ class RankPlan:
         """The most ranks any one device holds (memory per rank is the device's / this)."""
         return max(self.devices.count(d) for d in self.devices)
 
+    @property
+    def gpus_per_node(self) -> int:
+        """GPUs the ranks of one node use (0 for CPU ranks): what a batch job must give each node."""
+        return len({d for d in self.devices[:self.nproc] if d.startswith("cuda")})
+
     def line(self) -> str:
         ranks = self.nproc * self.nnodes
         here = self.devices if len(self.devices) == ranks else self.devices + ("...",)

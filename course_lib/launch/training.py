@@ -134,7 +134,7 @@ def check_layout(req: TrainRequest) -> None:
 
 def check_allocation(req: TrainRequest) -> None:
     """Inside a SLURM/PBS job: the nodes and GPUs it was given."""
-    checks.check_scheduler(req.nnodes, req.config.nproc, req.device)
+    checks.check_scheduler(req.nnodes, (req.plan and req.plan.gpus_per_node) or req.config.nproc, req.device)
 
 
 CHECKS: list[Callable[[TrainRequest], None]] = [check_allocation, check_strategy, check_dtype, check_layout,
