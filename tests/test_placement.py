@@ -150,3 +150,50 @@ def test_launch_prints_the_plan_once_and_ranks_see_it(tmp_path):
     assert err.getvalue().count("plan: ") == 1
     assert "[launch] plan: 2 ranks · cpu, cpu · gloo · recipe where.py\n" in err.getvalue()
     assert [json.loads(r.stdout[k]) for k in (0, 1)] == [["cpu", "gloo", "cpu,cpu"]] * 2
+
+
+# ------------------------------------------------------------ on a GPU machine (skipped on CPU)
+
+def _gpus() -> int:
+    from course_lib.hardware import gpu_count
+
+    return gpu_count()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() == 0, reason="needs a CUDA GPU")
+@pytest.mark.timeout(180)
+def test_more_ranks_than_gpus_share_them_over_gloo(tmp_path):
+    """One rank more than the GPUs: every rank on a GPU (the last one sharing), gloo all-reduces
+    CUDA tensors, and the sum is what one process gets."""
+    n = _gpus() + 1
+    script = tmp_path / "share.py"
+    script.write_text("import json\nt = torch.full((4,), RANK + 1.0, device=DEVICE)\ndist.all_reduce(t)\n"
+                      "print(json.dumps([str(DEVICE), str(t.device), dist.get_backend(), t[0].item()]))\n")
+    err = io.StringIO()
+    r = launch(script, nproc=n, init_process_group=True, run_dir=tmp_path / "run", show_ranks="all",
+               out=io.StringIO(), err=err)
+    assert r.ok, r.error
+    total = n * (n + 1) / 2
+    assert [json.loads(r.stdout[k]) for k in range(n)] == [
+        [f"cuda:{k % (n - 1)}", f"cuda:{k % (n - 1)}", "gloo", total] for k in range(n)]
+    assert "(ranks share a GPU) · gloo" in err.getvalue()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() == 0, reason="needs a CUDA GPU")
+@pytest.mark.timeout(300)
+def test_training_with_more_ranks_than_gpus_runs_on_the_gpu(tmp_path):
+    from course_lib.gpt.config import make_config
+    from course_lib.gpt.data import prepare
+    from course_lib.launch import launch_training
+
+    prepare("shakespeare_char", data_dir=tmp_path / "data", quiet=True)
+    cfg = make_config("shakespeare_char", {"max_iters": 4, "log_interval": 1, "eval_interval": 4, "eval_iters": 1,
+                                           "warmup_iters": 1, "lr_decay_iters": 4, "batch_size": 4, "block_size": 64,
+                                           "n_layer": 2, "nproc": _gpus() + 1, "out_dir": str(tmp_path / "run"),
+                                           "data_dir": str(tmp_path / "data")})
+    r = launch_training(cfg, progress=False, out=io.StringIO(), err=io.StringIO())
+    assert r.ok, r.error
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["device"].startswith("cuda") and run["backend"] == "gloo" and run["world_size"] == _gpus() + 1

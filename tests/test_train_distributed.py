@@ -71,6 +71,8 @@ def test_demo_on_two_ranks_equals_one_process(reference):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "global batch 8 sequences = batch_size 2 x grad_accum 2 x 2 ranks" in proc.stdout
     assert "final val loss" in proc.stdout and "ddp" in proc.stdout
+    assert "plan: 2 ranks · cpu, cpu · gloo · recipe shakespeare_char_cpu\n" in proc.stderr  # said once
+    assert proc.stderr.count("plan: ") == 1
     ckpt = assert_same_training(out, reference / "ref")
     assert ckpt["world_size"] == 2 and len(ckpt["rng"]) == 2  # RNG states of both ranks
     assert not torch.equal(ckpt["rng"][0]["torch"], ckpt["rng"][1]["torch"])  # per-rank seeds (dropout)
@@ -89,6 +91,7 @@ def test_course_train_and_launch_training_are_one_path(reference):
     assert proc.returncode == 0, stdout[-2000:] + proc.stderr.decode()[-3000:]
     # terminal display: rank 0's own output as it wrote it, its progress bar ("\r" redraws) included
     assert stdout.startswith("[cli] 2 x cpu") and "[rank" not in stdout
+    assert "plan: 2 ranks · cpu, cpu · gloo · recipe shakespeare_char_cpu\n" in proc.stderr.decode()
     assert f"| {ITERS}/{ITERS} [" in stdout and "\r" in stdout
 
     cfg = make_config("shakespeare_char_cpu", {**base, "data_dir": str(reference / "data"), "nproc": 2,
