@@ -145,6 +145,15 @@ def planned_device(env=None) -> tuple[str, str] | None:
     return devices[index % len(devices)], env[BACKEND_ENV]
 
 
+def planned_gpu_share(env=None) -> float:
+    """GPUs per rank under the launcher's plan: 1.0 (a GPU each, or no plan), 0.5 (2 ranks, 1 GPU).
+    MFU divides by the peak of the GPUs the run has, not of its ranks."""
+    env = os.environ if env is None else env
+    devices = env.get(RANK_DEVICES_ENV, "").split(",")
+    gpus = {d for d in devices if d.startswith("cuda")}
+    return len(gpus) / len(devices) if gpus else 1.0
+
+
 def default_nproc(device: str = "auto") -> int:
     """``nproc="auto"``: one rank per GPU; on CPU (or without GPUs) 2 ranks."""
     if device not in ("auto", "cpu", "cuda"):

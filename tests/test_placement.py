@@ -11,7 +11,7 @@ import json
 import psutil
 import pytest
 
-from course_lib.hardware import BACKEND_ENV, RANK_DEVICES_ENV, planned_device
+from course_lib.hardware import BACKEND_ENV, RANK_DEVICES_ENV, planned_device, planned_gpu_share
 from course_lib.launch import checks, demo, training
 from course_lib.launch.api import launch
 from course_lib.launch.placement import PlanError, plan_ranks
@@ -70,6 +70,10 @@ def test_each_rank_reads_its_own_device():
     one_node = {RANK_DEVICES_ENV: "cuda:0,cuda:0", BACKEND_ENV: "gloo", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "3"}
     assert planned_device({**one_node, "LOCAL_RANK": "1"}) == ("cuda:0", "gloo")
     assert planned_device({"LOCAL_RANK": "0"}) is None  # not started by the course's launcher
+    # MFU's peak: the GPUs the run has (2 ranks on 1 GPU: half a GPU each), not one per rank
+    assert planned_gpu_share(one_node) == 0.5 and planned_gpu_share(env) == 0.5
+    assert planned_gpu_share({RANK_DEVICES_ENV: "cuda:0,cuda:1", BACKEND_ENV: "nccl"}) == 1.0
+    assert planned_gpu_share({RANK_DEVICES_ENV: "cpu,cpu", BACKEND_ENV: "gloo"}) == planned_gpu_share({}) == 1.0
 
 
 # ------------------------------------------------------------ the entry points, on a faked 1-GPU machine
@@ -197,3 +201,4 @@ def test_training_with_more_ranks_than_gpus_runs_on_the_gpu(tmp_path):
     assert r.ok, r.error
     run = json.loads((tmp_path / "run" / "run.json").read_text())
     assert run["device"].startswith("cuda") and run["backend"] == "gloo" and run["world_size"] == _gpus() + 1
+    assert run["devices"] == pytest.approx(_gpus())  # MFU over the GPUs' peak, not one per rank

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.gpt.config import TrainConfig
-from course_lib.hardware import detect, pick_dtype, planned_device
+from course_lib.hardware import detect, pick_dtype, planned_device, planned_gpu_share
 
 
 @dataclass
@@ -28,6 +28,7 @@ class Runtime:
     dtype: str
     threads: int
     distributed: bool
+    devices: float = 1.0  # devices the run has: world_size, or fewer GPUs when ranks share them
 
     @property
     def device_type(self) -> str:
@@ -63,7 +64,8 @@ def setup_runtime(cfg: TrainConfig) -> Runtime:
         dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s),
                                 device_id=torch.device(device) if backend == "nccl" else None)
     dtype = pick_dtype(detect(device), cfg.dtype)
-    return Runtime(rank, world, local_world, device, dtype, threads, distributed)
+    share = planned_gpu_share() if planned and device.startswith("cuda") else 1.0
+    return Runtime(rank, world, local_world, device, dtype, threads, distributed, world * share)
 
 
 # Variables set by the launchers (torchrun's docs, "Environment Variables"; sbatch/srun "OUTPUT
