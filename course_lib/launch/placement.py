@@ -9,9 +9,11 @@ prints :meth:`RankPlan.line` once. The input is plain numbers and names (no torc
 can be tested on any machine by passing the GPU count.
 
 More ranks than GPUs (2 ranks on Colab's one T4): the ranks take the GPUs in turn and share them
-over gloo, which runs collectives on CUDA tensors; NCCL does not allow two ranks of one
-communicator on one device (NCCL User Guide, "Troubleshooting": "Duplicate GPU detected", an
-``ncclInvalidUsage``), so asking for NCCL there is refused with the command lines that work.
+over gloo, which runs collectives on CUDA tensors (torch.distributed docs, "Backends": gloo
+all_reduce and broadcast on GPU; its all-gather and reduce-scatter also take CUDA tensors). NCCL
+does not allow two ranks of one communicator on one device: it stops at initialisation with
+"Duplicate GPU detected", an ``ncclInvalidUsage`` ("NCCL invalid usage", seen with two course
+"nodes" on one H100, 2026), so asking for NCCL there is refused with the command lines that work.
 A GPU machine never silently falls back to CPU ranks: CPU ranks are what ``device='cpu'`` asks for.
 
 The launcher hands the plan to the ranks in two environment variables (names in
