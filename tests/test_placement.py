@@ -121,6 +121,19 @@ def test_course_train_on_one_gpu_keeps_the_gpu_recipe_on_the_gpu(one_gpu, monkey
     assert checks.plan(2, "cuda", "gloo", "shakespeare_char", same_host=True).devices == ("cuda:0", "cuda:0")
 
 
+def test_pipeline_ranks_sharing_a_gpu_are_refused(one_gpu, monkeypatch, tmp_path):
+    """pp and cp send activations point to point; gloo cannot send CUDA tensors."""
+    from course_lib.gpt.config import make_config
+
+    cpu = training.detect("cpu")
+    monkeypatch.setattr(training, "detect", lambda device=None: cpu)
+    cfg = make_config("shakespeare_char", {"nproc": 2, "pp": 2, "n_layer": 2, "dtype": "float32", "dropout": 0.0,
+                                           "out_dir": str(tmp_path / "run")})
+    with pytest.raises(checks.LaunchConfigError, match=r"gloo cannot do with CUDA tensors \(plan: 2 ranks · cuda:0, "
+                                                       r"cuda:0 .*\); use one rank per GPU \(NCCL\) or --device=cpu"):
+        training.check_request(cfg)
+
+
 def test_demo_on_one_gpu_picks_the_gpu_recipe_for_shared_ranks(one_gpu, monkeypatch, tmp_path):
     ran = {}
 

@@ -130,6 +130,10 @@ def check_layout(req: TrainRequest) -> None:
     if pick_dtype(detect(req.device), cfg.dtype) == "float16":
         raise LaunchConfigError("float16 needs loss scaling, which the tp/pp/cp pipeline does not do; "
                                 "use --dtype=bfloat16 or --dtype=float32")
+    if (cfg.pp > 1 or cfg.cp > 1) and req.device == "cuda" and req.plan and req.plan.backend == "gloo":
+        # torch.distributed docs, "Backends": gloo has no send/recv of CUDA tensors
+        raise LaunchConfigError(f"pp/cp send activations point to point, which gloo cannot do with CUDA tensors "
+                                f"({req.plan.line()}); use one rank per GPU (NCCL) or --device=cpu")
 
 
 def check_allocation(req: TrainRequest) -> None:
