@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 NPROC   ?= auto
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-.PHONY: demo test test-fast install instructor-sources images images-check notebooks-clear exercises bench browser-deps slurm-deps slurm-local check-gpu test-gpu book clean
+.PHONY: demo test test-fast install instructor-sources images images-check notebooks-clear exercises bench browser-deps slurm-deps mpi-deps slurm-local check-gpu test-gpu book clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -38,6 +38,14 @@ slurm-deps:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null; \
 	  else echo "slurm-wlm/munge missing: sudo apt-get install slurm-wlm munge (the SLURM test will be skipped)"; fi; }
 
+# Debian's Open MPI for the Open MPI launch tests (tests/test_mpi_launch.py), next to the PyPI
+# mpich wheel: GPU machines and clusters often have Open MPI, and mpirun() must pick the mpiexec
+# that matches the library mpi4py loads (MPI4PY_LIBMPI), also as root.
+mpi-deps:
+	@command -v ompi_info >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin >/dev/null; \
+	  else echo "openmpi-bin missing: sudo apt-get install openmpi-bin (the Open MPI tests will be skipped)"; fi; }
+
 # A 2-node SLURM cluster on this machine (as root): try `course submit --scheduler slurm` here.
 slurm-local: $(STAMP) slurm-deps
 	$(VPY) -m course_lib.launch.slurm_local --dir runs/slurm-local
@@ -46,7 +54,7 @@ demo: $(STAMP)
 	$(VENV)/bin/course data prepare shakespeare_char
 	$(VPY) -m course_lib.launch.demo --nproc=$(NPROC) --out_dir=runs/demo
 
-test: $(STAMP) browser-deps slurm-deps instructor-sources
+test: $(STAMP) browser-deps slurm-deps mpi-deps instructor-sources
 	$(VPY) -m pytest -q --durations=15
 
 test-fast: $(STAMP) instructor-sources

@@ -125,6 +125,35 @@ def gpu_count() -> int:
     return torch.cuda.device_count()
 
 
+# The launcher's device plan (course_lib.launch.placement), as the ranks receive it.
+RANK_DEVICES_ENV = "COURSE_RANK_DEVICES"  # e.g. "cuda:0,cuda:0": this host's ranks in order
+BACKEND_ENV = "COURSE_BACKEND"  # "gloo" or "nccl"
+
+
+def planned_device(env=None) -> tuple[str, str] | None:
+    """(device, backend) the launcher chose for this rank, or None when it was started otherwise.
+
+    Node g's local rank k takes entry ``g * LOCAL_WORLD_SIZE + k`` when the list holds every
+    simulated node's ranks (torchrun sets GROUP_RANK, LOCAL_RANK, LOCAL_WORLD_SIZE), else entry k.
+    """
+    env = os.environ if env is None else env
+    if not env.get(RANK_DEVICES_ENV) or not env.get(BACKEND_ENV):
+        return None
+    devices = env[RANK_DEVICES_ENV].split(",")
+    local_rank, local_world = int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", 1))
+    index = local_rank + (int(env.get("GROUP_RANK", 0)) * local_world if len(devices) > local_world else 0)
+    return devices[index % len(devices)], env[BACKEND_ENV]
+
+
+def planned_gpu_share(env=None) -> float:
+    """GPUs per rank under the launcher's plan: 1.0 (a GPU each, or no plan), 0.5 (2 ranks, 1 GPU).
+    MFU divides by the peak of the GPUs the run has, not of its ranks."""
+    env = os.environ if env is None else env
+    devices = env.get(RANK_DEVICES_ENV, "").split(",")
+    gpus = {d for d in devices if d.startswith("cuda")}
+    return len(gpus) / len(devices) if gpus else 1.0
+
+
 def default_nproc(device: str = "auto") -> int:
     """``nproc="auto"``: one rank per GPU; on CPU (or without GPUs) 2 ranks."""
     if device not in ("auto", "cpu", "cuda"):

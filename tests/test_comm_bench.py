@@ -64,8 +64,8 @@ def test_bad_configurations_fail_before_starting_processes(monkeypatch):
     with pytest.raises(ValueError, match="NCCL needs one GPU per rank"):
         run_benchmark("nccl", torch.cuda.device_count() + 1)
     monkeypatch.setattr(comm_bench.sys, "executable", "/nonexistent/bin/python")
-    monkeypatch.setattr(comm_bench.shutil, "which", lambda name: None)
-    with pytest.raises(RuntimeError, match="mpiexec not found: `pip install mpich`"):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(ValueError, match="mpiexec not found: `pip install mpich`"):
         run_benchmark("mpi", 2)
 
 

@@ -172,8 +172,8 @@ def test_refuses_more_gpu_ranks_than_gpus(nothing_spawned, script):
     from course_lib.hardware import gpu_count
 
     n = gpu_count()
-    with pytest.raises(checks.LaunchConfigError, match=r"no GPU|GPU\(s\)"):
-        launch(script, nproc=n + 1, device="cuda", run_dir=nothing_spawned)
+    with pytest.raises(checks.LaunchConfigError, match=r"no GPU|NCCL allows one rank per GPU"):
+        launch(script, nproc=n + 1, device="cuda", backend="nccl", run_dir=nothing_spawned)
 
 
 def test_refuses_missing_script_and_module(nothing_spawned):
@@ -221,39 +221,7 @@ def test_refuses_training_config_that_does_not_fit(nothing_spawned):
 
 
 # ---------------------------------------------------------------- a machine with one GPU (Colab's T4)
-
-def test_more_ranks_than_gpus_run_as_cpu_ranks_with_a_note(monkeypatch, capsys):
-    monkeypatch.setattr(checks, "gpu_count", lambda: 1)
-    assert checks.resolve_device("auto", 2) == "cpu" and checks.resolve_device("auto", "3") == "cpu"
-    err = capsys.readouterr().err
-    assert "note: 2 ranks but 1 GPU(s) here: the ranks run as CPU processes (gloo)" in err
-    assert err.count("\n") == 2  # one line each
-    assert checks.resolve_device("auto", 1) == "cuda" and checks.resolve_device("auto", "auto") == "cuda"
-    assert checks.resolve_device("auto") == "cuda" and capsys.readouterr().err == ""
-    assert checks.resolve_device("cuda", 2) == "cuda"  # asked for explicitly: refused, not changed
-    with pytest.raises(checks.LaunchConfigError, match=r"2 GPU ranks asked for but this machine has 1 GPU"):
-        checks.resolve_nproc(2, "cuda")
-    monkeypatch.setattr(checks, "gpu_count", lambda: 0)
-    assert checks.resolve_device("auto", 2) == "cpu" and capsys.readouterr().err == ""
-
-
-def test_launch_training_with_more_ranks_than_gpus_trains_on_cpu(monkeypatch, tmp_path, capsys):
-    from course_lib.gpt.config import TrainConfig, make_config
-    from course_lib.gpt.data import prepare
-    from course_lib.launch import training
-
-    monkeypatch.setattr(checks, "gpu_count", lambda: 1)
-    launched = {}
-    monkeypatch.setattr(training, "launch", lambda target, args, **kw: launched.update(kw, args=args))
-    prepare("shakespeare_char", data_dir=tmp_path / "data", quiet=True)
-    cfg = make_config("shakespeare_char_cpu", {"nproc": 2, "max_iters": 2, "out_dir": str(tmp_path / "run"),
-                                               "data_dir": str(tmp_path / "data")})
-    assert cfg.device == "auto"
-    training.launch_training(cfg, progress=False)
-    assert launched["device"] == "cpu" and launched["nproc"] == 2
-    assert TrainConfig.load(tmp_path / "run" / "config.json").device == "cpu"  # what every rank reads
-    assert "the ranks run as CPU processes" in capsys.readouterr().err
-
+# (where the ranks run on it: tests/test_placement.py)
 
 def test_run_ranks_forks_cpu_ranks_after_cuda_init(monkeypatch):
     """gloo ranks fork even after the parent initialised CUDA (as DataLoader workers do), so a

@@ -64,9 +64,16 @@ def test_torchrun_cell_runs_on_two_ranks(kernel):
                               "print(RANK, WORLD_SIZE, LOCAL_RANK, t.tolist())\n")
     assert cell.error is None, cell.error
     assert "[rank0] 0 2 0 [3.0, 3.0]" in cell.stdout and "[rank1] 1 2 1 [3.0, 3.0]" in cell.stdout
+    assert cell.stderr.count("[launch] plan: ") == 1 and "plan: 2 ranks · cpu, cpu · gloo · recipe cell.py" in cell.stderr
     check = run(kernel["kc"], "print(torchrun_result.ok, torchrun_result.nproc, torchrun_result.run_dir.name)")
     assert check.stdout.startswith("True 2 ")
     assert _wait_gone(marker, 0) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_plan_that_cannot_work_is_a_usage_error(kernel):
+    cell = run(kernel["kc"], "%%torchrun -n 2 --device cpu --backend nccl\nprint('never')\n")
+    assert "UsageError: NCCL runs on GPUs only" in cell.stderr and "never" not in cell.stdout  # IPython's one line
 
 
 @pytest.mark.timeout(60)

@@ -14,27 +14,25 @@ import torch
 from kernel_cells import Cell, run, start_kernel
 
 from course_lib.launch.checks import LaunchConfigError
-from course_lib.launch.placement import choose_placement
+from course_lib.launch.rank_pool import RankPool
 
 LIMIT = 4  # the pool's cell limit and collective timeout in these tests, seconds
 
 
-def test_placement_is_decided_before_anything_starts():
-    cpu = choose_placement(4, gpus=0)
-    assert (cpu.backend, cpu.devices, cpu.line()) == ("gloo", ("cpu",) * 4, "4 ranks · cpu · gloo")
-    two = choose_placement(2, gpus=2)
-    assert (two.backend, two.devices) == ("nccl", ("cuda:0", "cuda:1"))
-    shared = choose_placement(2, gpus=1)  # Colab's one T4: both ranks on it, over gloo
-    assert (shared.backend, shared.devices) == ("gloo", ("cuda:0", "cuda:0"))
-    assert shared.line() == "2 ranks · cuda:0 (ranks share it) · gloo"
-    assert choose_placement(2, backend="gloo", gpus=1).devices == ("cpu", "cpu")
-    with pytest.raises(LaunchConfigError, match="one rank per GPU: 2 ranks, 1 GPU"):
-        choose_placement(2, backend="nccl", gpus=1)
-    with pytest.raises(LaunchConfigError, match="no GPU"):
-        choose_placement(2, device="cuda", gpus=0)
+def test_the_pool_decides_where_ranks_run_before_anything_starts():
+    """The same decision as course train (course_lib.launch.placement, tested in test_placement.py),
+    made and refused in the constructor: no process is started by a bad request."""
+    shared = RankPool(2, gpus=1)  # Colab's one T4: both ranks on it, over gloo
+    assert (shared.placement.backend, shared.placement.devices) == ("gloo", ("cuda:0", "cuda:0"))
+    assert shared.placement.line() == "plan: 2 ranks · cuda:0, cuda:0 (ranks share a GPU) · gloo · recipe %ranks"
+    assert RankPool(4, gpus=0).placement.devices == ("cpu",) * 4 and not shared.running
+    with pytest.raises(ValueError, match="NCCL allows one rank per GPU"):
+        RankPool(2, backend="nccl", gpus=1)
     for bad in (0, 2.5, True, "4"):
         with pytest.raises(LaunchConfigError, match="whole number"):
-            choose_placement(bad, gpus=0)
+            RankPool(bad, gpus=0)
+    with pytest.raises(LaunchConfigError, match="timeout must be > 0"):
+        RankPool(2, timeout=0, gpus=0)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +59,7 @@ def test_pool_keeps_each_ranks_values_across_cells(kernel):
     _, kc = kernel
     start = run(kc, f"%ranks start 2 --timeout {LIMIT}")
     assert start.error is None, start.error
-    assert f"2 ranks · cpu · gloo · cell limit {LIMIT} s · started" in start.stdout
+    assert f"plan: 2 ranks · cpu, cpu · gloo · recipe %ranks · cell limit {LIMIT} s · started" in start.stdout
     cell = run(kc, "%%ranks\nx = torch.arange(4.0) * (RANK + 1)\nprint('x', RANK, x.tolist())")
     assert cell.error is None, cell.error
     assert "rank 0 · done" in cell.display_text and "x 1 [0.0, 2.0, 4.0, 6.0]" in cell.display_text

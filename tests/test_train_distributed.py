@@ -29,8 +29,10 @@ from course_lib.gpt.train import train
 from course_lib.launch import launch_training
 
 ITERS = 6
+# device cpu for the reference and the ranks alike: equal to 1e-6 needs the same kernels on both sides
+# (with "auto" a GPU machine would train the one process on the GPU and the two ranks on it over gloo)
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, max_iters=ITERS, lr_decay_iters=ITERS, warmup_iters=2,
-            learning_rate=3e-3, eval_interval=3, eval_iters=2, log_interval=1, dropout=0.0)
+            learning_rate=3e-3, eval_interval=3, eval_iters=2, log_interval=1, dropout=0.0, device="cpu")
 
 
 def flags(d: dict) -> list[str]:
@@ -69,6 +71,8 @@ def test_demo_on_two_ranks_equals_one_process(reference):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "global batch 8 sequences = batch_size 2 x grad_accum 2 x 2 ranks" in proc.stdout
     assert "final val loss" in proc.stdout and "ddp" in proc.stdout
+    assert "plan: 2 ranks · cpu, cpu · gloo · recipe shakespeare_char_cpu\n" in proc.stderr  # said once
+    assert proc.stderr.count("plan: ") == 1
     ckpt = assert_same_training(out, reference / "ref")
     assert ckpt["world_size"] == 2 and len(ckpt["rng"]) == 2  # RNG states of both ranks
     assert not torch.equal(ckpt["rng"][0]["torch"], ckpt["rng"][1]["torch"])  # per-rank seeds (dropout)
@@ -87,6 +91,7 @@ def test_course_train_and_launch_training_are_one_path(reference):
     assert proc.returncode == 0, stdout[-2000:] + proc.stderr.decode()[-3000:]
     # terminal display: rank 0's own output as it wrote it, its progress bar ("\r" redraws) included
     assert stdout.startswith("[cli] 2 x cpu") and "[rank" not in stdout
+    assert "plan: 2 ranks · cpu, cpu · gloo · recipe shakespeare_char_cpu\n" in proc.stderr.decode()
     assert f"| {ITERS}/{ITERS} [" in stdout and "\r" in stdout
 
     cfg = make_config("shakespeare_char_cpu", {**base, "data_dir": str(reference / "data"), "nproc": 2,

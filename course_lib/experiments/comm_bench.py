@@ -22,7 +22,6 @@ import io
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from pathlib import Path
 import psutil
 
 from course_lib.experiments.comm_bench_workers import ITEMSIZE, OPS, torch_worker
+from course_lib.launch.mpi import find_mpiexec, launcher_options
 from course_lib.utils import atomic_write_bytes, free_port
 
 BACKENDS = ("gloo", "nccl", "mpi")
@@ -60,16 +60,6 @@ def parse_sizes(text: str, factor: int = 2) -> list[int]:
             sizes.append(sizes[-1] * factor)
         return sizes
     return [parse_size(t) for t in text.split(",") if t.strip()]
-
-
-def find_mpiexec() -> str:
-    """``mpiexec`` next to this Python (the mpich wheel in a venv), else on PATH."""
-    local = Path(sys.executable).parent / "mpiexec"
-    found = str(local) if local.exists() else shutil.which("mpiexec")
-    if not found:
-        raise RuntimeError("mpiexec not found: `pip install mpich` (a laptop/Colab MPI) or load "
-                           "your cluster's MPI module, then run again")
-    return found
 
 
 def _check_config(backend: str, nproc: int, ops, sizes, iters: int, warmup: int) -> None:
@@ -102,7 +92,7 @@ def _check_config(backend: str, nproc: int, ops, sizes, iters: int, warmup: int)
             import mpi4py  # noqa: F401  # is it installed? (imported by the workers, not here)
         except ImportError as e:
             raise ValueError("the mpi backend needs mpi4py: pip install mpi4py mpich") from e
-        find_mpiexec()
+        find_mpiexec()  # the mpiexec of mpi4py's MPI, else refused (a ValueError) before anything starts
 
 
 def _read_rows(path: Path) -> list[dict]:
@@ -130,9 +120,12 @@ def run_benchmark(backend: str = "gloo", nproc: int = 2, sizes=("1K", "1M"), ops
         if backend == "mpi":
             cfg_path = Path(tmp) / "config.json"
             cfg_path.write_text(json.dumps(cfg))
-            cmd = [find_mpiexec(), "-n", str(nproc), sys.executable, "-m",
-                   "course_lib.experiments.comm_bench_workers", str(cfg_path), str(out)]
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            mpiexec, family = find_mpiexec(env)
+            options, launcher_env = launcher_options(family)  # e.g. Open MPI as root, more ranks than cores
+            env.update(launcher_env)
+            cmd = [mpiexec, "-n", str(nproc), *options, sys.executable, "-m",
+                   "course_lib.experiments.comm_bench_workers", str(cfg_path), str(out)]
             proc = subprocess.run(cmd, check=False, env=env, timeout=timeout_s, stdout=subprocess.PIPE,
                                   stderr=None if progress else subprocess.PIPE, text=True)
             if proc.returncode != 0:

@@ -31,6 +31,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from course_lib.experiments.step_intervals import STEP, classify
 from course_lib.gpt.model import GPT, GPTConfig
+from course_lib.launch.placement import plan_ranks
 from course_lib.parallel.spawn import run_ranks
 from course_lib.parallel.strategy import STRATEGIES, build_strategy
 
@@ -56,7 +57,7 @@ def finish_step(strategy, label) -> None:
 def profile_worker(rank: int, world_size: int, spec: dict) -> dict:
     """One rank of :func:`profile_step` (a module-level function, so "spawn" can start it)."""
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # else the profiler's library logs every start and stop
-    device = f"cuda:{rank}" if spec["device"] == "cuda" else "cpu"
+    device = spec["devices"][rank]  # the plan's: ranks beyond the GPUs share them
     if device != "cpu":
         torch.cuda.set_device(device)
     torch.manual_seed(0)  # the same weights on every rank (the strategies broadcast them anyway)
@@ -104,7 +105,8 @@ def profile_step(strategy: str = "ddp", world_size: int = 2, gpt: dict | None = 
     """Profile one training step of ``strategy`` on ``world_size`` local ranks; one dict per rank.
 
     gpt: GPTConfig fields (default: a 2-layer, 128-wide character model, block 64).
-    device "cpu" uses gloo, "cuda" NCCL with one GPU per rank. ``strategy_kwargs`` go to the
+    device "cpu" uses gloo; "cuda" NCCL with one GPU per rank, or gloo where ranks share a GPU
+    (:func:`course_lib.launch.placement.plan_ranks`: 2 ranks on Colab's one T4). ``strategy_kwargs`` go to the
     strategy (e.g. ``bucket_cap_mb=0.1`` for ddp: several buckets, so communication overlaps
     backward). The results say what :func:`classify` says, plus wall_ms (the step timed
     outside the profiler's own bookkeeping) and the trace file if ``trace_dir`` is given.
@@ -115,20 +117,19 @@ def profile_step(strategy: str = "ddp", world_size: int = 2, gpt: dict | None = 
         raise ValueError("strategy 'single' runs on one rank: use world_size=1")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    if device == "cuda" and torch.cuda.device_count() < world_size:
-        raise ValueError(f"{world_size} ranks need {world_size} GPUs; "
-                         f"{torch.cuda.device_count()} visible (use device='cpu')")
     if world_size < 1 or batch_size < 1 or grad_accum < 1 or warmup < 0:
         raise ValueError("world_size, batch_size and grad_accum must be >= 1, warmup >= 0")
+    # the launcher's decision: one rank per GPU over NCCL, or ranks sharing the GPUs over gloo
+    plan = plan_ranks(torch.cuda.device_count() if device == "cuda" else 0, world_size, device)
     gpt = {"block_size": 64, "vocab_size": 65, "n_layer": 2, "n_head": 4, "n_embd": 128, "dropout": 0.0,
            **(gpt or {})}
     if trace_dir is not None:
         Path(trace_dir).mkdir(parents=True, exist_ok=True)
     spec = {"strategy": strategy, "gpt": gpt, "batch_size": batch_size, "grad_accum": grad_accum,
             "warmup": warmup, "trace_dir": str(trace_dir) if trace_dir is not None else None,
-            "device": device, "strategy_kwargs": strategy_kwargs}
-    results = run_ranks(profile_worker, world_size, args=(spec,), backend="nccl" if device == "cuda" else "gloo",
-                        threads=threads)
+            "devices": plan.devices, "strategy_kwargs": strategy_kwargs}
+    results = run_ranks(profile_worker, world_size, args=(spec,), backend=plan.backend, threads=threads,
+                        start_method="spawn" if device == "cuda" else None)  # a forked child cannot use CUDA
     if trace_dir is not None:
         merge_traces([r["trace"] for r in results], Path(trace_dir) / "trace.json")
     return results

@@ -175,10 +175,10 @@ class RunMeter:
         self.flops_per_token = model.flops_per_token()
         profile = detect(rt.device)
         peak = profile.peak(rt.dtype if rt.dtype != "float32" else ("tf32" if rt.device_type == "cuda" else "float32"))
-        self.peak_total = peak * rt.world_size if peak else None
+        self.peak_total = peak * rt.devices if peak else None  # ranks sharing a GPU share its peak
         self.info = {"strategy": strategy_name, "world_size": rt.world_size, "device": rt.device, "dtype": rt.dtype,
                      "threads_per_worker": rt.threads, "n_params": model.num_params(),
-                     "tokens_per_iter": self.tokens_per_iter,
+                     "tokens_per_iter": self.tokens_per_iter, "devices": rt.devices,
                      "global_batch": cfg.batch_size * cfg.gradient_accumulation_steps * dp,
                      "layout": {"dp": dp, "tp": cfg.tp, "pp": cfg.pp, "cp": cfg.cp,
                                 "sequence_parallel": cfg.sequence_parallel, "pp_schedule": cfg.pp_schedule},

@@ -1,7 +1,8 @@
 """Where a training process runs: its rank, device, dtype and threads, resolved from the config.
 
 Imported by :mod:`course_lib.gpt.train`; under torchrun it joins the process group (gloo on CPUs,
-NCCL on GPUs) with the config's timeout.
+NCCL on GPUs) with the config's timeout, on the device and backend the launcher planned for it
+(``COURSE_RANK_DEVICES``/``COURSE_BACKEND``: two ranks may share one GPU over gloo).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.gpt.config import TrainConfig
-from course_lib.hardware import detect, pick_dtype
+from course_lib.hardware import detect, pick_dtype, planned_device, planned_gpu_share
 
 
 @dataclass
@@ -27,6 +28,7 @@ class Runtime:
     dtype: str
     threads: int
     distributed: bool
+    devices: float = 1.0  # devices the run has: world_size, or fewer GPUs when ranks share them
 
     @property
     def device_type(self) -> str:
@@ -39,13 +41,17 @@ def setup_runtime(cfg: TrainConfig) -> Runtime:
     distributed = "RANK" in env and "WORLD_SIZE" in env
     rank, world = (int(env["RANK"]), int(env["WORLD_SIZE"])) if distributed else (0, 1)
     local_rank, local_world = int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", 1))
-    device = cfg.device
-    if device == "auto":
+    device, backend = cfg.device, None
+    planned = planned_device() if distributed else None
+    if planned:  # the launcher's plan (course_lib.launch.placement): ranks may share a GPU over gloo
+        device, backend = planned
+    elif device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise RuntimeError("device cuda requested but torch.cuda.is_available() is False; use --device=cpu")
-        device = f"cuda:{local_rank}" if distributed else (device if ":" in device else "cuda:0")
+        if not planned:
+            device = f"cuda:{local_rank}" if distributed else (device if ":" in device else "cuda:0")
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores (as nanoGPT)
         torch.backends.cudnn.allow_tf32 = True
@@ -54,11 +60,12 @@ def setup_runtime(cfg: TrainConfig) -> Runtime:
         threads = cfg.threads or max(1, len(os.sched_getaffinity(0)) // local_world)
         torch.set_num_threads(threads)
     if distributed and not dist.is_initialized():
-        backend = "nccl" if device.startswith("cuda") else "gloo"
+        backend = backend or ("nccl" if device.startswith("cuda") else "gloo")
         dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s),
                                 device_id=torch.device(device) if backend == "nccl" else None)
     dtype = pick_dtype(detect(device), cfg.dtype)
-    return Runtime(rank, world, local_world, device, dtype, threads, distributed)
+    share = planned_gpu_share() if planned and device.startswith("cuda") else 1.0
+    return Runtime(rank, world, local_world, device, dtype, threads, distributed, world * share)
 
 
 # Variables set by the launchers (torchrun's docs, "Environment Variables"; sbatch/srun "OUTPUT

@@ -15,7 +15,8 @@ Modules:
     train_cli   ``course train``
     demo        ``make demo``: the instructor's end-to-end run
     checks      refusing bad launches before anything is spawned
-    mpi         mpirun(): the same for MPI ranks (mpi4py)
+    placement   where the ranks run: each one's device and the backend, decided once, said in one line
+    mpi         mpirun(): the same for MPI ranks (mpi4py), with the mpiexec of mpi4py's MPI library
     forked      notebook_launcher(): N processes forked from the kernel, running a notebook function
     magics      the %%torchrun and %%mpirun cell magics
     placement   where ranks run: the device of each rank and the backend, decided before any start

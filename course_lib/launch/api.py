@@ -110,7 +110,8 @@ def base_env(env: Mapping[str, str] | None, nproc_per_node: int, run_id: str, *,
 
 
 def launch(target, args: Sequence[str] = (), *, nproc="auto", nnodes: int = 1,
-           module: bool | None = None, device: str = "auto", timeout: float | None = None,
+           module: bool | None = None, device: str = "auto", backend: str = "auto", recipe: str = "",
+           timeout: float | None = None,
            collective_timeout: float = 60.0, env: Mapping[str, str] | None = None, run_dir=None,
            init_process_group: bool = False, show_ranks: Sequence[int] | str = (0,),
            rdzv: str = "c10d", rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
@@ -120,6 +121,10 @@ def launch(target, args: Sequence[str] = (), *, nproc="auto", nnodes: int = 1,
     """Run ``target`` (a .py path or a module name) on ``nproc`` ranks per node via torchrun.
 
     nproc: int or "auto" (one rank per GPU, else 2 CPU ranks, threads split between them).
+    device / backend: 'auto', 'cpu' or 'cuda' / 'auto', 'gloo' or 'nccl': with more ranks than
+        GPUs the ranks share the GPUs over gloo (NCCL is refused there); the decision
+        (:mod:`course_lib.launch.placement`) is printed once, as one line, before the ranks start.
+    recipe: what the plan line calls the run (default: the target's name).
     nnodes: >1 without ``rdzv_endpoint`` starts that many torchrun agents on this host, meeting
         in a c10d rendezvous on 127.0.0.1 (the course's stand-in for a cluster); with
         ``rdzv_endpoint="HOST:PORT"`` and ``rdzv_id`` this host joins a real multi-node job.
@@ -135,9 +140,10 @@ def launch(target, args: Sequence[str] = (), *, nproc="auto", nnodes: int = 1,
         for byte, as a terminal would show that process, its progress bar included; other
         ranks' stderr still prefixed).
     """
-    device = checks.resolve_device(device, nproc)
-    nproc = checks.resolve_nproc(nproc, device)
     nnodes = checks.check_nnodes(nnodes)
+    plan = checks.plan(nproc, device, backend, recipe or Path(os.fspath(target)).name, nnodes,
+                       same_host=rdzv_endpoint is None)
+    nproc, device = plan.nproc, plan.device_type
     timeout = checks.check_timeout("timeout", timeout)
     collective_timeout = checks.check_timeout("collective_timeout", collective_timeout, False)
     target, is_module = checks.resolve_target(target, module)
@@ -149,7 +155,7 @@ def launch(target, args: Sequence[str] = (), *, nproc="auto", nnodes: int = 1,
         raise checks.LaunchConfigError("rdzv_endpoint needs rdzv_id: the same id on every node")
     if output not in ("ranks", "raw"):
         raise checks.LaunchConfigError(f"output must be 'ranks' or 'raw', got {output!r}")
-    checks.check_scheduler(nnodes, nproc, device)  # inside a SLURM/PBS job: what it was given
+    checks.check_scheduler(nnodes, plan.gpus_per_node or nproc, device)  # inside a SLURM/PBS job: what it was given
     torchrun.nccl_debug_env(nccl_debug, nccl_debug_subsys, nccl_debug_file)  # validates
 
     run_dir = _prepare_run_dir(run_dir or default_run_dir())
@@ -159,15 +165,21 @@ def launch(target, args: Sequence[str] = (), *, nproc="auto", nnodes: int = 1,
     full_env = base_env(env, nproc, run_id, local=local, nccl_debug=nccl_debug,
                         nccl_debug_subsys=nccl_debug_subsys, nccl_debug_file=nccl_debug_file)
     full_env.setdefault("COURSE_COLLECTIVE_TIMEOUT", f"{collective_timeout:g}")
-    init_pg = ("nccl" if device == "cuda" else "gloo") if init_process_group else "none"
+    full_env.update(plan.env())  # each rank's device and the backend (course_lib.hardware.planned_device)
+    init_pg = plan.backend if init_process_group else "none"
     worker = torchrun.bootstrap_args(str(run_dir), target, args, module=is_module, init_pg=init_pg,
                                      pg_timeout=collective_timeout)
     join = max(30.0, collective_timeout)
+    accepted = torchrun.accepted_options()  # the installed torchrun's own parser, read once per launch
+
+    def fit(flags):
+        return torchrun.fit_to_torchrun(flags, accepted)
+
     agents = []
     if local and nnodes == 1:
         flags = torchrun.single_node_flags(nproc, rdzv=rdzv, run_id=run_id, join_timeout=join,
                                            shutdown_timeout=grace, log_dir=f"{log_dir}/torchelastic")
-        agents.append(Agent(torchrun.agent_argv(flags) + worker, f"{log_dir}/agent0"))
+        agents.append(Agent(torchrun.agent_argv(fit(flags)) + worker, f"{log_dir}/agent0"))
     elif local:
         endpoint = f"{torchrun.LOOPBACK}:{torchrun.free_port(torchrun.LOOPBACK)}"
         for i in range(nnodes):
@@ -175,14 +187,15 @@ def launch(target, args: Sequence[str] = (), *, nproc="auto", nnodes: int = 1,
                 nnodes, nproc, endpoint, run_id, join_timeout=join, is_host=(i == 0),
                 local_addr=torchrun.LOOPBACK, shutdown_timeout=grace,
                 log_dir=f"{log_dir}/torchelastic{i}")
-            agents.append(Agent(torchrun.agent_argv(flags) + worker, f"{log_dir}/agent{i}"))
+            agents.append(Agent(torchrun.agent_argv(fit(flags)) + worker, f"{log_dir}/agent{i}"))
     else:
         flags = torchrun.multi_node_flags(nnodes, nproc, rdzv_endpoint, run_id,
                                           join_timeout=max(join, 300.0), shutdown_timeout=grace,
                                           log_dir=f"{log_dir}/torchelastic")
-        agents.append(Agent(torchrun.agent_argv(flags, loopback=False) + worker, f"{log_dir}/agent0"))
+        agents.append(Agent(torchrun.agent_argv(fit(flags), loopback=False) + worker, f"{log_dir}/agent0"))
         print(f"[launch] on every other node run:\n  {' '.join(agents[0].argv)}", file=err or sys.stderr)
 
+    print(f"[launch] {plan.line()}", file=err or sys.stderr)
     outcome = supervise(agents, full_env, log_dir, show=show_ranks, timeout=timeout, grace=grace,
                         collective_timeout=collective_timeout, progress=progress(run_dir) if progress else None,
                         raw=output == "raw", out=out, err=err)

@@ -30,6 +30,7 @@ import time
 import traceback
 from datetime import timedelta
 
+from course_lib.hardware import planned_device
 from course_lib.launch.procs import set_parent_death_signal
 
 RANK_ENVS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
@@ -97,15 +98,20 @@ def _init_torch(backend: str, timeout_s: float, local_rank: int) -> dict:
     import torch  # only ranks that ask for a process group pay for torch (the launcher imports us too)
     import torch.distributed as dist
 
+    planned = planned_device()  # the launcher's plan: device and backend of this rank
+    device = planned[0] if planned else None
     if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = planned[1] if planned else ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl" and device is None:
+        device = f"cuda:{local_rank}"
     kwargs = {}
+    if device and device.startswith("cuda"):
+        torch.cuda.set_device(device)  # gloo ranks sharing a GPU too: their CUDA tensors live here
     if backend == "nccl":
-        torch.cuda.set_device(local_rank)
         # device_id binds the communicator to this rank's GPU (no guessing in barrier())
-        kwargs["device_id"] = torch.device("cuda", local_rank)
+        kwargs["device_id"] = torch.device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
-    return {"torch": torch, "dist": dist}
+    return {"torch": torch, "dist": dist, "DEVICE": torch.device(device or "cpu")}
 
 
 def _init_mpi() -> dict:

@@ -1,6 +1,7 @@
 """Refuse bad launches before anything is spawned, with a message that says what to change.
 
-Checked: the number of processes and nodes, GPUs asked for versus GPUs present, the script or
+Checked: the number of processes and nodes, the devices and backend of the ranks
+(:mod:`course_lib.launch.placement`, with this machine's GPU count), the script or
 module to run, the batch allocation (SLURM/PBS) the launch runs in, the timeouts and strategy
 names. A whole training request (data, dtype, memory, resume) is checked by
 :func:`course_lib.launch.training.check_request`, which builds on these.
@@ -10,12 +11,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 from pathlib import Path
 
 from course_lib.gpt.config import ConfigError
-from course_lib.hardware import default_nproc, gpu_count
+from course_lib.hardware import gpu_count
 from course_lib.launch.allocation import check_allocation, detect_allocation
+from course_lib.launch.placement import PlanError, RankPlan, plan_ranks
 
 
 class LaunchConfigError(ConfigError):
@@ -23,45 +24,15 @@ class LaunchConfigError(ConfigError):
     ValueError): ``course train`` reports both the same way."""
 
 
-def resolve_device(device: str, nproc=None) -> str:
-    """'auto' -> 'cuda' when this machine has a GPU for each of ``nproc`` ranks, else 'cpu'.
-
-    More ranks than GPUs (2 ranks on Colab's one T4, say) run as CPU processes with gloo, with a
-    one-line note on stderr: the course's multi-rank demos work anywhere. An explicit 'cuda' is
-    never changed (:func:`resolve_nproc` refuses too many ranks for it).
-    """
-    if device not in ("auto", "cpu", "cuda"):
-        raise LaunchConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
-    if device != "auto":
-        return device
-    n_gpu = gpu_count()
-    ranks = int(nproc) if isinstance(nproc, str) and nproc.isdigit() else nproc
-    if n_gpu and isinstance(ranks, int) and not isinstance(ranks, bool) and ranks > n_gpu:
-        print(f"note: {ranks} ranks but {n_gpu} GPU(s) here: the ranks run as CPU processes (gloo)", file=sys.stderr)
-        return "cpu"
-    return "cuda" if n_gpu > 0 else "cpu"
-
-
-def resolve_nproc(nproc, device: str) -> int:
-    """Ranks per node: an int >= 1, or 'auto' (one per GPU, else 2 CPU ranks)."""
-    if nproc == "auto":
-        return default_nproc(device)
-    if isinstance(nproc, str) and nproc.isdigit():
-        nproc = int(nproc)
-    if isinstance(nproc, bool) or not isinstance(nproc, int):
-        raise LaunchConfigError(f"nproc must be a whole number >= 1 or 'auto', got {nproc!r}")
-    if nproc < 1:
-        raise LaunchConfigError(f"nproc must be >= 1 (processes per node), got {nproc}")
-    if device == "cuda":
-        n_gpu = gpu_count()
-        if n_gpu == 0:
-            raise LaunchConfigError("device='cuda' but this machine has no GPU; use device='cpu' "
-                                    "(gloo) or run on a GPU machine")
-        if nproc > n_gpu:
-            raise LaunchConfigError(
-                f"{nproc} GPU ranks asked for but this machine has {n_gpu} GPU(s); use "
-                f"nproc<={n_gpu} (one rank per GPU) or device='cpu'")
-    return nproc
+def plan(nproc, device: str = "auto", backend: str = "auto", recipe: str = "", nnodes: int = 1,
+         same_host: bool = False) -> RankPlan:
+    """Each rank's device and the backend on this machine (:func:`placement.plan_ranks` with its GPU
+    count): ranks beyond the GPUs share them over gloo; what cannot work is refused here."""
+    try:
+        n_gpu = 0 if device == "cpu" else gpu_count()  # CPU ranks: no torch import to count GPUs
+        return plan_ranks(n_gpu, nproc, device, backend, recipe, nnodes, same_host)
+    except PlanError as e:
+        raise LaunchConfigError(str(e)) from None
 
 
 def check_nnodes(nnodes) -> int:

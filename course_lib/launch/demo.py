@@ -4,7 +4,8 @@ The instructor demo (``make demo``): Shakespeare, data parallel on every local d
 
 Prepares the character-level data, trains with DDP on all local devices -- the
 ``shakespeare_char_cpu`` recipe on a CPU host (2 workers x cores // 2 threads), nanoGPT's
-``shakespeare_char`` GPU recipe on a GPU node (one worker per GPU) -- then writes
+``shakespeare_char`` GPU recipe on a GPU node (one worker per GPU; ``--nproc=2`` on one GPU: both
+share it over gloo, as :mod:`course_lib.launch.placement` decides and prints) -- then writes
 ``OUT_DIR/loss.png`` and ``OUT_DIR/sample.txt`` next to the run's metrics.csv and checkpoints,
 and prints the final val loss and a sample. Upstream nanoGPT reaches val loss 1.8857 with the
 CPU recipe (README, 2000 iterations, one process with batch 12); here each of the 2 ranks takes
@@ -19,12 +20,11 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from course_lib.gpt.config import ConfigError, make_config
-from course_lib.gpt.config_args import parse_overrides, parse_value
+from course_lib.gpt.config_args import parse_overrides
 from course_lib.gpt.data import DataError, prepare
 from course_lib.gpt.sample import sample
+from course_lib.launch import checks
 from course_lib.launch.api import LaunchError
 from course_lib.launch.training import run_training
 from course_lib.notebook.plots import plot_loss_curve
@@ -39,15 +39,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="auto", help="preset; 'auto' = shakespeare_char_cpu on CPU, shakespeare_char on GPU")
     args, rest = p.parse_known_args(argv)  # the rest: any trainer field as --field=value
 
-    preset = args.config if args.config != "auto" else ("shakespeare_char" if torch.cuda.is_available()
-                                                        else "shakespeare_char_cpu")
     t0 = time.perf_counter()
     try:
-        overrides = {"nproc": parse_value("nproc", args.nproc), "out_dir": args.out_dir, "run_name": "demo",
-                     **parse_overrides(rest)}
-        cfg = make_config(preset, overrides)
+        overrides = {"out_dir": args.out_dir, "run_name": "demo", **parse_overrides(rest)}
+        # where the ranks run decides the recipe: the GPU one whenever they run on GPUs (shared or not)
+        plan = checks.plan(args.nproc, overrides.get("device", "auto"))
+        preset = args.config if args.config != "auto" else ("shakespeare_char" if plan.device_type == "cuda"
+                                                            else "shakespeare_char_cpu")
+        cfg = make_config(preset, {**overrides, "nproc": plan.nproc})
         prepare(cfg.dataset, cfg.data_dir or None)
-        run_training(cfg, display="terminal", overwrite=True, check=True)  # what course train runs
+        run_training(cfg, display="terminal", overwrite=True, check=True, recipe=preset)  # what course train runs
     except (ConfigError, DataError, LaunchError) as e:
         print(f"demo: error: {e}", file=sys.stderr)
         return 1

@@ -6,9 +6,10 @@
     print(RANK, WORLD_SIZE, t)
 
 The cell is saved as ``RUN_DIR/cell.py`` and run as a script on every rank through torchrun
-(:func:`course_lib.launch.launch`) with ``torch``, ``dist``, ``RANK``, ``WORLD_SIZE`` and
-``LOCAL_RANK`` defined and the default process group initialised (gloo on CPU, NCCL on GPUs;
-``--timeout`` is its collective timeout). Every rank's output is shown, prefixed ``[rankK]``
+(:func:`course_lib.launch.launch`) with ``torch``, ``dist``, ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK`` and ``DEVICE`` (this rank's device) defined and the default process group
+initialised (gloo on CPU, NCCL with one rank per GPU, gloo for ranks sharing a GPU; one line says
+which before the ranks start; ``--timeout`` is its collective timeout). Every rank's output is shown, prefixed ``[rankK]``
 (``--ranks 0`` for rank 0 only; errors are always shown). A failure raises LaunchError naming
 the rank; the stop button stops every process. ``%%mpirun -n N`` runs the cell on N MPI ranks
 with ``MPI``, ``comm`` (COMM_WORLD), ``RANK`` and ``WORLD_SIZE`` defined. The last result is
@@ -51,6 +52,8 @@ def torchrun_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=float, help="wall-clock limit for the cell, seconds")
     p.add_argument("--ranks", default="all", help="whose stdout to show: all, or e.g. 0 or 0,1")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
+                   help="auto: NCCL for one rank per GPU, gloo for CPU ranks and ranks sharing a GPU")
     p.add_argument("--rdzv", default="c10d", choices=["c10d", "static"])
     p.add_argument("--run-dir")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
@@ -103,7 +106,7 @@ class LaunchMagics(Magics):
         run_dir = Path(a.run_dir) if a.run_dir else default_run_dir("torchrun")
         try:
             result = launch(_write_cell(run_dir, cell), nproc=nproc, nnodes=a.nnodes, module=False,
-                            device=a.device, timeout=a.time_limit, collective_timeout=a.timeout,
+                            device=a.device, backend=a.backend, timeout=a.time_limit, collective_timeout=a.timeout,
                             env=_env(a.env), run_dir=run_dir, init_process_group=True,
                             show_ranks=_ranks(a.ranks), rdzv=a.rdzv, nccl_debug=a.nccl_debug,
                             nccl_debug_subsys=a.nccl_debug_subsys, nccl_debug_file=a.nccl_debug_file)

@@ -2,13 +2,18 @@
 
 On a laptop or Colab ``mpiexec`` comes from the PyPI ``mpich`` wheel, next to this Python in
 the virtual environment's bin/; on a cluster it is the system's (``module load mpi``), found on
-PATH. Each rank runs :mod:`course_lib.launch.bootstrap` first, so output, failures and
+PATH. The mpiexec must belong to the MPI library that mpi4py loads in the ranks (asked in a
+subprocess, so the launcher never starts MPI itself): an Open MPI mpiexec starting ranks that
+load MPICH gives N copies of rank 0. :func:`find_mpiexec` takes the matching one and refuses a
+mismatch before anything starts; Open MPI run as root gets its documented switches. Each rank runs :mod:`course_lib.launch.bootstrap` first, so output, failures and
 interrupts are handled as for torchrun (see :mod:`course_lib.launch.supervise`).
 """
 
 from __future__ import annotations
 
-import shutil
+import os
+import re
+import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -22,18 +27,90 @@ from course_lib.launch.api import (
 )
 from course_lib.launch.supervise import Agent, supervise
 
+MPICH, OPEN_MPI = "MPICH", "Open MPI"
+# mpi4py.rc: load the MPI library without starting MPI (MPI_Get_library_version may be called
+# before MPI_Init: MPI 4.1 standard, section 9.1.1), in a process of its own, as each rank would.
+_LIBRARY_PROBE = ("import mpi4py; mpi4py.rc.initialize = mpi4py.rc.finalize = False; "
+                  "from mpi4py import MPI; print(MPI.Get_library_version())")
 
-def find_mpiexec() -> str:
-    """The venv's mpiexec (mpich wheel) if there is one, else the first on PATH."""
+
+def family(text: str) -> str | None:
+    """MPICH or Open MPI from a library version string or an ``mpiexec --version`` banner.
+
+    MPICH's mpiexec is Hydra ("HYDRA build details"); Open MPI's says "Open MPI", "OpenRTE"
+    (v4 and older) or "prte" (v5 runs PRRTE). Intel MPI and MVAPICH derive from MPICH (Hydra, and
+    mpi4py loads them through the MPICH ABI).
+    """
+    low = text.lower()
+    if "open mpi" in low or "openrte" in low or re.search(r"\bprte\b", low):
+        return OPEN_MPI
+    if "mpich" in low or "hydra" in low or "intel(r) mpi" in low or "mvapich" in low:
+        return MPICH
+    return None
+
+
+def library_family(env: Mapping[str, str] | None = None) -> tuple[str | None, str]:
+    """(family, first line of MPI_Get_library_version) of the MPI library mpi4py loads with ``env``
+    (``MPI4PY_LIBMPI`` chooses it; else the venv's mpich wheel comes first, then the system's)."""
+    try:
+        proc = subprocess.run([sys.executable, "-c", _LIBRARY_PROBE], capture_output=True, text=True,
+                              env=dict(os.environ if env is None else env), timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise checks.LaunchConfigError(f"cannot ask mpi4py which MPI it loads: {e}") from None
+    if proc.returncode != 0:
+        raise checks.LaunchConfigError(
+            "mpi4py cannot load an MPI library (pip install mpi4py mpich, or load your cluster's MPI): "
+            + (proc.stderr.strip().splitlines() or ["no message"])[-1])
+    line = proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else ""
+    return family(proc.stdout), line
+
+
+def launcher_family(mpiexec: str) -> str | None:
+    try:
+        proc = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30,
+                              stdin=subprocess.DEVNULL, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return family(proc.stdout + proc.stderr)
+
+
+def candidates() -> list[str]:
+    """Every mpiexec in reach: the venv's (mpich wheel) first, then each one on PATH."""
+    found = []
     local = Path(sys.executable).parent / "mpiexec"
     if local.is_file():
-        return str(local)
-    found = shutil.which("mpiexec")
-    if found is None:
+        found.append(str(local))
+    for folder in os.environ.get("PATH", "").split(os.pathsep):
+        path = Path(folder or ".") / "mpiexec"
+        if path.is_file() and os.access(path, os.X_OK) and path.resolve() not in {Path(f).resolve() for f in found}:
+            found.append(str(path))
+    return found
+
+
+def find_mpiexec(env: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """(mpiexec, family): the first mpiexec of the MPI that mpi4py loads with ``env``.
+
+    An mpiexec of another MPI starts N processes that do not know each other: each one is rank 0
+    of 1. That is refused here, with what to do, before anything starts.
+    """
+    found = candidates()
+    if not found:
         raise checks.LaunchConfigError(
             "mpiexec not found: `pip install mpich` (laptop, Colab) or load your cluster's MPI "
             "(module load mpi), then restart the kernel")
-    return found
+    lib, version = library_family(env)
+    launchers = {m: launcher_family(m) for m in found}
+    for mpiexec, fam in launchers.items():
+        if fam is not None and fam == lib:
+            return mpiexec, fam
+    seen = "; ".join(f"{m} ({fam or 'unknown MPI'})" for m, fam in launchers.items())
+    hint = ("pip install mpich (its mpiexec goes next to this Python)" if lib == MPICH else
+            "install or load that MPI's mpiexec (e.g. apt-get install openmpi-bin, module load openmpi)")
+    raise checks.LaunchConfigError(
+        f"mpi4py loads {lib or 'an unknown MPI'} ({version!r}) but no mpiexec of it was found, only: {seen}. "
+        f"An mpiexec of another MPI would start copies of rank 0 that never meet. Either {hint}, or point "
+        "mpi4py at the library of the mpiexec you have: MPI4PY_LIBMPI=/path/to/libmpi.so (mpi4py docs, "
+        "'Environment variables')")
 
 
 def is_hydra(mpiexec: str) -> bool:
@@ -42,15 +119,26 @@ def is_hydra(mpiexec: str) -> bool:
         (Path(mpiexec).parent / "hydra_pmi_proxy").exists()
 
 
+def launcher_options(fam: str, local: bool = True) -> tuple[list[str], dict[str, str]]:
+    """(mpiexec options, environment) for ranks on this host with an MPI of family ``fam``.
+
+    MPICH (Hydra): ``-launcher fork`` starts the ranks here even inside a SLURM job (Hydra would
+    otherwise use srun). Open MPI: ``--oversubscribe`` allows more ranks than cores (else it
+    refuses: "not enough slots"), and as root its two documented switches (mpirun(1), "Running
+    as root": OMPI_ALLOW_RUN_AS_ROOT and OMPI_ALLOW_RUN_AS_ROOT_CONFIRM) instead of refusing.
+    """
+    if fam == OPEN_MPI:
+        env = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"} if os.geteuid() == 0 else {}
+        return (["--oversubscribe"] if local else []), env
+    return (["-launcher", "fork"] if local else []), {}
+
+
 def mpiexec_argv(n: int, run_dir: str, target: str, args: Sequence[str], *, module: bool,
-                 mpiexec: str | None = None, local: bool = True) -> list[str]:
+                 mpiexec: str, fam: str = MPICH, local: bool = True) -> list[str]:
     """``mpiexec -n N python -m course_lib.launch.bootstrap --mpi ... TARGET ARGS``."""
-    mpiexec = mpiexec or find_mpiexec()
-    argv = [mpiexec, "-n", str(n)]
-    if local and is_hydra(mpiexec):
-        # fork the ranks here, even inside a SLURM job (Hydra would otherwise use srun)
-        argv += ["-launcher", "fork"]
-    return argv + [sys.executable, *torchrun.bootstrap_args(run_dir, target, args, module=module, mpi=True)]
+    options, _ = launcher_options(fam, local)
+    return [mpiexec, "-n", str(n), *options, sys.executable,
+            *torchrun.bootstrap_args(run_dir, target, args, module=module, mpi=True)]
 
 
 def mpirun(target, args: Sequence[str] = (), *, n: int = 2, module: bool | None = None,
@@ -65,12 +153,13 @@ def mpirun(target, args: Sequence[str] = (), *, n: int = 2, module: bool | None 
         raise checks.LaunchConfigError(f"n must be a whole number >= 1 (MPI ranks), got {n!r}")
     timeout = checks.check_timeout("timeout", timeout)
     target, is_module = checks.resolve_target(target, module)
-    mpiexec = find_mpiexec()
-    run_dir = _prepare_run_dir(run_dir or default_run_dir("mpirun"))
-    log_dir = str(run_dir / "logs")
     run_id = torchrun.new_run_id()
     full_env = base_env(env, n, run_id, local=True)
-    argv = mpiexec_argv(n, str(run_dir), target, args, module=is_module, mpiexec=mpiexec)
+    mpiexec, fam = find_mpiexec(full_env)  # the one that matches mpi4py's library, else refused here
+    full_env.update(launcher_options(fam)[1])
+    run_dir = _prepare_run_dir(run_dir or default_run_dir("mpirun"))
+    log_dir = str(run_dir / "logs")
+    argv = mpiexec_argv(n, str(run_dir), target, args, module=is_module, mpiexec=mpiexec, fam=fam)
     o = supervise([Agent(argv, f"{log_dir}/mpiexec")], full_env, log_dir, show=show_ranks,
                   timeout=timeout, grace=grace, out=out, err=err)
     result = LaunchResult(o.returncode, run_dir, n, 1, o.stdout, o.stderr, o.failure, o.timed_out,

@@ -1,58 +1,128 @@
-"""Where ranks run: the device of each rank and the backend, decided before anything starts.
+"""Where the ranks run: each rank's device and the process group's backend, decided once.
 
-    from course_lib.launch.placement import choose_placement
-    choose_placement(2, gpus=1).line()    # '2 ranks · cuda:0 (ranks share it) · gloo'
+    plan = plan_ranks(gpu_count(), nproc=2, recipe="shakespeare_char")
+    plan.line()   # 'plan: 2 ranks · cuda:0, cuda:0 · gloo · recipe shakespeare_char'
 
-gloo on CPU; NCCL with one GPU per rank; with more ranks than GPUs the ranks share the GPUs over
-gloo, which handles CUDA tensors, because NCCL refuses two ranks on one device ("NCCL invalid
-usage"). A GPU recipe never moves to CPU ranks without being asked to.
+Every way of starting ranks (``course train``, :func:`course_lib.launch.launch`, ``%%torchrun``,
+``make demo``, lesson 08) asks :func:`plan_ranks`, before anything is spawned, and the launcher
+prints :meth:`RankPlan.line` once. The input is plain numbers and names (no torch), so the choice
+can be tested on any machine by passing the GPU count.
+
+More ranks than GPUs (2 ranks on Colab's one T4): the ranks take the GPUs in turn and share them
+over gloo, which runs collectives on CUDA tensors (torch.distributed docs, "Backends": gloo
+all_reduce and broadcast on GPU; PyTorch's ProcessGroupGloo also all-gathers CUDA tensors, and
+reduce-scatters them through all-reduce since 2.3) but sends none point to point (the same table),
+so pipeline and context parallelism on shared GPUs are refused by the training checks. NCCL
+does not allow two ranks of one communicator on one device: it stops at initialisation with
+"Duplicate GPU detected", an ``ncclInvalidUsage`` ("NCCL invalid usage", seen with two course
+"nodes" on one H100, 2026), so asking for NCCL there is refused with the command lines that work.
+A GPU machine never silently falls back to CPU ranks: CPU ranks are what ``device='cpu'`` asks for.
+
+The launcher hands the plan to the ranks in two environment variables (names in
+:mod:`course_lib.hardware`, which the workers read without importing the launcher).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from course_lib.launch.checks import LaunchConfigError
+from course_lib.gpt.config import ConfigError
+from course_lib.hardware import BACKEND_ENV, RANK_DEVICES_ENV
+
+DEVICES = ("auto", "cpu", "cuda")
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+class PlanError(ConfigError):
+    """Ranks, devices and backend that cannot work together; the message says what to run instead."""
 
 
 @dataclass(frozen=True)
-class Placement:
-    """Where each rank runs and over which backend, decided before anything starts."""
+class RankPlan:
+    """The ranks on this host, in order, run on ``devices``; every rank joins a ``backend`` group.
 
-    world_size: int
-    backend: str
-    devices: tuple[str, ...]
+    One node: rank k on ``devices[k]``. Nodes simulated on this host (``nnodes`` torchrun agents
+    here) share its GPUs: node g's local rank k on ``devices[g * nproc + k]``.
+    """
+    devices: tuple[str, ...]  # 'cpu' or 'cuda:N', one per rank on this host
+    backend: str  # 'gloo' or 'nccl'
+    recipe: str = ""  # what runs: a training preset, a script, a cell
+    nnodes: int = 1
+    nproc: int = 0  # ranks per node (0: all of ``devices``)
+
+    def __post_init__(self):
+        if not self.nproc:
+            object.__setattr__(self, "nproc", len(self.devices))
+
+    @property
+    def device_type(self) -> str:
+        return "cuda" if self.devices[0].startswith("cuda") else "cpu"
+
+    @property
+    def ranks_per_device(self) -> int:
+        """The most ranks any one device holds (memory per rank is the device's / this)."""
+        return max(self.devices.count(d) for d in self.devices)
+
+    @property
+    def gpus_per_node(self) -> int:
+        """GPUs the ranks of one node use (0 for CPU ranks): what a batch job must give each node."""
+        return len({d for d in self.devices[:self.nproc] if d.startswith("cuda")})
 
     def line(self) -> str:
-        shown = sorted(set(self.devices))
-        where = shown[0] if len(shown) == 1 else ", ".join(self.devices)
-        shared = " (ranks share it)" if len(shown) == 1 and self.world_size > 1 and where != "cpu" else ""
-        return f"{self.world_size} ranks · {where}{shared} · {self.backend}"
+        ranks = self.nproc * self.nnodes
+        here = self.devices if len(self.devices) == ranks else self.devices + ("...",)
+        where = f"{ranks} rank{'s' if ranks > 1 else ''}" + (f" ({self.nnodes} nodes)" if self.nnodes > 1 else "")
+        shared = " (ranks share a GPU)" if self.device_type == "cuda" and self.ranks_per_device > 1 else ""
+        return (f"plan: {where} · {', '.join(here)}{shared} · {self.backend}"
+                + (f" · recipe {self.recipe}" if self.recipe else ""))
+
+    def env(self) -> dict[str, str]:
+        """What the launcher puts in the ranks' environment."""
+        return {RANK_DEVICES_ENV: ",".join(self.devices), BACKEND_ENV: self.backend}
 
 
-def choose_placement(world_size, backend: str = "auto", device: str = "auto", gpus: int | None = None) -> Placement:
-    """gloo on CPU; NCCL with one GPU per rank; gloo on shared GPUs with more ranks than GPUs
-    (NCCL refuses two ranks on one device). Bad requests are refused here, before any start."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= 64:
-        raise LaunchConfigError(f"the number of ranks must be a whole number from 1 to 64, got {world_size!r}")
-    if backend not in ("auto", "gloo", "nccl") or device not in ("auto", "cpu", "cuda"):
-        raise LaunchConfigError(f"backend must be auto, gloo or nccl and device auto, cpu or cuda "
-                                f"(got {backend!r}, {device!r})")
-    if gpus is None:
-        import torch
+def _whole(nproc):
+    if isinstance(nproc, str) and nproc.isdigit():
+        nproc = int(nproc)
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise PlanError(f"nproc must be a whole number >= 1 or 'auto', got {nproc!r}")
+    return nproc
 
-        gpus = torch.cuda.device_count()  # asks the driver; no CUDA context here
-    if device == "auto":
-        device = "cuda" if gpus and backend != "gloo" else "cpu"  # gloo asked for by name: CPU ranks
-    if device == "cpu":
+
+def plan_ranks(n_gpu: int, nproc="auto", device: str = "auto", backend: str = "auto", recipe: str = "",
+               nnodes: int = 1, same_host: bool = False) -> RankPlan:
+    """Devices and backend for ``nproc`` ranks per node on a node with ``n_gpu`` GPUs.
+
+    same_host: the ``nnodes`` nodes are agents on this one host (the course's stand-in for a
+    cluster), so all their ranks share its GPUs.
+
+    device: 'auto' (the GPUs if there are any, else the CPU), 'cpu', 'cuda' (or 'cuda:N').
+    nproc: 'auto' is one rank per GPU, else 2 CPU ranks. backend: 'auto' is NCCL for one rank per
+    GPU, gloo for CPU ranks and for ranks that share a GPU. Raises PlanError before anything starts.
+    """
+    kind = device.split(":")[0] if isinstance(device, str) else device
+    if kind not in DEVICES:
+        raise PlanError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    if backend not in BACKENDS:
+        raise PlanError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
+    if kind == "auto":
+        kind = "cuda" if n_gpu > 0 else "cpu"
+    if kind == "cuda" and n_gpu == 0:
+        raise PlanError("device='cuda' but this machine has no GPU; use device='cpu' (gloo) or run on a GPU machine")
+    nproc = (n_gpu if kind == "cuda" else 2) if nproc == "auto" else _whole(nproc)
+    here = nproc * nnodes if same_host else nproc  # ranks on this host
+    if kind == "cpu":
         if backend == "nccl":
-            raise LaunchConfigError("NCCL needs GPUs: use backend='gloo' on the CPU")
-        return Placement(world_size, "gloo", ("cpu",) * world_size)
-    if gpus == 0:
-        raise LaunchConfigError("device='cuda' but this machine has no GPU: use device='cpu'")
-    if backend == "nccl" and gpus < world_size:
-        raise LaunchConfigError(f"NCCL allows one rank per GPU: {world_size} ranks, {gpus} GPU(s). Start "
-                                f"{gpus} rank(s), or use backend='gloo' (the ranks then share the GPUs)")
+            raise PlanError("NCCL runs on GPUs only: use backend 'gloo' for CPU ranks")
+        return RankPlan(("cpu",) * here, "gloo", recipe, nnodes, nproc)
+    devices = tuple(f"cuda:{k % n_gpu}" for k in range(here))
+    shared = here > n_gpu
+    if shared and backend == "nccl":
+        fits = f"--nproc={n_gpu}" if not same_host or nnodes == 1 else f"--nnodes=1 --nproc={n_gpu}"
+        raise PlanError(
+            f"{here} ranks on {n_gpu} GPU(s) here with NCCL: NCCL allows one rank per GPU. Run one rank per GPU "
+            f"({fits}, NCCL), or let the ranks share the GPU(s) over gloo (--backend=gloo), or run CPU ranks "
+            "(--device=cpu)")
     if backend == "auto":
-        backend = "nccl" if gpus >= world_size else "gloo"
-    return Placement(world_size, backend, tuple(f"cuda:{r % gpus}" for r in range(world_size)))
+        backend = "gloo" if shared else "nccl"
+    return RankPlan(devices, backend, recipe, nnodes, nproc)

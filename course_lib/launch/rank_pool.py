@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from course_lib.launch.checks import LaunchConfigError
-from course_lib.launch.placement import choose_placement
+from course_lib.launch.placement import RankPlan, plan_ranks
 from course_lib.launch.rank_pool_view import RankBoard
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -63,10 +63,19 @@ class RankPool:
     run, and the process group's collective timeout."""
 
     def __init__(self, world_size: int, backend: str = "auto", device: str = "auto",
-                 timeout: float = DEFAULT_TIMEOUT_S, threads: int | None = None):
+                 timeout: float = DEFAULT_TIMEOUT_S, threads: int | None = None, gpus: int | None = None):
         if not (isinstance(timeout, int | float) and timeout > 0):
             raise LaunchConfigError(f"timeout must be > 0 seconds, got {timeout!r}")
-        self.placement = choose_placement(world_size, backend, device)
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= 64:
+            raise LaunchConfigError(f"the number of ranks must be a whole number from 1 to 64, got {world_size!r}")
+        if gpus is None:
+            from course_lib.hardware import gpu_count
+
+            gpus = gpu_count()
+        # the same decision as course train and %%torchrun (gloo on CPU, NCCL with a GPU per rank,
+        # gloo on shared GPUs), refused here, before anything starts, if it cannot work
+        self.placement: RankPlan = plan_ranks(gpus, nproc=world_size, device=device, backend=backend,
+                                              recipe="%ranks")
         self.world_size, self.timeout = world_size, float(timeout)
         if threads is None:
             from course_lib.hardware import threads_per_rank

@@ -79,7 +79,7 @@ class RankPoolMagics(Magics):
                 raise UsageError(f"{self.pool.world_size} ranks are running: %ranks stop first, or %ranks restart")
             try:
                 self.pool = RankPool(a.n, backend=a.backend, device=a.device, timeout=a.timeout)
-            except LaunchConfigError as e:
+            except (LaunchConfigError, ValueError) as e:  # a PlanError too: devices that cannot work
                 raise UsageError(str(e)) from None
             self.pool.start()
             self.shell.user_ns["ranks"] = self.pool

@@ -9,7 +9,11 @@ Multi-node: every node runs the same command; the agents meet at ``--rdzv-endpoi
 never join each other's rendezvous, and give up after an explicit join timeout instead of
 torchrun's 600 s default. Reference: https://docs.pytorch.org/docs/stable/elastic/run.html
 
-Nothing here runs a shell: each function returns a list of arguments.
+Nothing here runs a shell: each function returns a list of arguments. The flags are written in
+today's spelling; :func:`fit_to_torchrun` then rewrites them for the torchrun that is installed
+(read from its own parser, never from a version number): older releases spell some options with
+underscores only, and some options do not exist in every release (torch 2.11's torchrun rejects
+``--shutdown-timeout``), so those are left out where the course does the same job itself.
 """
 
 from __future__ import annotations
@@ -19,11 +23,55 @@ import sys
 import uuid
 from collections.abc import Sequence
 
+from course_lib.launch.checks import LaunchConfigError
 from course_lib.utils import free_port
 
 LOOPBACK = "127.0.0.1"
 RDZV_BACKENDS = ("c10d", "static")
 NCCL_DEBUG_LEVELS = ("VERSION", "WARN", "INFO", "TRACE")
+
+
+# Options the launch works without, and who does their job then. Any other option missing from
+# the installed torchrun is an error (the launch could not be what was asked).
+OPTIONAL = {
+    "--shutdown-timeout": "supervise.py's grace (SIGTERM, wait, SIGKILL) stops the workers",
+    "--log-dir": "each rank's output is in RUN_DIR/logs already (bootstrap.py)",
+    "--monitor-interval": "torchrun's own default only delays noticing that a worker ended",
+    "--local-addr": "the agent then names itself by host name; one-host runs still meet on 127.0.0.1",
+}
+
+
+def installed_parser():
+    """The installed torchrun's own argument parser (imports torch: call it when launching)."""
+    from torch.distributed.run import get_args_parser  # why: seconds of import; never at import time
+
+    return get_args_parser()
+
+
+def accepted_options(parser=None) -> frozenset[str]:
+    """Every option string (``--nproc-per-node``, ``--nproc_per_node``, ...) the parser accepts."""
+    parser = installed_parser() if parser is None else parser
+    # argparse keeps this table for its own lookups; every option string of every action is a key
+    return frozenset(parser._option_string_actions)
+
+
+def fit_to_torchrun(flags: Sequence[str], accepted: frozenset[str]) -> list[str]:
+    """``flags`` (``--name=value``, today's hyphenated spelling) as the installed torchrun takes them.
+
+    Each flag keeps its spelling if accepted, else takes the underscore one (older releases);
+    a flag in :data:`OPTIONAL` that neither spelling names is left out; any other raises
+    LaunchConfigError before anything starts.
+    """
+    out = []
+    for flag in flags:
+        name, eq, value = flag.partition("=")
+        spelling = next((s for s in (name, "--" + name[2:].replace("-", "_")) if s in accepted), None)
+        if spelling is not None:
+            out.append(spelling + eq + value)
+        elif name not in OPTIONAL:
+            raise LaunchConfigError(f"the installed torchrun does not accept {name} (needed for this launch); "
+                                    "upgrade torch, or launch with fewer options")
+    return out
 
 
 def new_run_id() -> str:

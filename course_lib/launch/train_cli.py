@@ -9,7 +9,8 @@ This is :func:`course_lib.launch.training.run_training` with the terminal displa
 output and progress bar), the same code as :func:`course_lib.launch.launch_training` in a
 notebook. Everything that can be wrong with the input (fields, types, data not prepared, device,
 ranks vs GPUs, memory, an out_dir that already holds a run, an incompatible resume) is reported in
-one line before any process starts. The workers run
+one line before any process starts; where the ranks run (each one's device, the backend) is
+printed as one line too (:mod:`course_lib.launch.placement`). The workers run
 ``python -m course_lib.gpt.train --config-file RUN_DIR/config.json`` under torchrun on this host
 (one of them for ``--nproc=1``). Ctrl-C stops the whole process tree (SIGTERM, then SIGKILL).
 """
@@ -36,7 +37,8 @@ def build_config(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
 def cli(argv: list[str]) -> int:
     try:
         cfg, args = build_config(argv)
-        result = run_training(cfg, display="terminal", overwrite=args.overwrite, progress=not args.no_progress)
+        result = run_training(cfg, display="terminal", overwrite=args.overwrite, progress=not args.no_progress,
+                              recipe=args.config or "")
     except (ConfigError, DataError, CheckpointError) as e:
         print(f"course train: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 1

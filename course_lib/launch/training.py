@@ -39,6 +39,7 @@ from course_lib.launch import checks
 from course_lib.launch.api import LaunchResult, launch
 from course_lib.launch.checks import LaunchConfigError
 from course_lib.launch.monitor import MetricsProgress
+from course_lib.launch.placement import RankPlan
 from course_lib.utils import atomic_write_bytes
 
 TRAIN_MODULE = "course_lib.gpt.train"
@@ -53,6 +54,7 @@ class TrainRequest:
     nnodes: int
     device: str  # 'cpu' or 'cuda'
     overwrite: bool = False
+    plan: RankPlan | None = None  # each rank's device and the backend (launch.placement)
 
     @property
     def world_size(self) -> int:
@@ -94,7 +96,8 @@ def check_memory(req: TrainRequest) -> None:
     dtype = pick_dtype(profile, req.config.dtype)
     need = estimate_bytes(req.config, req.world_size, dtype)
     if req.device == "cuda":
-        have, where = profile.memory_bytes, f"the GPU ({profile.name})"
+        share = req.plan.ranks_per_device if req.plan else 1  # ranks sharing one GPU share its memory
+        have, where = profile.memory_bytes / share, f"the GPU ({profile.name})" + (f" / {share} ranks" if share > 1 else "")
     else:
         have = psutil.virtual_memory().total / req.config.nproc
         where = f"this machine's RAM / {req.config.nproc} ranks"
@@ -127,33 +130,36 @@ def check_layout(req: TrainRequest) -> None:
     if pick_dtype(detect(req.device), cfg.dtype) == "float16":
         raise LaunchConfigError("float16 needs loss scaling, which the tp/pp/cp pipeline does not do; "
                                 "use --dtype=bfloat16 or --dtype=float32")
+    if (cfg.pp > 1 or cfg.cp > 1) and req.device == "cuda" and req.plan and req.plan.backend == "gloo":
+        # torch.distributed docs, "Backends": gloo has no send/recv of CUDA tensors
+        raise LaunchConfigError(f"pp/cp send activations point to point, which gloo cannot do with CUDA tensors "
+                                f"({req.plan.line()}); use one rank per GPU (NCCL) or --device=cpu")
 
 
 def check_allocation(req: TrainRequest) -> None:
     """Inside a SLURM/PBS job: the nodes and GPUs it was given."""
-    checks.check_scheduler(req.nnodes, req.config.nproc, req.device)
+    checks.check_scheduler(req.nnodes, (req.plan and req.plan.gpus_per_node) or req.config.nproc, req.device)
 
 
 CHECKS: list[Callable[[TrainRequest], None]] = [check_allocation, check_strategy, check_dtype, check_layout,
                                                  check_memory, check_data, check_out_dir]
 
 
-def check_request(config: TrainConfig, *, nproc=None, nnodes: int = 1, overwrite: bool = False) -> TrainRequest:
+def check_request(config: TrainConfig, *, nproc=None, nnodes: int = 1, overwrite: bool = False,
+                  recipe: str = "") -> TrainRequest:
     """Every check of a training request, before anything is spawned or written.
 
-    The config validated its own fields; here: device and ranks vs GPUs, nodes, then CHECKS.
+    The config validated its own fields; here: the ranks' devices and backend
+    (:mod:`course_lib.launch.placement`: ranks beyond the GPUs share them over gloo), then CHECKS.
     Errors: LaunchConfigError (a ConfigError), DataError, CheckpointError, each one line.
     ``nproc``: None = ``config.nproc``; an int, or "auto" (one rank per GPU, else 2 CPU ranks).
     """
     if not isinstance(config, TrainConfig):
         raise LaunchConfigError(f"expected a TrainConfig (course_lib.gpt.config.make_config), got {type(config).__name__}")
     nproc = config.nproc if nproc is None else nproc
-    asked = config.device.split(":")[0]
-    device = checks.resolve_device(asked, nproc)
-    nproc = checks.resolve_nproc(nproc, device)
-    if device == "cpu" and checks.resolve_device(asked) == "cuda":  # 'auto', more ranks than GPUs:
-        config = config.replace(device="cpu")  # every worker must train on the CPU, as decided here
-    req = TrainRequest(config.replace(nproc=nproc), checks.check_nnodes(nnodes), device, overwrite)
+    plan = checks.plan(nproc, config.device, recipe=recipe or config.name, nnodes=checks.check_nnodes(nnodes),
+                       same_host=True)
+    req = TrainRequest(config.replace(nproc=plan.nproc), plan.nnodes, plan.device_type, overwrite, plan)
     for check in CHECKS:
         check(req)
     return req
@@ -170,9 +176,10 @@ def prepare_run_dir(req: TrainRequest) -> Path:
     return path.resolve()
 
 
-def prepare_run(config: TrainConfig, *, nproc=None, nnodes: int = 1, overwrite: bool = False) -> TrainRequest:
+def prepare_run(config: TrainConfig, *, nproc=None, nnodes: int = 1, overwrite: bool = False,
+                recipe: str = "") -> TrainRequest:
     """check_request, then prepare_run_dir: what comes before the workers (or an in-process train)."""
-    req = check_request(config, nproc=nproc, nnodes=nnodes, overwrite=overwrite)
+    req = check_request(config, nproc=nproc, nnodes=nnodes, overwrite=overwrite, recipe=recipe)
     prepare_run_dir(req)
     return req
 
@@ -189,17 +196,18 @@ def train_in_process(config: TrainConfig, *, overwrite: bool = False, progress: 
 
 def run_training(config: TrainConfig, *, display: str = "notebook", nproc=None, nnodes: int = 1,
                  overwrite: bool = False, progress: bool = True, timeout: float | None = None,
-                 show_ranks=(0,), env=None, check: bool = False, **launch_kwargs) -> LaunchResult:
+                 show_ranks=(0,), env=None, check: bool = False, recipe: str = "", **launch_kwargs) -> LaunchResult:
     """Check, prepare the run directory, and train on ``nproc`` ranks per node under torchrun.
 
     display: "notebook" (rank-prefixed output, a bar following metrics.csv) or "terminal" (rank
     0's raw output with the trainer's own bar). ``timeout`` is a wall-clock limit; the collective
-    timeout is ``config.timeout_s``. Other keyword arguments go to :func:`launch`.
+    timeout is ``config.timeout_s``. ``recipe`` names the run in the plan line (default: the
+    config's name). Other keyword arguments go to :func:`launch`.
     """
     if display not in DISPLAYS:
         raise LaunchConfigError(f"display must be one of {', '.join(DISPLAYS)}, got {display!r}")
     checks.check_timeout("timeout", timeout)  # the rest of launch()'s own checks need no run directory
-    req = prepare_run(config, nproc=nproc, nnodes=nnodes, overwrite=overwrite)
+    req = prepare_run(config, nproc=nproc, nnodes=nnodes, overwrite=overwrite, recipe=recipe)
     cfg, config_file = req.config, Path(req.config.out_dir).resolve() / "config.json"
     env = dict(env or {})
     if cfg.threads:
@@ -214,6 +222,7 @@ def run_training(config: TrainConfig, *, display: str = "notebook", nproc=None, 
             err = launch_kwargs.get("err")
             bar = lambda rd: MetricsProgress(str(rd / "metrics.csv"), cfg.max_iters + 1, desc=cfg.name, file=err)
     return launch(TRAIN_MODULE, args, module=True, nproc=cfg.nproc, nnodes=req.nnodes, device=req.device,
+                  backend=req.plan.backend, recipe=req.plan.recipe,
                   timeout=timeout, collective_timeout=cfg.timeout_s, env=env, run_dir=config_file.parent,
                   show_ranks=show_ranks, progress=bar, output="raw" if display == "terminal" else "ranks",
                   check=check, **launch_kwargs)
