@@ -1,18 +1,18 @@
-"""The graded exercises, built from the private sources: releases are fresh, grading scores right and never hangs.
+"""The graded exercises, built from their sources: releases are fresh, grading scores right and never hangs.
 
     python -m pytest tests/test_exercises.py -q
 
-Sources live in instructor/ (solutions, hidden tests), a worktree of the private ``instructor``
-branch (``make instructor-sources``; a public clone has none, and this module says it skipped
-and why: tests/test_exercise_releases.py checks what the public tree can); student releases in
-exercises/ (committed); autograder releases are built here into a temporary folder, as `make
-exercises` builds them into build/ for an instructor. Grading goes through otter-grader's own
-code path (``otter run`` without Docker), each submission in a worker process: every instructor
+Sources live in instructor/ (solutions, hidden tests; tracked and public, like a textbook's answer
+key); student releases in exercises/ (committed); autograder releases are built here into a
+temporary folder, as `make exercises` builds them into build/ for an instructor, and the student
+tree that ``course exercises publish`` writes is checked line by line for solutions and hidden
+tests. Grading goes through otter-grader's own code path (``otter run`` without Docker), each
+submission in a worker process with its own seed for the hidden tests' drawn inputs: every
 solution must score full marks, every blank student release zero; for every question a
 submission with one typical mistake in it must lose that question (with a message that names the
 mistake) and keep every other; for every exercise a submission that hard-codes the public answers
-earns at most a quarter; a deadlocked, an endless and a tampering answer each cost only their
-question, within the limits. The gradings run with an audit hook (a
+(or the values the solutions print) earns at most a quarter; a deadlocked, an endless and a
+tampering answer each cost only their question, within the limits. The gradings run with an audit hook (a
 ``sitecustomize`` on PYTHONPATH, inherited by otter, the kernels it starts and the ranks they
 fork) that refuses and records any connection to a non-loopback host and any attempt to start
 Docker. The Gradescope zip is unpacked into a fresh virtual environment (this environment's
@@ -39,10 +39,6 @@ import pytest
 from course_lib import exercises
 
 ROOT = Path(__file__).resolve().parents[1]
-if not (ROOT / exercises.SOURCES).is_dir():
-    pytest.skip("no instructor sources in this clone: they are private (the `instructor` branch, "
-                "exercises/README.md; `make instructor-sources` checks it out where the clone has it)",
-                allow_module_level=True)
 EXERCISES = exercises.discover(ROOT / exercises.SOURCES)
 IDS = [e.name for e in EXERCISES]
 BY_NAME = {e.name: e for e in EXERCISES}
@@ -58,7 +54,7 @@ TAMPER = ("import course_lib.exercises.grading as _g\n"
           "_g.assert_number = lambda *a, **k: None\n"
           "_g.isolated = lambda check, *a, **k: None\n")
 # Submissions built by patching the solutions: they quote solution lines, so they live with the
-# sources in instructor/ (MISTAKES: a typical mistake per question, each its own submission;
+# sources in instructor/grading_cases.py (MISTAKES: a typical mistake per question, each its own submission;
 # HARD_CODED: per exercise, the public answers hard-coded; HUNG: questions whose mistake never
 # ends; TAMPERED: the (exercise, question) whose submission also gets the TAMPER cell).
 CASES = runpy.run_path(str(ROOT / exercises.SOURCES / "grading_cases.py"))
@@ -123,7 +119,7 @@ if _LOG:
 # --------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
+def built_and_wheel(tmp_path_factory):
     """Every exercise built from a copy of its source, as `make exercises` does: releases in
     tmp/exercises, autograder releases in tmp/build/exercises (one course_lib wheel for all)."""
     tmp = tmp_path_factory.mktemp("built")
@@ -136,7 +132,20 @@ def built(tmp_path_factory):
     copies = exercises.discover(tmp / exercises.SOURCES)
     for copy in copies:
         exercises.build(copy, wheel=wheel)
-    return {ex.name: ex for ex in copies}
+    return {ex.name: ex for ex in copies}, wheel
+
+
+@pytest.fixture(scope="module")
+def built(built_and_wheel):
+    return built_and_wheel[0]
+
+
+@pytest.fixture(scope="module")
+def published(built, tmp_path_factory):
+    """The student tree, as `course exercises publish` writes it from the built releases."""
+    out = tmp_path_factory.mktemp("published") / "course"
+    exercises.publish(list(built.values()), out, ROOT / "data")
+    return out
 
 
 def test_every_source_has_its_release_and_every_release_its_source():
@@ -322,18 +331,11 @@ def test_student_release_has_no_solutions_and_no_hidden_tests(ex, built):
     assert {p.stem for p in ex.student_tests.glob("*.py")} == set(questions)
 
 
-def _git_files() -> list[Path]:
-    out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True)
-    return [ROOT / name for name in out.stdout.decode().split("\0") if name]
+def _private_content(files: list[Path], built) -> list[str]:
+    """What of the solutions and hidden tests ``files`` hold: otter's markers, solution lines,
+    hidden test functions and the lines only a hidden test has (each as 'file: what')."""
+    from test_exercise_releases import private_lines
 
-
-def test_no_tracked_file_holds_a_solution_line_or_a_hidden_test(built):
-    """What the public repository holds (every tracked file of this branch; instructor/ is a
-    worktree of another branch): no notebook, release file or test with a solution line or the
-    lines of a hidden test. (The library itself implements some of the same ideas, so its code
-    is not compared line by line; tests/test_exercise_releases.py checks the markers.)"""
-    public = _git_files()
-    assert not [p for p in public if p.relative_to(ROOT).parts[0] == exercises.SOURCES]
     solutions = {ex.name: _solution_lines(ex.source) for ex in EXERCISES}
     # lines any exercise shows students (a hidden test may share an idiom with another exercise)
     shown_anywhere = set().union(*(_lines_outside_tests(ex.source) for ex in EXERCISES)) | {
@@ -341,21 +343,47 @@ def test_no_tracked_file_holds_a_solution_line_or_a_hidden_test(built):
     hidden = {ex.name: [(f, [ln for ln in own if len(ln) >= 40 and ln not in shown_anywhere
                              and not ln.startswith(("import ", "from "))])
                         for f, own in _hidden_test_cases(built[ex.name])] for ex in EXERCISES}
-    scanned = [p for p in public if p.is_file() and (p.suffix == ".ipynb" or p.relative_to(ROOT).parts[0]
-                                                     in (exercises.RELEASES, "tests"))]
-    assert any(p.name == "test_exercises.py" for p in scanned) and any(p.suffix == ".ipynb" for p in scanned)
-    for path in scanned:
+    found = []
+    for path in files:
         text = path.read_text(encoding="utf-8", errors="replace")
         if path.suffix == ".ipynb":  # the cells' lines, not the JSON's
             text = "\n".join(c.source for c in nbformat.reads(text, as_version=4).cells)
         lines = {ln.strip() for ln in text.splitlines()}
+        found += [f"{path.name}: marker {m!r}" for m in private_lines(text)]
         for name, solution in solutions.items():
-            leaked = sorted(solution & lines)
-            assert not leaked, f"{path.relative_to(ROOT)}: solution lines of {name}: {leaked[:2]}"
+            found += [f"{path.name}: solution line of {name}: {ln!r}" for ln in sorted(solution & lines)]
             for func, own in hidden[name]:
-                assert f"def {func}(" not in text, f"{path.relative_to(ROOT)}: hidden test {func} of {name}"
-                shown = [ln for ln in own if ln in lines]
-                assert not shown, f"{path.relative_to(ROOT)}: lines of hidden test {func} of {name}: {shown[:2]}"
+                found += [f"{path.name}: hidden test {func} of {name}"] if f"def {func}(" in text else []
+                found += [f"{path.name}: line of hidden test {func}: {ln!r}" for ln in own if ln in lines]
+    return found
+
+
+def test_published_tree_holds_no_solution_line_and_no_hidden_test(published, built):
+    """What students get (`course exercises publish`): the student notebooks, their public tests,
+    manifests, data and a README, and not one solution line, marker or hidden test line."""
+    files = sorted(p for p in published.rglob("*") if p.is_file())
+    tops = {p.relative_to(published).parts[0] for p in files}
+    assert tops == {"exercises", "data", "README.md"}, tops
+    assert {p.parent.name for p in files if p.suffix == ".ipynb"} == set(IDS)
+    for ex in built.values():
+        assert sorted(p.name for p in (published / "exercises" / ex.name / "tests").glob("*.py")) == \
+            sorted(p.name for p in ex.student_tests.glob("*.py"))
+    assert not [p for p in files if p.suffix == ".zip" or "instructor" in p.parts or "grading_cases" in p.name]
+    text_files = [p for p in files if p.suffix in (".ipynb", ".py", ".md", ".json")]
+    assert _private_content(text_files, built) == []
+    # the check sees what it is meant to: the sources themselves are full of it
+    assert _private_content([ex.source for ex in EXERCISES], built)
+
+
+def test_wheel_carries_no_solution_and_no_hidden_test(built_and_wheel, tmp_path):
+    built, wheel = built_and_wheel
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        zf.extractall(tmp_path)
+    assert not [n for n in names if "instructor" in n.split("/") or n.endswith((".ipynb", ".zip"))], names
+    course = [p for p in (tmp_path / "course_lib" / "_course").rglob("*") if p.is_file()]
+    assert any(p.suffix == ".py" for p in course)  # the public tests, for Colab
+    assert _private_content(course, built) == []
 
 
 @pytest.mark.parametrize("ex", EXERCISES, ids=IDS)
