@@ -636,6 +636,35 @@ def test_hard_coding_the_public_answers_earns_at_most_a_quarter(graded, name):
     r = graded["reports"][("hard-coded", name)]
     assert r.error is None, _explain(r)
     assert 0 < r.total <= r.possible / 4, _explain(r)  # > 0: the public tests passed, as hard-coded
+    assert r.seed == exercises.submission_seed(r.submission) and f"seed {r.seed}" in _explain(r)
+
+
+@pytest.mark.timeout(900)
+def test_each_submission_is_graded_with_its_own_seed(graded):
+    seeds = {key: r.seed for key, r in graded["reports"].items()}
+    assert all(isinstance(v, int) for v in seeds.values()), seeds
+    assert len(set(seeds.values())) == len(seeds)  # different notebooks, different drawn inputs
+
+
+def test_drawn_inputs_follow_the_seed_the_process_started_with(tmp_path):
+    """A cell that sets COURSE_GRADING_SEED cannot choose its inputs: the seed is the one the
+    kernel started with; equal seeds draw equal inputs, other seeds others."""
+    script = ("import os\nos.environ['COURSE_GRADING_SEED'] = '1'  # what a submission's cell might do\n"
+              "from course_lib.exercises import draws\n"
+              "print(draws.grading_seed(), draws.rng('q1').random(), draws.seed('q1'))")
+
+    def run(seed):
+        env = {**os.environ, "COURSE_GRADING_SEED": str(seed)}
+        return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                              check=True).stdout.split()
+
+    first, again, other = run(5), run(5), run(6)
+    assert first[0] == "5" and first == again and first[1:] != other[1:]
+    sub = tmp_path / "a.ipynb"
+    sub.write_text("{}")
+    seed = exercises.submission_seed(sub)
+    sub.write_text("{} ")
+    assert 0 <= seed < 2**31 and exercises.submission_seed(sub) != seed
 
 
 def test_every_exercise_has_a_hard_coded_submission():
@@ -679,6 +708,7 @@ def test_gradebook_csv_has_a_row_per_question_and_a_total(graded, built):
     assert [r["question"] for r in rows] == [*points, "TOTAL"]
     assert {r["student"] for r in rows} == {submission.stem} and {r["assignment"] for r in rows} == {CLI_GRADED}
     assert [float(r["score"]) for r in rows] == [*points.values(), sum(points.values())]
+    assert {r["seed"] for r in rows} == {str(exercises.submission_seed(submission))}  # to grade again: --seed
     # and from reports directly: several students, a failed question
     r = graded["reports"][("mistake", "03_zero", "q2_zero1_step")]
     path = exercises.write_csv([r, graded["reports"][("solution", "03_zero")]], submission.parent / "two.csv")
@@ -726,3 +756,44 @@ def test_grader_check_passes_for_a_student_who_solved_it(graded, built):
     for cell in checks:
         text = "".join(o.get("data", {}).get("text/plain", "") for o in cell.outputs)
         assert "All test cases passed!" in text, f"{cell.source}: {text or cell.outputs}"
+
+
+@pytest.mark.parametrize("ex", EXERCISES, ids=IDS)
+def test_every_exercise_names_the_lesson_it_follows(ex):
+    intro = nbformat.read(ex.source, as_version=4).cells[0].source
+    found = re.findall(r"Follows lesson (\d+), \[(\d\d_\w+)\]\(\.\./\.\./notebooks/(\d\d_\w+)\.ipynb\)", intro)
+    assert len(found) == 1, f"{ex.name}: its first cell names no lesson ('Follows lesson N, [NN_topic](...)')"
+    number, name, link = found[0]
+    assert name == link and int(number) == int(name[:2]) and (ROOT / "notebooks" / f"{name}.ipynb").is_file()
+
+
+@pytest.mark.timeout(600)
+def test_an_instructor_authors_builds_publishes_and_grades_a_private_exercise(tmp_path, capsys):
+    """The README's path for private exercises, in a folder of their own (their private
+    repository): `new` from the template, `build`, `check`, `publish`, `grade --root`."""
+    root = tmp_path / "my-course" / "instructor"
+    assert exercises.cli(["new", "07_mean", "--root", str(root)]) == 0
+    assert exercises.cli(["new", "07_mean", "--root", str(root)]) == 2  # never overwrites
+    assert exercises.cli(["new", "mean", "--root", str(root)]) == 2  # NN_topic
+    (ex,) = exercises.discover(root)
+    assert exercises.source_problems(ex) == [] and exercises.setup_cell_problems(ex) == []
+    assert exercises.cli(["build", "--root", str(root)]) == 0
+    assert exercises.cli(["check", "--root", str(root)]) == 0
+    assert ex.release == tmp_path / "my-course" / "exercises" / "07_mean" and ex.autograder_zip.is_file()
+    out = tmp_path / "published"
+    assert exercises.cli(["publish", str(out), "--root", str(root)]) == 0
+    files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert files == ["README.md", "exercises/07_mean/07_mean.ipynb", "exercises/07_mean/MANIFEST.json",
+                     "exercises/07_mean/tests/q1_mean.py"], files
+    text = "\n".join((out / f).read_text() for f in files)
+    assert "sum(values) / len(values)" not in text and "HIDDEN" not in text and "test_drawn_lists" not in text
+    assert exercises.cli(["publish", str(out), "--root", str(root)]) == 1  # not into a full folder
+
+    hard_coded = tmp_path / "hard_coded.ipynb"
+    _patched(ex.solution_notebook, {"    return sum(values) / len(values)  # SOLUTION\n": "    return 2.5\n"},
+             tmp_path, hard_coded.name)
+    capsys.readouterr()
+    subs = [ex.solution_notebook, out / "exercises" / "07_mean" / "07_mean.ipynb", hard_coded]
+    assert exercises.grade_cli([*map(str, subs), "--root", str(root), "--jobs", "3", "--json"]) == 0
+    reports = json.loads(capsys.readouterr().out)
+    assert [(r["total"], r["possible"]) for r in reports] == [(4, 4), (0, 4), (1, 4)], reports

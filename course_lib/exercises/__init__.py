@@ -48,6 +48,7 @@ from course_lib.exercises.colab import (
     setup_cell_problems,
     sync_setup_cell,
 )
+from course_lib.exercises.draws import submission_seed
 from course_lib.exercises.grade import (
     CELL_TIMEOUT_ENV,
     CellTimeLimit,
@@ -60,7 +61,6 @@ from course_lib.exercises.grade import (
     questions_in,
 )
 from course_lib.exercises.gradebook import write_csv, write_feedback
-from course_lib.exercises.publish import new_exercise, publish
 from course_lib.exercises.layout import (
     MANIFEST,
     RELEASES,
@@ -72,6 +72,7 @@ from course_lib.exercises.layout import (
     discover_releases,
     select,
 )
+from course_lib.exercises.publish import new_exercise, publish
 
 __all__ = [
     "BUILD_FORMAT",
@@ -95,17 +96,18 @@ __all__ = [
     "fetch_student_tests",
     "find_autograder",
     "grade",
-    "new_exercise",
-    "publish",
     "grade_cli",
     "grade_many",
     "grading_env",
     "install_spec",
+    "new_exercise",
     "otter_version",
+    "publish",
     "questions_in",
     "select",
     "setup_cell_problems",
     "source_problems",
+    "submission_seed",
     "sync_setup_cell",
     "write_csv",
     "write_feedback",

@@ -49,9 +49,9 @@ def publish(exercises: list[Exercise], out: str | Path, data: Path | None = None
         shutil.copytree(data, out / "data")
         written += sorted(p for p in (out / "data").rglob("*") if p.is_file())
     lines = ["# Exercises", "",
-             "Open a notebook in Colab from its badge, or in Jupyter next to its `tests/` folder. "
-             "On Colab the first code cell installs the course package and copies the public tests "
-             "(`grader.check`) next to the notebook: no clone is needed.", ""]
+             ("Open a notebook in Colab from its badge, or in Jupyter next to its `tests/` folder. "
+              "On Colab the first code cell installs the course package and copies the public tests "
+              "(`grader.check`) next to the notebook: no clone is needed."), ""]
     for ex in exercises:
         lines += [f"- `{ex.name}`: {colab_badge_line(ex.name)}"]
     (out / "README.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
