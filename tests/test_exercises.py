@@ -369,6 +369,8 @@ def test_published_tree_holds_no_solution_line_and_no_hidden_test(published, bui
         assert sorted(p.name for p in (published / "exercises" / ex.name / "tests").glob("*.py")) == \
             sorted(p.name for p in ex.student_tests.glob("*.py"))
     assert not [p for p in files if p.suffix == ".zip" or "instructor" in p.parts or "grading_cases" in p.name]
+    shipped = subprocess.run(["git", "ls-files", "data"], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert sorted(p.name for p in (published / "data").iterdir()) == sorted(Path(n).name for n in shipped.stdout.split())
     text_files = [p for p in files if p.suffix in (".ipynb", ".py", ".md", ".json")]
     assert _private_content(text_files, built) == []
     # the check sees what it is meant to: the sources themselves are full of it

@@ -31,7 +31,7 @@ def published_files(ex: Exercise) -> list[Path]:
 
 def publish(exercises: list[Exercise], out: str | Path, data: Path | None = None) -> list[Path]:
     """Write the student tree into ``out``: ``exercises/NN_topic/`` (student notebook, public
-    tests, manifest) for each exercise, ``data/`` (a copy of ``data``, if given) and README.md.
+    tests, manifest) for each exercise, ``data/`` (the files of ``data``, if given) and README.md.
     Refuses a stale release (build it first) and an ``out`` that is not empty."""
     out = Path(out)
     if out.exists() and any(out.iterdir()):
@@ -45,9 +45,9 @@ def publish(exercises: list[Exercise], out: str | Path, data: Path | None = None
             dest = out / "exercises" / ex.name / src.relative_to(ex.release)
             dest.parent.mkdir(parents=True, exist_ok=True)
             written.append(Path(shutil.copy2(src, dest)))
-    if data is not None and Path(data).is_dir():
-        shutil.copytree(data, out / "data")
-        written += sorted(p for p in (out / "data").rglob("*") if p.is_file())
+    if data is not None and Path(data).is_dir():  # its files, not what `course data prepare` made in it
+        (out / "data").mkdir(parents=True)
+        written += [Path(shutil.copy2(p, out / "data" / p.name)) for p in sorted(Path(data).iterdir()) if p.is_file()]
     lines = ["# Exercises", "",
              ("Open a notebook in Colab from its badge, or in Jupyter next to its `tests/` folder. "
               "On Colab the first code cell installs the course package and copies the public tests "
