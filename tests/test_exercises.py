@@ -662,6 +662,12 @@ def test_drawn_inputs_follow_the_seed_the_process_started_with(tmp_path):
 
     first, again, other = run(5), run(5), run(6)
     assert first[0] == "5" and first == again and first[1:] != other[1:]
+    from course_lib.exercises import draws
+
+    before = os.environ.get(draws.SEED_ENV)
+    with draws.seeded(7):  # what a grading worker starts its kernel under
+        assert os.environ[draws.SEED_ENV] == "7"
+    assert os.environ.get(draws.SEED_ENV) == before
     sub = tmp_path / "a.ipynb"
     sub.write_text("{}")
     seed = exercises.submission_seed(sub)
@@ -794,8 +800,13 @@ def test_an_instructor_authors_builds_publishes_and_grades_a_private_exercise(tm
     hard_coded = tmp_path / "hard_coded.ipynb"
     _patched(ex.solution_notebook, {"    return sum(values) / len(values)  # SOLUTION\n": "    return 2.5\n"},
              tmp_path, hard_coded.name)
+    # the kernel that runs the tests sees the seed that the report records
+    says_seed = _patched(ex.solution_notebook, {}, tmp_path / "seed", first_cell=(
+        "from course_lib.exercises import draws\nraise RuntimeError(f'drawn with seed {draws.grading_seed()}')"))
     capsys.readouterr()
-    subs = [ex.solution_notebook, out / "exercises" / "07_mean" / "07_mean.ipynb", hard_coded]
-    assert exercises.grade_cli([*map(str, subs), "--root", str(root), "--jobs", "3", "--json"]) == 0
+    subs = [ex.solution_notebook, out / "exercises" / "07_mean" / "07_mean.ipynb", hard_coded, says_seed]
+    assert exercises.grade_cli([*map(str, subs), "--root", str(root), "--jobs", "4", "--json"]) == 0
     reports = json.loads(capsys.readouterr().out)
-    assert [(r["total"], r["possible"]) for r in reports] == [(4, 4), (0, 4), (1, 4)], reports
+    assert [(r["total"], r["possible"]) for r in reports] == [(4, 4), (0, 4), (1, 4), (4, 4)], reports
+    assert [r["seed"] for r in reports] == [exercises.submission_seed(s) for s in subs]
+    assert any(f"drawn with seed {reports[3]['seed']}" in e for e in reports[3]["cell_errors"]), reports[3]

@@ -16,6 +16,7 @@ system has it): a cell of the submission that sets ``os.environ`` cannot pick it
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import random
@@ -55,3 +56,18 @@ def rng(salt: str) -> random.Random:
 def seed(salt: str) -> int:
     """An integer seed (for ``torch.manual_seed`` or a ``torch.Generator``) for one test."""
     return rng(salt).randrange(2**31)
+
+
+@contextlib.contextmanager
+def seeded(value: int):
+    """``COURSE_GRADING_SEED=value`` for the processes started inside (otter's kernel), then the
+    environment as it was."""
+    saved = os.environ.get(SEED_ENV)
+    os.environ[SEED_ENV] = str(int(value))
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(SEED_ENV, None)
+        else:
+            os.environ[SEED_ENV] = saved

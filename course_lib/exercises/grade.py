@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from course_lib.exercises.cell_limit import CELL_TIMEOUT_ENV, CellTimeLimit  # noqa: F401 - re-exported
-from course_lib.exercises.draws import SEED_ENV, submission_seed
+from course_lib.exercises.draws import seeded, submission_seed
 from course_lib.exercises.layout import quiet as silenced
 from course_lib.exercises.layout import select
 
@@ -150,7 +150,6 @@ def grade(submission: str | os.PathLike, autograder: str | os.PathLike | None = 
     possible = questions_in(autograder)
     assignment = assignment_of_zip(autograder)
     seed = submission_seed(submission) if seed is None else int(seed)
-    os.environ[SEED_ENV] = str(seed)  # the kernel that otter starts inherits it
 
     t0 = time.perf_counter()
     error, results = None, None
@@ -162,7 +161,7 @@ def grade(submission: str | os.PathLike, autograder: str | os.PathLike | None = 
         try:
             from otter.api import grade_submission
 
-            with silenced(quiet):
+            with silenced(quiet), seeded(seed):  # the kernel otter starts inherits the seed
                 results = grade_submission(str(canonical), str(autograder), quiet=quiet)
             if results.catastrophic_error is not None:
                 error = repr(results.catastrophic_error)
