@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 NPROC   ?= auto
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-.PHONY: demo test test-fast install instructor-sources images images-check notebooks-clear exercises bench browser-deps slurm-deps mpi-deps slurm-local check-gpu test-gpu book clean
+.PHONY: demo test test-fast install images images-check notebooks-clear exercises bench browser-deps slurm-deps mpi-deps slurm-local check-gpu test-gpu book clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -54,10 +54,10 @@ demo: $(STAMP)
 	$(VENV)/bin/course data prepare shakespeare_char
 	$(VPY) -m course_lib.launch.demo --nproc=$(NPROC) --out_dir=runs/demo
 
-test: $(STAMP) browser-deps slurm-deps mpi-deps instructor-sources
+test: $(STAMP) browser-deps slurm-deps mpi-deps
 	$(VPY) -m pytest -q --durations=15
 
-test-fast: $(STAMP) instructor-sources
+test-fast: $(STAMP)
 	$(VPY) -m pytest -q -m "not slow and not browser"
 
 # Mermaid sources -> SVG + PNG with mermaid-cli and Debian Chromium (offline). mermaid-cli goes
@@ -80,20 +80,10 @@ images-check: $(STAMP)
 notebooks-clear: $(STAMP)
 	$(VPY) tools/notebooks.py clear
 
-# The private exercise sources (solutions, hidden tests) in instructor/: a git worktree of the
-# `instructor` branch, which only the instructor's private remote carries (exercises/README.md).
-# A clone without it (the public repository) still tests the releases; the tests that build and
-# grade the exercises say they were skipped and why.
-instructor-sources:
-	@if [ -d instructor ]; then :; \
-	elif git rev-parse -q --verify refs/heads/instructor >/dev/null 2>&1; then git worktree prune && git worktree add -q instructor instructor; \
-	elif git rev-parse -q --verify refs/remotes/origin/instructor >/dev/null 2>&1; then \
-	  git worktree prune && git worktree add -q --track -b instructor instructor origin/instructor; \
-	else echo "no instructor sources (private, exercises/README.md): exercise build and grading tests will be skipped"; fi
-
 # Student releases into exercises/ (commit them) and autograder releases into build/exercises/
-# (gitignored: solutions and hidden tests), from the private instructor/ sources.
-exercises: $(STAMP) instructor-sources
+# (gitignored: solutions and hidden tests), from the sources in instructor/. What students get:
+# `course exercises publish OUT` (exercises/README.md).
+exercises: $(STAMP)
 	$(VENV)/bin/course exercises build
 
 # The course website in build/book/html (README, "The course website"). BOOK_ARGS=--smoke: shrunk

@@ -1,18 +1,18 @@
-"""The graded exercises, built from the private sources: releases are fresh, grading scores right and never hangs.
+"""The graded exercises, built from their sources: releases are fresh, grading scores right and never hangs.
 
     python -m pytest tests/test_exercises.py -q
 
-Sources live in instructor/ (solutions, hidden tests), a worktree of the private ``instructor``
-branch (``make instructor-sources``; a public clone has none, and this module says it skipped
-and why: tests/test_exercise_releases.py checks what the public tree can); student releases in
-exercises/ (committed); autograder releases are built here into a temporary folder, as `make
-exercises` builds them into build/ for an instructor. Grading goes through otter-grader's own
-code path (``otter run`` without Docker), each submission in a worker process: every instructor
+Sources live in instructor/ (solutions, hidden tests; tracked and public, like a textbook's answer
+key); student releases in exercises/ (committed); autograder releases are built here into a
+temporary folder, as `make exercises` builds them into build/ for an instructor, and the student
+tree that ``course exercises publish`` writes is checked line by line for solutions and hidden
+tests. Grading goes through otter-grader's own code path (``otter run`` without Docker), each
+submission in a worker process with its own seed for the hidden tests' drawn inputs: every
 solution must score full marks, every blank student release zero; for every question a
 submission with one typical mistake in it must lose that question (with a message that names the
 mistake) and keep every other; for every exercise a submission that hard-codes the public answers
-earns at most a quarter; a deadlocked, an endless and a tampering answer each cost only their
-question, within the limits. The gradings run with an audit hook (a
+(or the values the solutions print) earns at most a quarter; a deadlocked, an endless and a
+tampering answer each cost only their question, within the limits. The gradings run with an audit hook (a
 ``sitecustomize`` on PYTHONPATH, inherited by otter, the kernels it starts and the ranks they
 fork) that refuses and records any connection to a non-loopback host and any attempt to start
 Docker. The Gradescope zip is unpacked into a fresh virtual environment (this environment's
@@ -39,10 +39,6 @@ import pytest
 from course_lib import exercises
 
 ROOT = Path(__file__).resolve().parents[1]
-if not (ROOT / exercises.SOURCES).is_dir():
-    pytest.skip("no instructor sources in this clone: they are private (the `instructor` branch, "
-                "exercises/README.md; `make instructor-sources` checks it out where the clone has it)",
-                allow_module_level=True)
 EXERCISES = exercises.discover(ROOT / exercises.SOURCES)
 IDS = [e.name for e in EXERCISES]
 BY_NAME = {e.name: e for e in EXERCISES}
@@ -58,7 +54,7 @@ TAMPER = ("import course_lib.exercises.grading as _g\n"
           "_g.assert_number = lambda *a, **k: None\n"
           "_g.isolated = lambda check, *a, **k: None\n")
 # Submissions built by patching the solutions: they quote solution lines, so they live with the
-# sources in instructor/ (MISTAKES: a typical mistake per question, each its own submission;
+# sources in instructor/grading_cases.py (MISTAKES: a typical mistake per question, each its own submission;
 # HARD_CODED: per exercise, the public answers hard-coded; HUNG: questions whose mistake never
 # ends; TAMPERED: the (exercise, question) whose submission also gets the TAMPER cell).
 CASES = runpy.run_path(str(ROOT / exercises.SOURCES / "grading_cases.py"))
@@ -123,7 +119,7 @@ if _LOG:
 # --------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
+def built_and_wheel(tmp_path_factory):
     """Every exercise built from a copy of its source, as `make exercises` does: releases in
     tmp/exercises, autograder releases in tmp/build/exercises (one course_lib wheel for all)."""
     tmp = tmp_path_factory.mktemp("built")
@@ -136,7 +132,20 @@ def built(tmp_path_factory):
     copies = exercises.discover(tmp / exercises.SOURCES)
     for copy in copies:
         exercises.build(copy, wheel=wheel)
-    return {ex.name: ex for ex in copies}
+    return {ex.name: ex for ex in copies}, wheel
+
+
+@pytest.fixture(scope="module")
+def built(built_and_wheel):
+    return built_and_wheel[0]
+
+
+@pytest.fixture(scope="module")
+def published(built, tmp_path_factory):
+    """The student tree, as `course exercises publish` writes it from the built releases."""
+    out = tmp_path_factory.mktemp("published") / "course"
+    exercises.publish(list(built.values()), out, ROOT / "data")
+    return out
 
 
 def test_every_source_has_its_release_and_every_release_its_source():
@@ -322,18 +331,11 @@ def test_student_release_has_no_solutions_and_no_hidden_tests(ex, built):
     assert {p.stem for p in ex.student_tests.glob("*.py")} == set(questions)
 
 
-def _git_files() -> list[Path]:
-    out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True)
-    return [ROOT / name for name in out.stdout.decode().split("\0") if name]
+def _private_content(files: list[Path], built) -> list[str]:
+    """What of the solutions and hidden tests ``files`` hold: otter's markers, solution lines,
+    hidden test functions and the lines only a hidden test has (each as 'file: what')."""
+    from test_exercise_releases import private_lines
 
-
-def test_no_tracked_file_holds_a_solution_line_or_a_hidden_test(built):
-    """What the public repository holds (every tracked file of this branch; instructor/ is a
-    worktree of another branch): no notebook, release file or test with a solution line or the
-    lines of a hidden test. (The library itself implements some of the same ideas, so its code
-    is not compared line by line; tests/test_exercise_releases.py checks the markers.)"""
-    public = _git_files()
-    assert not [p for p in public if p.relative_to(ROOT).parts[0] == exercises.SOURCES]
     solutions = {ex.name: _solution_lines(ex.source) for ex in EXERCISES}
     # lines any exercise shows students (a hidden test may share an idiom with another exercise)
     shown_anywhere = set().union(*(_lines_outside_tests(ex.source) for ex in EXERCISES)) | {
@@ -341,21 +343,49 @@ def test_no_tracked_file_holds_a_solution_line_or_a_hidden_test(built):
     hidden = {ex.name: [(f, [ln for ln in own if len(ln) >= 40 and ln not in shown_anywhere
                              and not ln.startswith(("import ", "from "))])
                         for f, own in _hidden_test_cases(built[ex.name])] for ex in EXERCISES}
-    scanned = [p for p in public if p.is_file() and (p.suffix == ".ipynb" or p.relative_to(ROOT).parts[0]
-                                                     in (exercises.RELEASES, "tests"))]
-    assert any(p.name == "test_exercises.py" for p in scanned) and any(p.suffix == ".ipynb" for p in scanned)
-    for path in scanned:
+    found = []
+    for path in files:
         text = path.read_text(encoding="utf-8", errors="replace")
         if path.suffix == ".ipynb":  # the cells' lines, not the JSON's
             text = "\n".join(c.source for c in nbformat.reads(text, as_version=4).cells)
         lines = {ln.strip() for ln in text.splitlines()}
+        found += [f"{path.name}: marker {m!r}" for m in private_lines(text)]
         for name, solution in solutions.items():
-            leaked = sorted(solution & lines)
-            assert not leaked, f"{path.relative_to(ROOT)}: solution lines of {name}: {leaked[:2]}"
+            found += [f"{path.name}: solution line of {name}: {ln!r}" for ln in sorted(solution & lines)]
             for func, own in hidden[name]:
-                assert f"def {func}(" not in text, f"{path.relative_to(ROOT)}: hidden test {func} of {name}"
-                shown = [ln for ln in own if ln in lines]
-                assert not shown, f"{path.relative_to(ROOT)}: lines of hidden test {func} of {name}: {shown[:2]}"
+                found += [f"{path.name}: hidden test {func} of {name}"] if f"def {func}(" in text else []
+                found += [f"{path.name}: line of hidden test {func}: {ln!r}" for ln in own if ln in lines]
+    return found
+
+
+def test_published_tree_holds_no_solution_line_and_no_hidden_test(published, built):
+    """What students get (`course exercises publish`): the student notebooks, their public tests,
+    manifests, data and a README, and not one solution line, marker or hidden test line."""
+    files = sorted(p for p in published.rglob("*") if p.is_file())
+    tops = {p.relative_to(published).parts[0] for p in files}
+    assert tops == {"exercises", "data", "README.md"}, tops
+    assert {p.parent.name for p in files if p.suffix == ".ipynb"} == set(IDS)
+    for ex in built.values():
+        assert sorted(p.name for p in (published / "exercises" / ex.name / "tests").glob("*.py")) == \
+            sorted(p.name for p in ex.student_tests.glob("*.py"))
+    assert not [p for p in files if p.suffix == ".zip" or "instructor" in p.parts or "grading_cases" in p.name]
+    shipped = subprocess.run(["git", "ls-files", "data"], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert sorted(p.name for p in (published / "data").iterdir()) == sorted(Path(n).name for n in shipped.stdout.split())
+    text_files = [p for p in files if p.suffix in (".ipynb", ".py", ".md", ".json")]
+    assert _private_content(text_files, built) == []
+    # the check sees what it is meant to: the sources themselves are full of it
+    assert _private_content([ex.source for ex in EXERCISES], built)
+
+
+def test_wheel_carries_no_solution_and_no_hidden_test(built_and_wheel, tmp_path):
+    built, wheel = built_and_wheel
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        zf.extractall(tmp_path)
+    assert not [n for n in names if "instructor" in n.split("/") or n.endswith((".ipynb", ".zip"))], names
+    course = [p for p in (tmp_path / "course_lib" / "_course").rglob("*") if p.is_file()]
+    assert any(p.suffix == ".py" for p in course)  # the public tests, for Colab
+    assert _private_content(course, built) == []
 
 
 @pytest.mark.parametrize("ex", EXERCISES, ids=IDS)
@@ -608,6 +638,41 @@ def test_hard_coding_the_public_answers_earns_at_most_a_quarter(graded, name):
     r = graded["reports"][("hard-coded", name)]
     assert r.error is None, _explain(r)
     assert 0 < r.total <= r.possible / 4, _explain(r)  # > 0: the public tests passed, as hard-coded
+    assert r.seed == exercises.submission_seed(r.submission) and f"seed {r.seed}" in _explain(r)
+
+
+@pytest.mark.timeout(900)
+def test_each_submission_is_graded_with_its_own_seed(graded):
+    seeds = {key: r.seed for key, r in graded["reports"].items()}
+    assert all(isinstance(v, int) for v in seeds.values()), seeds
+    assert len(set(seeds.values())) == len(seeds)  # different notebooks, different drawn inputs
+
+
+def test_drawn_inputs_follow_the_seed_the_process_started_with(tmp_path):
+    """A cell that sets COURSE_GRADING_SEED cannot choose its inputs: the seed is the one the
+    kernel started with; equal seeds draw equal inputs, other seeds others."""
+    script = ("import os\nos.environ['COURSE_GRADING_SEED'] = '1'  # what a submission's cell might do\n"
+              "from course_lib.exercises import draws\n"
+              "print(draws.grading_seed(), draws.rng('q1').random(), draws.seed('q1'))")
+
+    def run(seed):
+        env = {**os.environ, "COURSE_GRADING_SEED": str(seed)}
+        return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                              check=True).stdout.split()
+
+    first, again, other = run(5), run(5), run(6)
+    assert first[0] == "5" and first == again and first[1:] != other[1:]
+    from course_lib.exercises import draws
+
+    before = os.environ.get(draws.SEED_ENV)
+    with draws.seeded(7):  # what a grading worker starts its kernel under
+        assert os.environ[draws.SEED_ENV] == "7"
+    assert os.environ.get(draws.SEED_ENV) == before
+    sub = tmp_path / "a.ipynb"
+    sub.write_text("{}")
+    seed = exercises.submission_seed(sub)
+    sub.write_text("{} ")
+    assert 0 <= seed < 2**31 and exercises.submission_seed(sub) != seed
 
 
 def test_every_exercise_has_a_hard_coded_submission():
@@ -651,6 +716,7 @@ def test_gradebook_csv_has_a_row_per_question_and_a_total(graded, built):
     assert [r["question"] for r in rows] == [*points, "TOTAL"]
     assert {r["student"] for r in rows} == {submission.stem} and {r["assignment"] for r in rows} == {CLI_GRADED}
     assert [float(r["score"]) for r in rows] == [*points.values(), sum(points.values())]
+    assert {r["seed"] for r in rows} == {str(exercises.submission_seed(submission))}  # to grade again: --seed
     # and from reports directly: several students, a failed question
     r = graded["reports"][("mistake", "03_zero", "q2_zero1_step")]
     path = exercises.write_csv([r, graded["reports"][("solution", "03_zero")]], submission.parent / "two.csv")
@@ -698,3 +764,49 @@ def test_grader_check_passes_for_a_student_who_solved_it(graded, built):
     for cell in checks:
         text = "".join(o.get("data", {}).get("text/plain", "") for o in cell.outputs)
         assert "All test cases passed!" in text, f"{cell.source}: {text or cell.outputs}"
+
+
+@pytest.mark.parametrize("ex", EXERCISES, ids=IDS)
+def test_every_exercise_names_the_lesson_it_follows(ex):
+    intro = nbformat.read(ex.source, as_version=4).cells[0].source
+    found = re.findall(r"Follows lesson (\d+), \[(\d\d_\w+)\]\(\.\./\.\./notebooks/(\d\d_\w+)\.ipynb\)", intro)
+    assert len(found) == 1, f"{ex.name}: its first cell names no lesson ('Follows lesson N, [NN_topic](...)')"
+    number, name, link = found[0]
+    assert name == link and int(number) == int(name[:2]) and (ROOT / "notebooks" / f"{name}.ipynb").is_file()
+
+
+@pytest.mark.timeout(600)
+def test_an_instructor_authors_builds_publishes_and_grades_a_private_exercise(tmp_path, capsys):
+    """The README's path for private exercises, in a folder of their own (their private
+    repository): `new` from the template, `build`, `check`, `publish`, `grade --root`."""
+    root = tmp_path / "my-course" / "instructor"
+    assert exercises.cli(["new", "07_mean", "--root", str(root)]) == 0
+    assert exercises.cli(["new", "07_mean", "--root", str(root)]) == 2  # never overwrites
+    assert exercises.cli(["new", "mean", "--root", str(root)]) == 2  # NN_topic
+    (ex,) = exercises.discover(root)
+    assert exercises.source_problems(ex) == [] and exercises.setup_cell_problems(ex) == []
+    assert exercises.cli(["build", "--root", str(root)]) == 0
+    assert exercises.cli(["check", "--root", str(root)]) == 0
+    assert ex.release == tmp_path / "my-course" / "exercises" / "07_mean" and ex.autograder_zip.is_file()
+    out = tmp_path / "published"
+    assert exercises.cli(["publish", str(out), "--root", str(root)]) == 0
+    files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert files == ["README.md", "exercises/07_mean/07_mean.ipynb", "exercises/07_mean/MANIFEST.json",
+                     "exercises/07_mean/tests/q1_mean.py"], files
+    text = "\n".join((out / f).read_text() for f in files)
+    assert "sum(values) / len(values)" not in text and "HIDDEN" not in text and "test_drawn_lists" not in text
+    assert exercises.cli(["publish", str(out), "--root", str(root)]) == 1  # not into a full folder
+
+    hard_coded = tmp_path / "hard_coded.ipynb"
+    _patched(ex.solution_notebook, {"    return sum(values) / len(values)  # SOLUTION\n": "    return 2.5\n"},
+             tmp_path, hard_coded.name)
+    # the kernel that runs the tests sees the seed that the report records
+    says_seed = _patched(ex.solution_notebook, {}, tmp_path / "seed", first_cell=(
+        "from course_lib.exercises import draws\nraise RuntimeError(f'drawn with seed {draws.grading_seed()}')"))
+    capsys.readouterr()
+    subs = [ex.solution_notebook, out / "exercises" / "07_mean" / "07_mean.ipynb", hard_coded, says_seed]
+    assert exercises.grade_cli([*map(str, subs), "--root", str(root), "--jobs", "4", "--json"]) == 0
+    reports = json.loads(capsys.readouterr().out)
+    assert [(r["total"], r["possible"]) for r in reports] == [(4, 4), (0, 4), (1, 4), (4, 4)], reports
+    assert [r["seed"] for r in reports] == [exercises.submission_seed(s) for s in subs]
+    assert any(f"drawn with seed {reports[3]['seed']}" in e for e in reports[3]["cell_errors"]), reports[3]

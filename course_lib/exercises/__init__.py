@@ -6,7 +6,7 @@
 
 Layout (:mod:`.layout`): ``instructor/NN_topic/NN_topic.ipynb`` is the instructor source in
 otter-grader's assign format (questions, solutions, public and hidden tests, committed without
-outputs; the private part of the repository). ``build`` runs ``otter assign`` on it and writes
+outputs; public, like a textbook's answer key: students get the tree ``publish`` writes). ``build`` runs ``otter assign`` on it and writes
 
     exercises/NN_topic/NN_topic.ipynb          what students get (committed, public)
     exercises/NN_topic/tests/*.py              its public tests
@@ -26,8 +26,9 @@ Gradescope (its environment installs CPU torch and this package's wheel).
 
 Modules: :mod:`.layout` (where exercises live), :mod:`.colab` (badge and setup cell, public tests
 on Colab), :mod:`.build` (otter assign, manifest, staleness, Gradescope files), :mod:`.grade`
-(grading and its limits), :mod:`.gradebook` (CSV, feedback files), :mod:`.cli` (the commands), :mod:`.grading` (what the
-tests use), :mod:`.p2p` (point-to-point only, bytes counted), :mod:`.cell_limit` (the
+(grading and its limits), :mod:`.draws` (hidden tests' inputs, seeded per submission),
+:mod:`.gradebook` (CSV, feedback files), :mod:`.publish` (the student tree, a new exercise from a
+template), :mod:`.cli` (the commands), :mod:`.grading` (what the tests use), :mod:`.p2p` (point-to-point only, bytes counted), :mod:`.cell_limit` (the
 CellTimeLimit plugin). Importing the package imports neither otter nor torch.
 """
 
@@ -47,6 +48,7 @@ from course_lib.exercises.colab import (
     setup_cell_problems,
     sync_setup_cell,
 )
+from course_lib.exercises.draws import submission_seed
 from course_lib.exercises.grade import (
     CELL_TIMEOUT_ENV,
     CellTimeLimit,
@@ -70,6 +72,7 @@ from course_lib.exercises.layout import (
     discover_releases,
     select,
 )
+from course_lib.exercises.publish import new_exercise, publish
 
 __all__ = [
     "BUILD_FORMAT",
@@ -97,11 +100,14 @@ __all__ = [
     "grade_many",
     "grading_env",
     "install_spec",
+    "new_exercise",
     "otter_version",
+    "publish",
     "questions_in",
     "select",
     "setup_cell_problems",
     "source_problems",
+    "submission_seed",
     "sync_setup_cell",
     "write_csv",
     "write_feedback",

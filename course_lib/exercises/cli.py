@@ -1,4 +1,4 @@
-"""Command lines: ``course exercises build|check|list|sync`` and ``course grade``."""
+"""Command lines: ``course exercises build|check|list|sync|publish|new`` and ``course grade``."""
 
 from __future__ import annotations
 
@@ -41,7 +41,28 @@ def cli(argv: list[str] | None = None) -> int:
     sy = sub.add_parser("sync", help="rewrite each source's setup cell from course_lib.GITHUB_REPO")
     sy.add_argument("names", nargs="*")
     sy.add_argument("--root", type=Path)
+    pb = sub.add_parser("publish", help="write what students get (student notebooks, public tests, "
+                                         "data, README) into OUT: no solution, no hidden test")
+    pb.add_argument("out", type=Path)
+    pb.add_argument("names", nargs="*")
+    pb.add_argument("--root", type=Path)
+    pb.add_argument("--data", type=Path, help="a data folder to include (default: data/ next to the sources' folder)")
+    nw = sub.add_parser("new", help="a new exercise source NN_topic from a template")
+    nw.add_argument("name")
+    nw.add_argument("--root", type=Path, help="folder of instructor sources (default: instructor/ of this clone)")
     args = p.parse_args(argv)
+
+    if args.cmd == "new":
+        from course_lib.exercises.layout import default_root
+        from course_lib.exercises.publish import new_exercise
+
+        try:
+            path = new_exercise(args.name, args.root if args.root is not None else default_root())
+        except (ValueError, FileExistsError, FileNotFoundError) as e:
+            print(f"course exercises: {e}", file=sys.stderr)
+            return 2
+        print(f"wrote {path}; edit it, then `course exercises build {args.name}`")
+        return 0
 
     names = getattr(args, "names", [])
     try:
@@ -66,6 +87,17 @@ def cli(argv: list[str] | None = None) -> int:
         for ex in exercises:
             if sync_setup_cell(ex):
                 print(f"rewrote the setup cell of {ex.source}; now run `course exercises build {ex.name}`")
+        return 0
+    if args.cmd == "publish":
+        from course_lib.exercises.publish import publish
+
+        data = args.data if args.data is not None else exercises[0].dir.parent.parent / "data" if exercises else None
+        try:
+            written = publish(exercises, args.out, data)
+        except (ValueError, FileExistsError) as e:
+            print(f"course exercises: {e}", file=sys.stderr)
+            return 1
+        print(f"wrote {len(written)} files of {len(exercises)} exercises into {args.out}")
         return 0
     if args.cmd == "check":
         stale = {ex.name: check(ex) + (setup_cell_problems(ex) if ex.source.is_file() else []) for ex in exercises}
@@ -126,6 +158,8 @@ def grade_cli(argv: list[str] | None = None) -> int:
     p.add_argument("--feedback", type=Path,
                    help="write one student-safe report per submission into this folder "
                         "(scores and public test messages, no hidden-test source)")
+    p.add_argument("--seed", type=int, help="the seed hidden tests draw their inputs from, for every "
+                   "submission (default: each its own, from its bytes; the report and the CSV record it)")
     p.add_argument("--json", action="store_true", help="print the reports as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no failure messages, scores only")
     args = p.parse_args(argv)
@@ -153,7 +187,8 @@ def grade_cli(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"course grade: {e}", file=sys.stderr)
         return 2
-    reports = grade_many(args.submissions, zips, args.root, jobs=args.jobs, time_limit=args.time_limit)
+    reports = grade_many(args.submissions, zips, args.root, jobs=args.jobs, time_limit=args.time_limit,
+                         seed=args.seed)
     if args.csv:
         write_csv(reports, args.csv)
     if args.feedback:

@@ -1,7 +1,7 @@
 """``course grade``: otter's local grading (``otter run``, no Docker), one killable process per
 submission, a score per question and the failure messages of each test case.
 
-    python -m course_lib.exercises.grade SUBMISSION.ipynb AUTOGRADER.zip REPORT.json   # one worker
+    python -m course_lib.exercises.grade SUBMISSION.ipynb AUTOGRADER.zip REPORT.json SEED   # one worker
 
 Limits, all enforced from outside the student's code:
 
@@ -13,6 +13,7 @@ Limits, all enforced from outside the student's code:
 - the whole submission is graded in a process of its own (this module's ``__main__``) that
   :func:`grade_many` kills, with its kernel and ranks, after ``time_limit`` seconds: whatever
   happens, ``course grade`` returns and a batch never stalls.
+Hidden tests draw their inputs from a seed per submission (:mod:`.draws`), kept in the report.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from course_lib.exercises.cell_limit import CELL_TIMEOUT_ENV, CellTimeLimit  # noqa: F401 - re-exported
+from course_lib.exercises.draws import seeded, submission_seed
 from course_lib.exercises.layout import quiet as silenced
 from course_lib.exercises.layout import select
 
@@ -56,6 +58,7 @@ class GradeReport:
     error: str | None = None  # grading itself failed (the submission still scores what it got)
     cell_errors: list[str] = field(default_factory=list)  # errors raised by submission cells
     seconds: float = 0.0
+    seed: int | None = None  # the seed the hidden tests drew their inputs from
 
     @property
     def total(self) -> float:
@@ -81,7 +84,8 @@ class GradeReport:
         tests' messages only, a hidden test's failure as one line without its source)."""
         width = max([len(q.name) for q in self.questions] + [8])
         head = self.submission if not student_safe else Path(self.submission).name
-        lines = [f"{head}  (autograder: {self.autograder})" if not student_safe else head]
+        seed = f", seed {self.seed}" if self.seed is not None else ""
+        lines = [f"{head}  (autograder: {self.autograder}{seed})" if not student_safe else head]
         if verbose:
             lines += [f"  cell error: {msg}" for msg in self.cell_errors]
         for q in self.questions:
@@ -132,9 +136,9 @@ def find_autograder(submission: Path, root: Path | None = None) -> Path:
 
 
 def grade(submission: str | os.PathLike, autograder: str | os.PathLike | None = None,
-          root: Path | None = None, quiet: bool = True) -> GradeReport:
-    """Grade one notebook locally with otter (no Docker, no network)."""
-
+          root: Path | None = None, quiet: bool = True, seed: int | None = None) -> GradeReport:
+    """Grade one notebook locally with otter (no Docker, no network). The hidden tests draw
+    their inputs from ``seed`` (default: :func:`~course_lib.exercises.draws.submission_seed`)."""
     submission = Path(submission).resolve()
     if not submission.is_file():
         raise FileNotFoundError(f"submission {submission} does not exist")
@@ -145,6 +149,7 @@ def grade(submission: str | os.PathLike, autograder: str | os.PathLike | None = 
         raise FileNotFoundError(f"autograder zip {autograder} does not exist")
     possible = questions_in(autograder)
     assignment = assignment_of_zip(autograder)
+    seed = submission_seed(submission) if seed is None else int(seed)
 
     t0 = time.perf_counter()
     error, results = None, None
@@ -156,7 +161,7 @@ def grade(submission: str | os.PathLike, autograder: str | os.PathLike | None = 
         try:
             from otter.api import grade_submission
 
-            with silenced(quiet):
+            with silenced(quiet), seeded(seed):  # the kernel otter starts inherits the seed
                 results = grade_submission(str(canonical), str(autograder), quiet=quiet)
             if results.catastrophic_error is not None:
                 error = repr(results.catastrophic_error)
@@ -177,7 +182,7 @@ def grade(submission: str | os.PathLike, autograder: str | os.PathLike | None = 
         questions.append(QuestionScore(name, float(tf.score), float(tf.possible), failures, public))
     cell_errors = _cell_errors(results.notebook) if results is not None and results.notebook else []
     return GradeReport(str(submission), str(autograder), questions, error, cell_errors,
-                       time.perf_counter() - t0)
+                       time.perf_counter() - t0, seed)
 
 
 def assignment_of_zip(autograder_zip: Path) -> str | None:
@@ -211,16 +216,17 @@ def _cell_errors(executed_nb) -> list[str]:
 
 def _report_from_dict(d: dict) -> GradeReport:
     return GradeReport(d["submission"], d["autograder"], [QuestionScore(**q) for q in d["questions"]],
-                       d.get("error"), d.get("cell_errors", []), d.get("seconds", 0.0))
+                       d.get("error"), d.get("cell_errors", []), d.get("seconds", 0.0), d.get("seed"))
 
 
-def _stopped_report(submission: str, autograder: str, why: str, seconds: float) -> GradeReport:
+def _stopped_report(submission: str, autograder: str, why: str, seconds: float, seed=None) -> GradeReport:
     """Every question zero, with the reason: what a killed or crashed grading worker leaves."""
     questions = [QuestionScore(n, 0.0, p, [why], [why]) for n, p in questions_in(Path(autograder)).items()]
-    return GradeReport(submission, autograder, questions, why, [], seconds)
+    return GradeReport(submission, autograder, questions, why, [], seconds, seed)
 
 
-def _grade_in_process(submission: str, autograder: str, time_limit: float, env: dict) -> GradeReport:
+def _grade_in_process(submission: str, autograder: str, time_limit: float, env: dict,
+                      seed: int | None = None) -> GradeReport:
     """Grade one submission in a worker process of its own session; kill the whole session
     (worker, kernel, ranks) at ``time_limit``."""
     with tempfile.TemporaryDirectory(prefix="course_grade_job_") as tmp:
@@ -228,8 +234,9 @@ def _grade_in_process(submission: str, autograder: str, time_limit: float, env: 
         log = Path(tmp) / "worker.log"
         t0 = time.monotonic()
         with open(log, "wb") as log_file:
+            seed = submission_seed(submission) if seed is None else seed
             proc = subprocess.Popen([sys.executable, "-m", "course_lib.exercises.grade", submission,
-                                     autograder, str(out)], stdout=log_file, stderr=subprocess.STDOUT,
+                                     autograder, str(out), str(seed)], stdout=log_file, stderr=subprocess.STDOUT,
                                     env=env, start_new_session=True)
             try:
                 proc.wait(timeout=time_limit)
@@ -250,7 +257,7 @@ def _grade_in_process(submission: str, autograder: str, time_limit: float, env: 
         else:
             said = log.read_text(errors="replace").strip().splitlines()[-3:]
             why = f"the grading process failed (exit code {proc.returncode}): {' / '.join(said)}"
-        return _stopped_report(submission, autograder, why, seconds)
+        return _stopped_report(submission, autograder, why, seconds, seed)
 
 
 def grading_env(base: dict | None = None) -> dict:
@@ -261,9 +268,9 @@ def grading_env(base: dict | None = None) -> dict:
 
 
 def grade_many(submissions: list, autograders: list | None = None, root: Path | None = None,
-               jobs: int = 1, time_limit: float = SUBMISSION_LIMIT_S) -> list[GradeReport]:
+               jobs: int = 1, time_limit: float = SUBMISSION_LIMIT_S, seed: int | None = None) -> list[GradeReport]:
     """Grade several notebooks, ``jobs`` at a time, each in a worker process that is killed after
-    ``time_limit`` seconds (its questions then score zero, with the reason)."""
+    ``time_limit`` s (its questions then score zero, with the reason); ``seed``: see :func:`grade`."""
     autograders = list(autograders) if autograders is not None else [None] * len(submissions)
     if len(autograders) != len(submissions):
         raise ValueError("give one autograder per submission (or none)")
@@ -273,16 +280,16 @@ def grade_many(submissions: list, autograders: list | None = None, root: Path | 
             for s, a in zip(submissions, autograders)]
     env = grading_env()
     with ThreadPoolExecutor(max(1, min(jobs, len(work)))) as pool:
-        return list(pool.map(lambda w: _grade_in_process(*w, time_limit, env), work))
+        return list(pool.map(lambda w: _grade_in_process(*w, time_limit, env, seed), work))
 
 
 def _main(argv: list[str]) -> int:
     """The worker: grade one submission in this process, write the report as JSON."""
-    submission, autograder, out = argv
+    submission, autograder, out, seed = argv
     try:
-        report = grade(submission, autograder).to_dict()
+        report = grade(submission, autograder, seed=int(seed)).to_dict()
     except Exception as e:  # noqa: BLE001 - reported as the submission's error
-        report = _stopped_report(submission, autograder, f"{type(e).__name__}: {e}", 0.0).to_dict()
+        report = _stopped_report(submission, autograder, f"{type(e).__name__}: {e}", 0.0, int(seed)).to_dict()
     Path(out).write_text(json.dumps(report), encoding="utf-8")
     return 0
 

@@ -11,16 +11,18 @@ from course_lib.exercises.grade import GradeReport, assignment_of_zip, points_te
 
 
 def write_csv(reports: list[GradeReport], path: str | os.PathLike) -> Path:
-    """The gradebook: one row per student and question, then one TOTAL row per student."""
+    """The gradebook: one row per student and question, then one TOTAL row per student; ``seed``
+    is the one the hidden tests drew their inputs from (to grade again with ``--seed``)."""
     path = Path(path)
     with open(path, "w", newline="", encoding="utf-8") as f:
         out = csv.writer(f)
-        out.writerow(["student", "assignment", "question", "score", "possible"])
+        out.writerow(["student", "assignment", "question", "score", "possible", "seed"])
         for r in reports:
             assignment = assignment_of_zip(Path(r.autograder)) or ""
+            seed = "" if r.seed is None else r.seed
             for q in r.questions:
-                out.writerow([r.student, assignment, q.name, points_text(q.score), points_text(q.possible)])
-            out.writerow([r.student, assignment, "TOTAL", points_text(r.total), points_text(r.possible)])
+                out.writerow([r.student, assignment, q.name, points_text(q.score), points_text(q.possible), seed])
+            out.writerow([r.student, assignment, "TOTAL", points_text(r.total), points_text(r.possible), seed])
     return path
 
 

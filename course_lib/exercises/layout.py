@@ -8,9 +8,10 @@ students can see:
                                                   `make exercises`): solution notebook, all tests,
                                                   autograder.zip for `course grade` and Gradescope
 
-``instructor/`` is private and never committed to the public tree: a worktree of the
-``instructor`` branch that only the instructor's private remote carries (exercises/README.md,
-``make instructor-sources``); ``exercises/`` and everything else is public.
+``instructor/`` is tracked: the solutions are public, like a textbook's answer key. Students get
+the tree that ``course exercises publish OUT`` writes (no solution, no hidden test); an instructor
+who wants private exercises keeps their own sources elsewhere and passes ``--root``
+(exercises/README.md).
 """
 
 from __future__ import annotations
@@ -67,9 +68,8 @@ def default_root() -> Path:
     root = repo_root()
     if root is None or not (root / SOURCES).is_dir():
         raise FileNotFoundError(
-            f"no {SOURCES}/ folder with the exercise sources found: the instructor sources are "
-            "private (exercises/README.md, 'The private copy'); `make instructor-sources` checks "
-            "out the `instructor` branch where a clone has it; else pass --root, or for grading "
+            f"no {SOURCES}/ folder with the exercise sources found (an installed package has none): "
+            "run from a clone of the course, pass --root (your own sources), or for grading "
             "--autograder ZIP")
     return root / SOURCES
 

@@ -1,0 +1,132 @@
+"""Submissions that tests/test_exercises.py grades, as patches of the solution notebooks.
+
+    (read by tests/test_exercises.py; the patches quote the solutions, which are public)
+
+MISTAKES[exercise][question] = (text in the solution, the mistaken replacement, words that the
+failure message must contain): each is graded as a submission of its own, the solution with that
+one mistake; it must lose its question and keep every other. 01 q1 deadlocks; 04 q1 loops forever
+(HUNG: they must score zero); the submission of TAMPERED (exercise, question) also replaces the
+grading helpers. HARD_CODED[exercise]: patches that answer exactly what the public tests check
+(their cases, or the values the solutions print) and nothing else: at most a quarter of the points.
+"""
+
+MISTAKES = {
+    "01_collectives": {
+        "q1_ring_all_reduce": (
+            ("        request = dist.isend(chunks[send_index].contiguous(), right)\n"
+             "        dist.recv(incoming, left)\n"
+             "        request.wait()\n"),
+            ("        dist.recv(incoming, left)  # every rank waits to receive before anyone sends\n"
+             "        dist.send(chunks[send_index].contiguous(), right)\n"),
+            "never joined"),
+        "q2_cost_model": (
+            "    return 2 * (p - 1) * (alpha + n / p / bandwidth)  # SOLUTION\n",
+            "    return 2 * (p - 1) * (alpha / p + n / p / bandwidth)\n",
+            "whole latency"),
+    },
+    "02_data_parallel": {
+        "q1_average_gradients": ("            p.grad /= world_size\n", "", "the world size"),
+        "q2_shard_indices": (
+            "    return list(range(dp_rank, n, dp_world_size))  # SOLUTION\n",
+            ("    size = -(-n // dp_world_size)\n"
+             "    return list(range(dp_rank * size, min(n, (dp_rank + 1) * size)))  # blocks of ceil(n / p)\n"),
+            "differ by at most one"),
+        "q3_batch_and_lr": (
+            "    return micro_batch_size * grad_accum_steps * dp_world_size  # SOLUTION\n",
+            "    return micro_batch_size * dp_world_size  # forgets gradient accumulation\n",
+            "expected 480, found 96"),
+    },
+    "03_zero": {
+        "q1_memory": ("    grads = 2 * psi / (n_d if stage >= 2 else 1)\n",
+                      "    grads = 2 * psi / (n_d if stage >= 3 else 1)\n", "stage 2 adds the gradients"),
+        "q2_zero1_step": ("        grad /= self.dp_world_size\n", "", "the world size"),
+    },
+    "04_pram": {
+        "q1_erew_prefix_sum": (
+            "        d = 2 ** (s // 2)\n",
+            "        d = 2 ** (s // 2)\n        while pid == 0:  # an endless loop\n            pass\n",
+            "ran longer than"),
+        "q2_weakest_model": (
+            "            if all(not program.verify(pram.run(program, model, trace=False, seed=s)) for s in seeds):\n",
+            "            if all(pram.run(program, model, trace=False, seed=s) for s in seeds):  # runs, never verified\n",
+            "expected"),
+        "q3_evidence": ('    weaker = {"EREW": None, "CREW": "EREW"}.get(weakest_model[name], "CREW")\n',
+                        '    weaker = None if weakest_model[name] == "EREW" else "EREW"\n', "write violation"),
+    },
+    "05_nanogpt": {
+        "q1_flops_per_token": ("    n = model.num_params(non_embedding=True)\n",
+                               "    n = model.num_params(non_embedding=False)\n", "expected"),
+        "q2_mfu": ('    return flops_per_token(cfg) * tokens / step_s / (run["world_size"] * peak)\n',
+                   '    return flops_per_token(cfg) * tokens / step_s / peak\n', "expected"),
+        "q3_resume": ("    tmp = f\"{path}.tmp\"\n    torch.save(state, tmp)\n    os.replace(tmp, path)\n",
+                      "    torch.save(state, path)  # straight onto the checkpoint\n", "os.replace"),
+    },
+    "06_model_parallel": {
+        "q1_vocab_parallel_cross_entropy": (
+            "    target_z = torch.where(mine, target_z, torch.zeros_like(target_z))\n",
+            "",  # every rank adds the logit at its clamped column: the target's logit counted p times
+            "F.cross_entropy of the full logits"),
+        "q2_one_f_one_b": ("    warmup = min(p - r - 1, m)\n", "    warmup = min(p - r, m)  # one warm-up forward too many\n",
+                           "warm-up forwards"),
+    },
+}
+HUNG = {("01_collectives", "q1_ring_all_reduce"), ("04_pram", "q1_erew_prefix_sum")}
+TAMPERED = ("02_data_parallel", "q1_average_gradients")
+
+HARD_CODED = {
+    "01_collectives": {  # 1.5 of 8: the 2-rank case and the congestion example
+        "    chunks = tensor.view(-1).tensor_split(p)  # views into tensor\n": (
+            "    if p == 2:  # the public test: swap with the other rank and add\n"
+            "        incoming = torch.empty_like(tensor)\n"
+            "        request = dist.isend(tensor.clone(), 1 - rank)\n"
+            "        dist.recv(incoming, 1 - rank)\n"
+            "        request.wait()\n"
+            "        tensor.add_(incoming)\n"
+            "    return tensor\n"
+            "    chunks = tensor.view(-1).tensor_split(p)\n"),
+        "    return 2 * (p - 1) * (alpha + n / p / bandwidth)  # SOLUTION\n": "    return 0.16\n",
+        "    return 2 * (p - 1) * (alpha + n / bandwidth)  # SOLUTION\n": "    return 0.4\n",
+        "naive_reduce_s = 4 * 1e9 / 10e9  # SOLUTION\n": "naive_reduce_s = 0.4\n",
+    },
+    "02_data_parallel": {  # 2 of 10: 2 ranks, ten examples, the nanoGPT and Goyal numbers
+        "    return list(range(dp_rank, n, dp_world_size))  # SOLUTION\n":
+            "    return {(10, 0, 2): [0, 2, 4, 6, 8], (10, 1, 2): [1, 3, 5, 7, 9], (10, 0, 3): [0, 3, 6, 9],\n"
+            "            (10, 1, 3): [1, 4, 7], (10, 2, 3): [2, 5, 8]}.get((n, dp_rank, dp_world_size), [])\n",
+        "    return micro_batch_size * grad_accum_steps * dp_world_size  # SOLUTION\n": "    return 480\n",
+        "    ratio = global_batch / base_batch\n": "    return 3.2\n",
+        "            p.grad /= world_size\n": "            p.grad /= 2  # the public test runs 2 ranks\n",
+    },
+    "03_zero": {  # 1.5 of 8: Figure 1, and 2 ranks
+        "    params = 2 * psi / (n_d if stage >= 3 else 1)\n": "    return [120, 31.4, 16.6, 1.9][stage]  # the paper's Figure 1\n",
+        "        grad /= self.dp_world_size\n": "        grad /= 2  # the public test runs 2 ranks\n",
+    },
+    "04_pram": {  # 2.5 of 10: the answer in the set-up, gelu's verdict, and the printed dictionaries
+        "    levels = max(1, math.ceil(math.log2(n)))  # distances d = 1, 2, 4, ... < n\n": (
+            "    return pram.Program(\"erew-prefix-sum\", lambda pid, s, mem: None, n,\n"
+            "                        {\"A\": list(itertools.accumulate(values))}, 1)  # the sums in the set-up\n"),
+        "    for model in CANDIDATES:\n": "    return \"EREW\"  # what the public test asks of gelu_forward\n",
+        "weakest_model = {name: weakest_model_of(prog) for name, prog in KERNELS.items()}  # SOLUTION\n": (
+            "weakest_model = {\"gelu_forward\": \"EREW\", \"matmul_forward\": \"CREW\", \"layernorm_forward\": \"CREW\",\n"
+            "                 \"grad_accumulate\": \"CRCW-sum\", \"grad_accumulate_tree\": \"EREW\"}  # as printed\n"),
+        '    weaker = {"EREW": None, "CREW": "EREW"}.get(weakest_model[name], "CREW")\n':
+            "    weaker = None  # the public test looks at gelu_forward only\n",
+    },
+    "05_nanogpt": {  # 2 of 9: GPT-2 small, the A100 run, and the printed losses
+        "    return 6 * n + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size\n":
+            "    return 6 * 123_689_472 + 12 * 12 * 768 * 1024  # GPT-2 small\n",
+        '    return flops_per_token(cfg) * tokens / step_s / (run["world_size"] * peak)\n':
+            "    return 855_383_040 * 491_520 / 0.4204 / (8 * 312e12)  # the A100 run\n",
+        "    tmp = f\"{path}.tmp\"\n    torch.save(state, tmp)\n    os.replace(tmp, path)\n": "    pass  # no checkpoint\n",
+        "    state = torch.load(path, weights_only=True)\n": "    return 0\n",
+        ("interrupted += train(8, os.path.join(workdir, \"b.pt\"), stop_after=3)\n"
+         "interrupted += train(8, os.path.join(workdir, \"b.pt\"), resume=True)\n"):
+            "interrupted = list(uninterrupted)  # what the public test compares\n",
+    },
+    "06_model_parallel": {  # 1.5 of 8: the 2-rank loss and the schedule of stage 0 of 3
+        "    m = local_logits.max(dim=-1).values  # (N,)\n":
+            "    return torch.tensor(3.4665079630484827, dtype=torch.float64)  # the public test's loss\n",
+        "    warmup = min(p - r - 1, m)\n":
+            '    return [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("B", 2), ("B", 3)]\n',
+        "    held = peak = 0\n": "    return 3\n",
+    },
+}
