@@ -161,3 +161,17 @@ def test_messages_say_expected_found_and_the_factor():
             fresh_copy().assert_close([torch.zeros(1)], [torch.ones(1)])
     finally:
         imported.assert_close = saved
+
+
+def test_p2p_only_refuses_the_courses_own_ring_however_imported():
+    import torch
+
+    from course_lib.exercises.grading import p2p_only
+    from course_lib.parallel import ring
+    from course_lib.parallel.ring import ring_all_reduce as copied  # a student's `from ... import`
+
+    with p2p_only(), pytest.raises(RuntimeError, match="course's own ring all-reduce"):
+        copied(torch.zeros(4))
+    with p2p_only(), pytest.raises(RuntimeError, match="write the ring yourself"):
+        ring.ring_step([torch.zeros(1)], "all-gather", 0)
+    assert copied.__code__.co_name == "ring_all_reduce" and ring.ring_step.__code__.co_name == "ring_step"

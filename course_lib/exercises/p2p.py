@@ -19,6 +19,12 @@ COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_in
                "gather", "scatter")
 
 
+def _refuse_own_ring(*args, **kwargs):
+    # Only literals and builtins: this code object runs with the globals of the function it replaces.
+    raise RuntimeError("the course's own ring all-reduce (course_lib.parallel.ring) is not allowed "
+                       "here: write the ring yourself")
+
+
 class Sent:
     """What this rank sent point-to-point inside :func:`p2p_only`. (A plain class: tests execute
     this module outside ``sys.modules``, where ``@dataclass`` cannot find it.)"""
@@ -32,9 +38,14 @@ class Sent:
 def p2p_only():
     """Inside, this rank may only use point-to-point sends and receives: the library collectives
     raise, and ``send``/``isend`` (also through ``batch_isend_irecv``) are counted in the
-    yielded :class:`Sent`. Restores ``torch.distributed`` on exit."""
+    yielded :class:`Sent`. The course's own ring (lesson 02's :mod:`course_lib.parallel.ring`)
+    raises too, however it was imported (its code is swapped). Restores everything on exit."""
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
+
+    from course_lib.parallel import ring
+
+    own = [(f, f.__code__) for f in (ring.ring_all_reduce, ring.ring_step)]
 
     sent = Sent()
     # dist re-exports c10d's functions; P2POp and batch_isend_irecv look them up in c10d
@@ -66,7 +77,11 @@ def p2p_only():
     try:
         for mod, name, _ in saved:
             setattr(mod, name, replacements[name])
+        for f, _ in own:
+            f.__code__ = _refuse_own_ring.__code__
         yield sent
     finally:
         for mod, name, fn in saved:
             setattr(mod, name, fn)
+        for f, code in own:
+            f.__code__ = code
