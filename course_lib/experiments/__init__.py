@@ -4,6 +4,7 @@
     model_parallel_check   tensor and pipeline parallel vs one process, bubble (notebook 5)
     memory_measure         saved activations and model states of real processes (notebook 4)
     zero_walkthrough       one ZeRO-1/2/3 step taken apart across cells on %ranks (notebook 4)
+    tp_walkthrough         one tensor-parallel MLP's shards and partial products on %ranks (notebook 10)
     precision              fp16 underflow, loss scaling, bytes by dtype, bf16 gradient all-reduce, recompute runs (notebook 9)
     scaling_measure        strong and weak scaling of a job with a known serial part (notebook 2)
     profiling              one training step per rank under torch.profiler, its Chrome trace (notebook 8)
