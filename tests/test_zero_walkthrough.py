@@ -10,7 +10,7 @@ import torch
 from course_lib.experiments.zero_walkthrough import ZeroWalk, differences, shard_table, single_process_step
 from course_lib.parallel.spawn import run_ranks
 
-GPT = dict(block_size=16, vocab_size=65, n_layer=2, n_head=2, n_embd=32, bias=True)
+GPT = {"block_size": 16, "vocab_size": 65, "n_layer": 2, "n_head": 2, "n_embd": 32, "bias": True}
 NAMES = ["zero1", "zero2", "zero3"]
 
 
@@ -33,10 +33,10 @@ def test_each_stage_steps_like_one_process_and_holds_what_the_model_says():
             assert params[name].keys() == reference.keys()
             for key, want in reference.items():
                 torch.testing.assert_close(params[name][key], want, rtol=1e-5, atol=1e-6,
-                                           msg=lambda m, n=name, k=key: f"rank {rank}, {n}, {k}: {m}")
+                                           msg=lambda m, r=rank, n=name, k=key: f"rank {r}, {n}, {k}: {m}")
     gaps = differences([params for _, params in results], reference)
     assert len(gaps) == 6 and (gaps < 1e-5).all() and gaps.index.names == ["strategy", "rank"]
-    table = shard_table([sum(reports, []) for reports, _ in results])
+    table = shard_table([[row for phase in reports for row in phase] for reports, _ in results])
     assert list(table.loc[("zero1", 0)].index) == ["built", "after backward", "after step"]
     ratios = table["measured/model"]
     flight = (ratios.index.get_level_values("strategy") == "zero2") & \
