@@ -317,3 +317,31 @@ def test_reopened_notebooks_show_their_saved_outputs(lab, browser, smoke_execute
     assert all(n > 0 for n, _ in counts.values()), f"a notebook shows no outputs: {counts}"
     bad = {name: problems for name, problems in found.items() if problems}
     assert not bad, "saved outputs that a reader cannot use:\n" + json.dumps(bad, indent=1)
+
+
+@pytest.mark.timeout(300)
+def test_rank_pool_output_is_grouped_by_rank(lab, browser, smoke_executed):
+    """Lesson 02's %%ranks cells as a student sees them: one box per rank, headed with its rank and
+    state, the rank's own output inside; the buffer tables after each ring step."""
+    base, token, served = lab
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    name = "02_collectives.ipynb"
+    shutil.copy(smoke_executed / name, served / "reopened" / name)
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        page.goto(f"{base}/lab/tree/reopened/{name}?token={token}&reset", wait_until="domcontentloaded")
+        page.wait_for_selector(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-OutputArea-output", timeout=60_000)
+        boards = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .course-rank-board")
+        assert boards.count() >= 3, "no %%ranks output grouped by rank"
+        heads = [boards.first.locator(".course-rank").nth(r).inner_text().splitlines()[0] for r in range(4)]
+        assert heads == [f"rank {r} · done" for r in range(4)], heads
+        boards.first.scroll_into_view_if_needed()
+        boards.first.screenshot(path=str(ARTIFACTS / "rank-board.png"))
+        tables = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-OutputArea-output table:has(caption)")
+        captions = [tables.nth(i).locator("caption").inner_text() for i in range(tables.count())]
+        assert "ring: start" in captions and any(c.startswith("all-gather step 2") for c in captions), captions
+        last = tables.nth(captions.index(next(c for c in captions if c.startswith("all-gather step 2"))))
+        last.scroll_into_view_if_needed()
+        last.screenshot(path=str(ARTIFACTS / "ring-last-step.png"))
+    finally:
+        page.close()
