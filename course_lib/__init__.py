@@ -10,6 +10,7 @@
     exercises    building and grading the exercises
     cli          ``course``: dispatches to the command each package implements
     hardware     hardware profiles, peak FLOP/s, ``course info``
+    registry     the facts about the training strategies, torch-free (names, classes, ZeRO stage, ...)
     utils        free ports, atomic writes, where the repository and its data are
 
 ARCHITECTURE.md (top of the repository) shows how they depend on each other. Importing this

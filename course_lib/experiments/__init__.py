@@ -1,6 +1,7 @@
 """The measured experiments behind the notebooks: real processes, compared with one process or a model.
 
     data_parallel_check    DP variants vs one process, bucket counts (notebook 3)
+    dp_speedup             the trainer on 1 and N ranks: measured data-parallel speedup (notebook 3)
     model_parallel_check   tensor and pipeline parallel vs one process, bubble (notebook 5)
     memory_measure         saved activations and model states of real processes (notebook 4)
     zero_walkthrough       one ZeRO-1/2/3 step taken apart across cells on %ranks (notebook 4)

@@ -15,16 +15,16 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from course_lib import registry
 from course_lib.analysis.activations import RECOMPUTE  # none, selective, full
 from course_lib.gpt.data import DATASETS
 from course_lib.gpt.layout import layout_error, world_error
 
-# Every strategy name the trainer knows, ours and PyTorch's (see course_lib.parallel.strategy).
-STRATEGY_NAMES = ("single", "ddp", "ddp_naive", "zero1", "zero2", "zero3", "torch_ddp", "torch_zero1",
-                  "fsdp_grad_op", "fsdp_full")
+# Every strategy name the trainer knows, ours and PyTorch's, and the ones that take a 16-bit
+# gradient all-reduce: from the torch-free registry (course_lib.registry)
+STRATEGY_NAMES, GRAD_COMM_STRATEGIES = registry.STRATEGY_NAMES, registry.GRAD_COMM_STRATEGIES
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 GRAD_COMM_DTYPES = ("float32", "bfloat16")
-GRAD_COMM_STRATEGIES = ("ddp", "ddp_naive", "torch_ddp")  # the ones that take grad_comm_dtype
 INIT_FROM = ("scratch", "resume")
 
 

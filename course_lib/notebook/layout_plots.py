@@ -82,3 +82,28 @@ def plot_layouts(runs: dict[str, str | Path]):
         ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def comm_model_table(runs: dict[str, str | Path], vocab_size: int):
+    """Per layout and group, the bytes :func:`course_lib.analysis.parallel_comm.sent_bytes_per_step`
+    predicts for the first pipeline stage next to what its rank 0 sent (``ranks.json``); plain
+    data-parallel runs write no per-rank figures and are left out."""
+    import pandas as pd
+
+    from course_lib.analysis.parallel_comm import sent_bytes_per_step
+
+    rows = []
+    for name, run_dir in runs.items():
+        if not (Path(run_dir) / "ranks.json").exists():
+            continue
+        cfg = json.loads((Path(run_dir) / "config.json").read_text())
+        run = _load(run_dir)
+        lay = run["info"]["layout"]
+        zero = int(cfg["strategy"][-1]) if cfg["strategy"].startswith("zero") else 0
+        want = sent_bytes_per_step(cfg["n_layer"], cfg["n_embd"], vocab_size, cfg["block_size"], cfg["bias"],
+                                   cfg["batch_size"], cfg["gradient_accumulation_steps"], dp=lay["dp"], tp=lay["tp"],
+                                   pp=lay["pp"], cp=lay["cp"], sequence_parallel=lay["sequence_parallel"],
+                                   pp_rank=0, zero_stage=zero)
+        rows += [{"layout": name, "group": group, "model MB": b / 2**20,
+                  "measured MB": run["ranks"][0][f"sent_bytes_{group}"] / 2**20} for group, b in want.items()]
+    return pd.DataFrame(rows).set_index(["layout", "group"])

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from course_lib import registry
 from course_lib.gpt.model import GPT
 from course_lib.parallel.comms import Comms
 from course_lib.parallel.context_parallel import cp_split
@@ -41,7 +42,7 @@ from course_lib.parallel.pipeline_parallel import Pipeline
 from course_lib.parallel.process_groups import ProcessGroupGrid
 from course_lib.parallel.strategy import Strategy, build_strategy
 
-DP_FLAVOURS = ("single", "ddp", "zero1", "zero2")
+DP_FLAVOURS = registry.DP_FLAVOURS  # single, ddp, zero1, zero2
 
 
 class ModelParallel(Strategy):

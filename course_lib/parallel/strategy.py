@@ -44,24 +44,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from course_lib import registry
 from course_lib.parallel.comms import Comms
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 
-# The one registry of strategies, name -> "module:class" (imported when built, so that
-# `course --help` does not import them all): ours first, then PyTorch's.
-STRATEGIES: dict[str, str] = {
-    "single": "course_lib.parallel.strategy:SingleProcess",
-    "ddp": "course_lib.parallel.data_parallel:DDP",
-    "ddp_naive": "course_lib.parallel.data_parallel:DDPNaive",
-    "zero1": "course_lib.parallel.zero:Zero1",
-    "zero2": "course_lib.parallel.zero:Zero2",
-    "zero3": "course_lib.parallel.zero3:Zero3",
-    "torch_ddp": "course_lib.parallel.strategy:TorchDDP",
-    "torch_zero1": "course_lib.parallel.torch_sharded:TorchZero1",
-    "fsdp_grad_op": "course_lib.parallel.torch_sharded:FSDPGradOp",
-    "fsdp_full": "course_lib.parallel.torch_sharded:FSDPFull",
-}
+# name -> "module:class", from the torch-free registry (imported when built, so that `course --help`
+# does not import them all): ours first, then PyTorch's.
+STRATEGIES: dict[str, str] = {name: info.cls for name, info in registry.STRATEGIES.items()}
 
 
 class Strategy:
