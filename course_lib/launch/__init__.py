@@ -15,7 +15,11 @@ Modules:
     demo        ``make demo``: the instructor's end-to-end run
     checks      refusing bad launches before anything is spawned
     mpi         mpirun(): the same for MPI ranks (mpi4py)
-    forked      notebook_launcher(): N processes forked from the kernel, running a notebook function
+    ranks       the one local rank runner (run_local): N processes started clean from a fork
+                server, a function sent by value, one rendezvous, one barrier; behind
+                notebook_launcher, run_ranks and the grading helpers
+    rank_child  what each of those local ranks runs: join, call, send back value or traceback
+    forked      notebook_launcher(): a notebook function on N local CPU ranks (via ranks)
     magics      the %%torchrun and %%mpirun cell magics
     cluster     ``course submit``: SLURM and PBS batch scripts
     allocation  the SLURM or PBS job this process runs in
