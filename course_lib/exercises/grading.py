@@ -146,7 +146,7 @@ def isolated(check: Callable[..., Any], *args: Any, timeout: float | None = None
     timeout = default_timeout() if timeout is None else float(timeout)
     try:
         message, = _ranks.run_local(_graded, 1, (check, args, list(forbid), dict(stand_ins or {})),
-                                    backend=None, time_limit=timeout, prefix=None)
+                                    backend=None, time_limit=timeout, prefix="")
     except _ranks.RanksTimeoutError as e:
         if e.phase == "start":
             raise AssertionError(f"the answer's process did not start: {e}") from None

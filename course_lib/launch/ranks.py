@@ -212,7 +212,9 @@ class _Run:
         n = len(self.procs)
         while len(self.results) < n:
             self.check_clocks()
-            for ready in wait([*self.conns.values(), *(p.sentinel for p in self.procs)], timeout=0.1):
+            # an exited rank's sentinel stays ready: only the live ones, or this loop would spin
+            live = [p.sentinel for p in self.procs if p.exitcode is None]
+            for ready in wait([*self.conns.values(), *live], timeout=0.1):
                 for rank, conn in list(self.conns.items()):
                     if conn is ready:
                         self.handle(rank)
@@ -238,8 +240,9 @@ def run_local(fn: Callable[..., Any], nproc: int, args: tuple = (), kwargs: dict
 
     backend: "gloo", "nccl" (one GPU per rank) or None (no process group). timeout: seconds of
     every collective (torch's default without). time_limit: seconds of the run, from the moment
-    every rank is ready. prefix: put before each printed line ("{rank}" filled in), None: as
-    printed. method: the start method (default :func:`start_method`; "fork" only to compare).
+    every rank is ready. prefix: put before each line a rank prints ("{rank}" filled in), which
+    comes back to this process's ``sys.stdout``/``sys.stderr`` (a notebook cell's output); None:
+    the ranks print to the file descriptors they inherit. method: the start method (default :func:`start_method`; "fork" only to compare).
     The caller checks its own arguments; this raises :class:`SendError` before anything starts.
     """
     payload = pack(fn, args, kwargs or {})
