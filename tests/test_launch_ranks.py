@@ -112,6 +112,16 @@ def test_what_cannot_be_sent_is_named_before_any_process_starts(monkeypatch, tmp
 
     with pytest.raises(SendError, match=r"variable 'generator' of the function \(a generator\)"):
         run_ranks(uses_a_generator, 2)
+    gen = (i for i in range(3))
+
+    def calls_back(rank, world_size):  # the two call each other; the generator is one level down
+        return uses_the_generator(rank) if rank < 0 else 0
+
+    def uses_the_generator(rank):
+        return calls_back(rank + 1, 0) + next(gen)
+
+    with pytest.raises(SendError, match=r"variable 'gen' of variable 'uses_the_generator'"):
+        run_ranks(calls_back, 2)
     with open(tmp_path / "log", "w") as f, pytest.raises(SendError, match=r"keyword argument 'log' \(a TextIOWrapper\)"):
         run_local(print, 2, kwargs={"log": f})
 
@@ -173,6 +183,9 @@ def test_isolated_forbids_and_stands_in_for_notebook_functions(monkeypatch):
     assert ring_time() > 0
     with pytest.raises(AnswerTimeoutError, match="ran longer than 1 s"):
         isolated(lambda: threading.Event().wait(), timeout=1)
+    draws = (i for i in range(3))  # an answer that keeps a generator: a failed check, named
+    with pytest.raises(AssertionError, match=r"cannot be checked in a process of its own.*'draws'"):
+        isolated(lambda: next(draws))
 
 
 @pytest.mark.timeout(120)

@@ -147,6 +147,8 @@ def isolated(check: Callable[..., Any], *args: Any, timeout: float | None = None
     try:
         message, = _ranks.run_local(_graded, 1, (check, args, list(forbid), dict(stand_ins or {})),
                                     backend=None, time_limit=timeout, prefix="")
+    except _ranks.SendError as e:  # a global of the answer that no process can receive
+        raise AssertionError(f"the answer cannot be checked in a process of its own: {e}") from None
     except _ranks.RanksTimeoutError as e:
         if e.phase == "start":
             raise AssertionError(f"the answer's process did not start: {e}") from None

@@ -94,19 +94,25 @@ def _context(method: str):
     return ctx
 
 
-def _culprit(name: str, obj: Any, dumps) -> str:
-    """Which part of ``obj`` cannot be pickled: a closure variable or global of a function."""
+def _culprit(name: str, obj: Any, dumps, seen: frozenset = frozenset()) -> str:
+    """Which part of ``obj`` cannot be pickled: a closure variable or global of a function
+    (``seen``: the functions on the way down, for functions that call each other)."""
     code = getattr(obj, "__code__", None)
-    if code is not None:
+    if code is not None and id(obj) not in seen:
+        seen = seen | {id(obj)}
         cells = dict(zip(code.co_freevars, obj.__closure__ or ()))
-        parts = [(f"variable {k!r} of {name}", c.cell_contents) for k, c in cells.items()]
+        # (an empty cell, a name not bound yet, equals a new one and holds nothing to send)
+        parts = [(f"variable {k!r} of {name}", c.cell_contents) for k, c in cells.items()
+                 if c != types.CellType()]
         parts += [(f"global {k!r} used by {name}", obj.__globals__[k]) for k in code.co_names
                   if k in obj.__globals__]
         for what, value in parts:
+            if id(value) in seen:
+                continue
             try:
                 dumps(value)
             except Exception:  # noqa: BLE001 - looking for the first that fails
-                return _culprit(what, value, dumps)
+                return _culprit(what, value, dumps, seen)
     return f"{name} (a {type(obj).__name__})"
 
 
