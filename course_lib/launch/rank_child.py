@@ -6,7 +6,7 @@ Every message to the parent goes through one pipe, as plain pickles of small tup
     ("out", stream, text)            lines the rank printed (stream 1: stdout, 2: stderr)
     ("ready", rank)                  set up (and, with a group, past the barrier): the run starts
     ("ok", rank, data)               the function's value, cloudpickled (tensors by value)
-    ("error", rank, what, text)      "KeyError: 'x'" and the traceback
+    ("error", rank, what, text, s)   "KeyError: 'x'", the traceback, seconds since "ready"
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import pickle
 import signal
 import sys
 import threading
+import time
 import traceback
 from datetime import timedelta
 
@@ -88,7 +89,7 @@ def rank_main(payload: bytes, rank: int, s: dict, conn) -> None:
     if s["prefix"] is not None:
         sys.stdout = _Lines(sender, 1, s["prefix"].format(rank=rank))
         sys.stderr = _Lines(sender, 2, s["prefix"].format(rank=rank))
-    joined = False
+    joined, ready_at = False, None
     try:
         import torch
 
@@ -98,6 +99,7 @@ def rank_main(payload: bytes, rank: int, s: dict, conn) -> None:
             _join_group(rank, s)
             joined = True
         sender.send(("ready", rank))
+        ready_at = time.monotonic()  # a collective's timeout counts from here, not from the parent's view
         result = fn(rank, s["world_size"], *args, **kwargs) if s["pass_rank"] else fn(*args, **kwargs)
         try:
             import cloudpickle
@@ -112,7 +114,8 @@ def rank_main(payload: bytes, rank: int, s: dict, conn) -> None:
         tb = e.__traceback__.tb_next if e.__traceback__ else None  # not this frame
         text = "".join(traceback.format_exception(type(e), e, tb))
         try:
-            sender.send(("error", rank, f"{type(e).__name__}: {e}", text))
+            elapsed = 0.0 if ready_at is None else time.monotonic() - ready_at
+            sender.send(("error", rank, f"{type(e).__name__}: {e}", text, elapsed))
         except Exception:  # noqa: BLE001, S110 - the parent then sees the exit code
             pass
     finally:

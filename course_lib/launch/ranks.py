@@ -63,7 +63,8 @@ class SendError(TypeError):
 
 class RankError(RuntimeError):
     """A rank raised or died: ``rank``, ``what`` ("KeyError: 'x'"), its ``traceback`` text,
-    the ranks still ``waiting`` then and the seconds ``elapsed`` since the run started."""
+    the ranks still ``waiting`` then and the seconds ``elapsed`` since the run started (since
+    that rank was ready, by its own clock, when it raised)."""
 
     def __init__(self, message: str, rank: int, what: str, traceback_text: str = "",
                  waiting: list[int] | None = None, elapsed: float = 0.0):
@@ -186,9 +187,9 @@ class _Run:
         elif msg[0] == "ok":
             self.results[rank] = pickle.loads(msg[2])
         else:
-            _, rank, what, text = msg
+            _, rank, what, text, elapsed = msg  # the rank's own clock: the parent hears late
             raise RankError(f"rank {rank} failed: {what}\n{text}", rank, what, text,
-                            self.waiting(but=rank), self.elapsed())
+                            self.waiting(but=rank), elapsed)
 
     def check_clocks(self) -> None:
         now = time.monotonic()
