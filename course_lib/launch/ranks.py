@@ -27,6 +27,10 @@ back by value (tensors too). Each rank gets the caller's environment as it is no
 WORLD_SIZE and LOCAL_RANK, ``threads`` torch threads, a parent-death signal, and prints lines
 prefixed ``[rankN]``.
 
+Python's rule for these start methods applies to scripts: a script that starts ranks does so
+under the main-module guard (``if __name__ ...``), since each rank imports the caller's main module again (a
+notebook or ``python -m pytest`` has nothing to re-run).
+
 One rendezvous, one barrier: the ranks meet in a FileStore in a temporary directory (no port
 that another process could take first), then pass one barrier before the function runs. Then
 ``timeout`` bounds every collective, ``time_limit`` the run (from the moment every rank is
@@ -247,10 +251,12 @@ def run_local(fn: Callable[..., Any], nproc: int, args: tuple = (), kwargs: dict
 
     backend: "gloo", "nccl" (one GPU per rank) or None (no process group). timeout: seconds of
     every collective (torch's default without). time_limit: seconds of the run, from the moment
-    every rank is ready. prefix: put before each line a rank prints ("{rank}" filled in), which
-    comes back to this process's ``sys.stdout``/``sys.stderr`` (a notebook cell's output); None:
-    the ranks print to the file descriptors they inherit. method: the start method (default :func:`start_method`; "fork" only to compare).
-    The caller checks its own arguments; this raises :class:`SendError` before anything starts.
+    every rank is ready; start_limit: seconds until then. prefix: put before each line a rank
+    prints ("{rank}" filled in), which comes back to this process's ``sys.stdout`` or
+    ``sys.stderr`` (a notebook cell's output); None: the ranks print to the file descriptors
+    they inherit. method: the start method (default :func:`start_method`; "fork" only to
+    compare). The caller checks its own arguments; this raises :class:`SendError` before
+    anything starts.
     """
     payload = pack(fn, args, kwargs or {})
     method = method or start_method()
