@@ -223,25 +223,6 @@ def test_refuses_training_config_that_does_not_fit(nothing_spawned):
 # ---------------------------------------------------------------- a machine with one GPU (Colab's T4)
 # (where the ranks run on it: tests/test_placement.py)
 
-def test_run_ranks_forks_cpu_ranks_after_cuda_init(monkeypatch):
-    """gloo ranks fork even after the parent initialised CUDA (as DataLoader workers do), so a
-    function defined in a notebook still works on a 1-GPU machine; NCCL ranks are spawned."""
-    import torch
-
-    from course_lib.parallel import spawn
-
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    assert spawn.default_start_method("gloo") == "fork" and spawn.default_start_method("nccl") == "spawn"
-    offset = 5
-
-    def local_fn(rank, world_size):  # a closure: "spawn" could not pickle it, "fork" needs not
-        return rank + offset
-
-    assert spawn.run_ranks(local_fn, 2) == [5, 6]
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    assert spawn.default_start_method("nccl") == "fork"
-
-
 # ---------------------------------------------------------------- diagnosis
 
 

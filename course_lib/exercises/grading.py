@@ -3,12 +3,12 @@ hang, compare with a reference and say what is wrong.
 
     from course_lib.exercises.grading import run_ranks, assert_close, isolated, p2p_only
     results = run_ranks(fn, 2)              # fn(rank, world_size) on 2 ranks -> [value of rank 0, 1]
-    value = isolated(check, timeout=10)     # check() in a forked process, killed after 10 s
+    value = isolated(check, timeout=10)     # check() in a process of its own, killed after 10 s
 
 Students call :func:`run_ranks` in the exercise notebooks to try their multi-rank code; the
 exercises' tests call it too (it is :func:`course_lib.parallel.spawn.run_ranks`, with the
 grading timeout), and run every single-process check through :func:`isolated`: the answer runs in
-a forked child that the test's process kills when it runs past its limit, so an endless loop
+a child process that the test's process kills when it runs past its limit, so an endless loop
 costs its question, never the grader. ``isolated(..., forbid=[f, ...])`` makes the course's own
 reference implementations raise inside that child, so an answer that calls one where the
 question says "write your own" fails.
@@ -25,15 +25,12 @@ happened. A rank that raises stops the run with :class:`RankError`. :func:`p2p_o
 
 from __future__ import annotations
 
-import contextlib
 import os
-import pickle
-import select
-import signal
-import time
 import traceback
 from collections.abc import Callable, Iterable
 from typing import Any
+
+from course_lib.launch import ranks as _ranks  # the one local rank runner
 
 DEFAULT_TIMEOUT_S = 60.0
 TIMEOUT_ENV = "COURSE_GRADING_TIMEOUT"
@@ -51,7 +48,7 @@ def fresh_copy(name: str = "course_lib.exercises.grading"):
     return module
 
 
-_spawn = fresh_copy("course_lib.parallel.spawn")  # the one run_ranks, as its file says
+_spawn = fresh_copy("course_lib.parallel.spawn")  # run_ranks, as its file says
 RankError, RanksTimeoutError = _spawn.RankError, _spawn.RanksTimeoutError
 p2p_only = fresh_copy("course_lib.exercises.p2p").p2p_only  # point-to-point only, bytes counted
 
@@ -70,8 +67,8 @@ def default_timeout() -> float:
 
 
 def run_ranks(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float | None = None) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``nproc`` gloo ranks forked from this process and
-    return their values (:func:`course_lib.parallel.spawn.run_ranks`).
+    """Run ``fn(rank, world_size, *args)`` on ``nproc`` gloo ranks (started clean, ``fn`` sent by
+    value) and return their values (:func:`course_lib.parallel.spawn.run_ranks`).
 
     ``timeout`` (default ``COURSE_GRADING_TIMEOUT`` or 60 s) bounds every collective; the whole
     call gets timeout + 5 s of wall clock. Raises :class:`RanksTimeoutError` when ranks hang,
@@ -84,7 +81,7 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float | N
     timeout = default_timeout() if timeout is None else float(timeout)
     if not timeout > 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
-    return _spawn.run_ranks(fn, nproc, args, timeout=timeout, start_method="fork")
+    return _spawn.run_ranks(fn, nproc, args, timeout=timeout)
 
 
 # --------------------------------------------------------------------------------------------
@@ -115,72 +112,56 @@ class AnswerTimeoutError(AssertionError):
     """The answer ran past its limit in :func:`isolated` and was stopped."""
 
 
+def _graded(check: Callable[..., Any], args: tuple, forbid: list, stand_ins: dict) -> tuple:
+    """In the child: forbid, put the stand-ins in, run ``check``; its outcome as a message.
+    ``check``, the answers and the forbidden functions arrived in one pickle, so the functions
+    changed here are the ones the answer calls (the child's copies: the notebook keeps its own)."""
+    try:
+        _disable(forbid)
+        for answer, names in stand_ins.items():
+            answer.__globals__.update(names)
+        return ("ok", check(*args))
+    except AssertionError as e:
+        return ("assert", str(e) or "a check failed (no message)")
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        refused = isinstance(e, PermissionError) and str(e) == REFUSED
+        return ("refused" if refused else "error", f"{type(e).__name__}: {e}",
+                "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next)[-6:]))
+
+
 def isolated(check: Callable[..., Any], *args: Any, timeout: float | None = None,
              forbid: Iterable = (), stand_ins: dict | None = None) -> Any:
-    """Run ``check(*args)`` in a forked child and return its value; kill it after ``timeout``
-    seconds (default: the grading timeout) and raise :class:`AnswerTimeoutError`.
+    """Run ``check(*args)`` in a process of its own and return its value; kill it after
+    ``timeout`` seconds (default: the grading timeout) and raise :class:`AnswerTimeoutError`.
 
-    An ``AssertionError`` in the child is raised here with the same message; any other exception
-    becomes an ``AssertionError`` that names it (the answer crashed). ``forbid``: functions that
-    raise ``PermissionError`` inside the child (reference implementations the answer must not
-    use). ``stand_ins``: ``{answer: {name: value}}``, global names an answer function sees in the
+    The process is one rank without a group of :func:`course_lib.launch.ranks.run_local`:
+    started clean, with ``check`` and its arguments sent by value. An ``AssertionError`` in the
+    child is raised here with the same message; any other exception becomes an
+    ``AssertionError`` that names it (the answer crashed). ``forbid``: functions that raise
+    ``PermissionError`` inside the child (reference implementations the answer must not use).
+    ``stand_ins``: ``{answer: {name: value}}``, global names an answer function sees in the
     child instead of the notebook's (a correct earlier answer it calls, so that a mistake in an
-    earlier question is not charged twice); the notebook never sees the change. The child never
-    runs the parent's exit handlers.
+    earlier question is not charged twice); the notebook never sees the change.
     """
     timeout = default_timeout() if timeout is None else float(timeout)
-    forbid = list(forbid)
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: run, report, leave without cleaning up the parent's state
-        os.close(read_fd)
-        code = 0
-        try:
-            _disable(forbid)
-            for answer, names in (stand_ins or {}).items():
-                answer.__globals__.update(names)
-            message = ("ok", check(*args))
-        except AssertionError as e:
-            message = ("assert", str(e) or "a check failed (no message)")
-        except BaseException as e:  # noqa: BLE001 - reported to the parent
-            refused = isinstance(e, PermissionError) and str(e) == REFUSED
-            message = ("refused" if refused else "error", f"{type(e).__name__}: {e}",
-                       "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next)[-6:]))
-        try:
-            data = pickle.dumps(message)
-        except Exception as e:  # noqa: BLE001 - an unpicklable result
-            why = f"the answer returned something that cannot be sent back ({type(e).__name__}: {e})"
-            data = pickle.dumps(("error", why, ""))
-        try:
-            with os.fdopen(write_fd, "wb") as out:
-                out.write(data)
-        except BaseException:  # noqa: BLE001
-            code = 1
-        os._exit(code)
-    os.close(write_fd)
-    chunks, deadline = [], time.monotonic() + timeout
     try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AnswerTimeoutError(
-                    f"the answer ran longer than {timeout:g} s and was stopped (an endless loop, "
-                    "or a wait that never ends?)")
-            ready, _, _ = select.select([read_fd], [], [], min(left, 1.0))
-            if ready:
-                chunk = os.read(read_fd, 1 << 16)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-    finally:
-        os.close(read_fd)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-    if not chunks:
-        raise AssertionError("the answer's process died without a result (it called os._exit, "
-                             "or was killed for memory?)")
-    message = pickle.loads(b"".join(chunks))
+        message, = _ranks.run_local(_graded, 1, (check, args, list(forbid), dict(stand_ins or {})),
+                                    backend=None, time_limit=timeout, prefix="")
+    except _ranks.SendError as e:  # a global of the answer that no process can receive
+        raise AssertionError(f"the answer cannot be checked in a process of its own: {e}") from None
+    except _ranks.RanksTimeoutError as e:
+        if e.phase == "start":
+            raise AssertionError(f"the answer's process did not start: {e}") from None
+        raise AnswerTimeoutError(
+            f"the answer ran longer than {timeout:g} s and was stopped (an endless loop, "
+            "or a wait that never ends?)") from None
+    except _ranks.RankError as e:
+        if e.what.startswith("the process"):
+            raise AssertionError("the answer's process died without a result (it called os._exit, "
+                                 "or was killed for memory?)") from None
+        if "cannot be sent back" in e.what:
+            raise AssertionError(f"the answer returned something that cannot be sent back ({e.what})") from None
+        raise AssertionError(f"the answer raised {e.what}\n{e.traceback}") from None
     if message[0] == "ok":
         return message[1]
     if message[0] == "assert":

@@ -15,9 +15,12 @@ Modules:
     train_cli   ``course train``
     demo        ``make demo``: the instructor's end-to-end run
     checks      refusing bad launches before anything is spawned
-    placement   where the ranks run: each one's device and the backend, decided once, said in one line
     mpi         mpirun(): the same for MPI ranks (mpi4py), with the mpiexec of mpi4py's MPI library
-    forked      notebook_launcher(): N processes forked from the kernel, running a notebook function
+    ranks       the one local rank runner (run_local): N processes started clean from a fork
+                server, a function sent by value, one rendezvous, one barrier; behind
+                notebook_launcher, run_ranks and the grading helpers
+    rank_child  what each of those local ranks runs: join, call, send back value or traceback
+    forked      notebook_launcher(): a notebook function on N local CPU ranks (via ranks)
     magics      the %%torchrun and %%mpirun cell magics
     placement   where ranks run: the device of each rank and the backend, decided before any start
     rank_pool   RankPool: persistent ranks across cells (ipyparallel engines + a process group)

@@ -1,0 +1,289 @@
+"""The one local rank runner: a function on N processes of this machine, started clean.
+
+    from course_lib.launch.ranks import run_local
+    values = run_local(fn, 2, args=(x,), pass_rank=True)        # fn(rank, world_size, x) on 2 gloo ranks
+    value, = run_local(check, 1, backend=None, time_limit=10)   # one child, no process group
+
+``run_ranks`` (:mod:`course_lib.parallel.spawn`), ``notebook_launcher``
+(:mod:`course_lib.launch.forked`) and the grading helpers (``course_lib.exercises.grading``)
+are front-ends of :func:`run_local`.
+
+Not forked from the caller. A notebook kernel that initialised CUDA, ran a backward (autograd's
+device threads) or started any thread cannot be forked safely: the child inherits a CUDA context
+it cannot use ("CUDA error: initialization error") and locks held by threads that do not exist
+in it; PyTorch refuses outright ("Unable to handle autograd's threading in combination with
+fork-based multiprocessing"). The ranks are forked instead from a fork server (Python's
+``forkserver`` start method, multiprocessing docs, "Contexts and start methods"): a fresh
+interpreter, started once per kernel, that has imported torch and nothing of the kernel's
+state, so that a rank starts in a fraction of a second rather than the seconds a fresh
+interpreter takes to import torch (benchmarks/rank_start.py). Where the platform has no fork
+server (Windows), ranks are spawned.
+
+A rank therefore shares no memory with the caller: the function and its arguments are sent by
+value with cloudpickle, so a function defined in a notebook cell, a closure or a lambda runs as
+it is (functions of importable modules travel by name). What cannot be sent (a lock, an open
+file, a generator) raises :class:`SendError` naming it, before any process starts. Values come
+back by value (tensors too). Each rank gets the caller's environment as it is now, RANK,
+WORLD_SIZE and LOCAL_RANK, ``threads`` torch threads, a parent-death signal, and prints lines
+prefixed ``[rankN]``.
+
+Python's rule for these start methods applies to scripts: a script that starts ranks does so
+under the main-module guard (``if __name__ ...``), since each rank imports the caller's main module again (a
+notebook or ``python -m pytest`` has nothing to re-run).
+
+One rendezvous, one barrier: the ranks meet in a FileStore in a temporary directory (no port
+that another process could take first), then pass one barrier before the function runs. Then
+``timeout`` bounds every collective, ``time_limit`` the run (from the moment every rank is
+ready), ``start_limit`` the start; :class:`RanksTimeoutError` names the ranks that did not
+finish, :class:`RankError` carries the failing rank's traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import sys
+import tempfile
+import time
+import types
+from collections.abc import Callable
+from multiprocessing.connection import wait
+from pathlib import Path
+from typing import Any
+
+START_LIMIT_S = 120.0  # the fork server's first start imports torch: seconds on a busy machine
+# What the fork server imports once, so that no rank does: torch, its distributed package, the
+# optimizers' lazy torch._dynamo (about 1 s), this runner and cloudpickle.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "cloudpickle", "course_lib.launch.rank_child"]
+
+
+class SendError(TypeError):
+    """The function or an argument cannot be sent to the ranks (it cannot be pickled)."""
+
+
+class RankError(RuntimeError):
+    """A rank raised or died: ``rank``, ``what`` ("KeyError: 'x'"), its ``traceback`` text,
+    the ranks still ``waiting`` then and the seconds ``elapsed`` since the run started (since
+    that rank was ready, by its own clock, when it raised)."""
+
+    def __init__(self, message: str, rank: int, what: str, traceback_text: str = "",
+                 waiting: list[int] | None = None, elapsed: float = 0.0):
+        super().__init__(message)
+        self.rank, self.what, self.traceback = rank, what, traceback_text
+        self.waiting, self.elapsed = waiting or [], elapsed
+
+
+class RanksTimeoutError(TimeoutError):
+    """Some ranks did not finish (``phase`` "run") or start ("start") in time; ``stuck`` lists them."""
+
+    def __init__(self, message: str, stuck: list[int], phase: str = "run"):
+        super().__init__(message)
+        self.stuck, self.phase = stuck, phase
+
+
+def start_method() -> str:
+    """"forkserver" where the platform has it (Linux, macOS), else "spawn"."""
+    return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+
+
+def _context(method: str):
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        # Takes effect when this process starts its fork server (the first run); a server that
+        # something else started already keeps its own list: ranks then import torch themselves.
+        ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def _culprit(name: str, obj: Any, dumps, seen: frozenset = frozenset()) -> str:
+    """Which part of ``obj`` cannot be pickled: a closure variable or global of a function
+    (``seen``: the functions on the way down, for functions that call each other)."""
+    code = getattr(obj, "__code__", None)
+    if code is not None and id(obj) not in seen:
+        seen = seen | {id(obj)}
+        cells = dict(zip(code.co_freevars, obj.__closure__ or ()))
+        # (an empty cell, a name not bound yet, equals a new one and holds nothing to send)
+        parts = [(f"variable {k!r} of {name}", c.cell_contents) for k, c in cells.items()
+                 if c != types.CellType()]
+        parts += [(f"global {k!r} used by {name}", obj.__globals__[k]) for k in code.co_names
+                  if k in obj.__globals__]
+        for what, value in parts:
+            if id(value) in seen:
+                continue
+            try:
+                dumps(value)
+            except Exception:  # noqa: BLE001 - looking for the first that fails
+                return _culprit(what, value, dumps, seen)
+    return f"{name} (a {type(obj).__name__})"
+
+
+def _dumps(obj: Any) -> bytes:
+    """cloudpickle, except that a module loaded from a file travels by name: a test's fresh copy
+    of ``course_lib.exercises.grading`` (not in ``sys.modules``) is imported again in the rank,
+    not sent with everything it holds."""
+    import cloudpickle
+
+    class Pickler(cloudpickle.Pickler):
+        def reducer_override(self, obj):
+            spec = getattr(obj, "__spec__", None) if isinstance(obj, types.ModuleType) else None
+            if spec is not None and spec.origin and obj.__name__ != "__main__":
+                return importlib.import_module, (obj.__name__,)
+            return super().reducer_override(obj)
+
+    buf = io.BytesIO()
+    Pickler(buf, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(obj)
+    return buf.getvalue()
+
+
+def pack(fn: Callable, args: tuple, kwargs: dict) -> bytes:
+    """``(fn, args, kwargs)`` as bytes for the ranks, or :class:`SendError` saying what cannot go."""
+    try:
+        return _dumps((fn, tuple(args), dict(kwargs)))
+    except Exception as e:  # noqa: BLE001 - find the part that failed, for the message
+        parts = [("the function", fn), *((f"argument {i}", a) for i, a in enumerate(args)),
+                 *((f"keyword argument {k!r}", v) for k, v in kwargs.items())]
+        where = "something sent to the ranks"
+        for name, value in parts:
+            try:
+                _dumps(value)
+            except Exception:  # noqa: BLE001
+                where = _culprit(name, value, _dumps)
+                break
+        raise SendError(f"cannot send {where} to the ranks: {type(e).__name__}: {e}. The ranks are "
+                        "separate processes and get a copy of the function and its arguments; "
+                        "create this object inside the function instead.") from None
+
+
+class _Run:
+    """The parent's side: messages, deaths and clocks of the started ranks."""
+
+    def __init__(self, procs: list, conns: list, limits: tuple):
+        self.procs, self.conns = procs, dict(enumerate(conns))
+        self.start_limit, self.time_limit = limits
+        self.started, self.run_start = time.monotonic(), None
+        self.ready: set[int] = set()
+        self.results: dict[int, Any] = {}
+
+    def elapsed(self) -> float:
+        return 0.0 if self.run_start is None else time.monotonic() - self.run_start
+
+    def waiting(self, but: int | None = None) -> list[int]:
+        return [r for r in range(len(self.procs)) if r not in self.results and r != but]
+
+    def handle(self, rank: int) -> None:
+        try:
+            msg = pickle.loads(self.conns[rank].recv_bytes())
+        except (EOFError, OSError):  # closed: the rank exited (its exit code says how)
+            del self.conns[rank]
+            return
+        if msg[0] == "out":
+            stream = sys.stdout if msg[1] == 1 else sys.stderr
+            stream.write(msg[2])
+            stream.flush()
+        elif msg[0] == "ready":
+            self.ready.add(rank)
+            if len(self.ready) == len(self.procs):
+                self.run_start = time.monotonic()
+        elif msg[0] == "ok":
+            self.results[rank] = pickle.loads(msg[2])
+        else:
+            _, rank, what, text, elapsed = msg  # the rank's own clock: the parent hears late
+            raise RankError(f"rank {rank} failed: {what}\n{text}", rank, what, text,
+                            self.waiting(but=rank), elapsed)
+
+    def check_clocks(self) -> None:
+        now = time.monotonic()
+        if self.run_start is None and now - self.started > self.start_limit:
+            stuck = [r for r in range(len(self.procs)) if r not in self.ready]
+            raise RanksTimeoutError(f"the ranks did not start within {self.start_limit:g} s; "
+                                    f"not ready: rank {', '.join(map(str, stuck))}", stuck, "start")
+        if self.run_start is not None and self.time_limit is not None and now - self.run_start > self.time_limit:
+            stuck = self.waiting()
+            raise RanksTimeoutError(f"time limit of {self.time_limit:g} s reached; ranks {stuck} "
+                                    "did not finish", stuck)
+
+    def check_deaths(self) -> None:
+        for rank, p in enumerate(self.procs):
+            if p.exitcode is None or rank in self.results:
+                continue
+            while rank in self.conns and self.conns[rank].poll():  # its last words first
+                self.handle(rank)
+            if rank not in self.results:
+                sig = -p.exitcode if p.exitcode < 0 else None
+                how = f"was killed by {signal.Signals(sig).name}" if sig else f"exited with code {p.exitcode}"
+                what = f"the process {how} without reporting a result"
+                raise RankError(f"rank {rank} failed: {what}", rank, what, "",
+                                self.waiting(but=rank), self.elapsed())
+
+    def loop(self) -> list:
+        n = len(self.procs)
+        while len(self.results) < n:
+            self.check_clocks()
+            # an exited rank's sentinel stays ready: only the live ones, or this loop would spin
+            live = [p.sentinel for p in self.procs if p.exitcode is None]
+            for ready in wait([*self.conns.values(), *live], timeout=0.1):
+                for rank, conn in list(self.conns.items()):
+                    if conn is ready:
+                        self.handle(rank)
+            self.check_deaths()
+        return [self.results[r] for r in range(n)]
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.exitcode is None:
+                p.kill()
+        for p in self.procs:
+            p.join(5.0)
+        for conn in self.conns.values():
+            conn.close()
+
+
+def run_local(fn: Callable[..., Any], nproc: int, args: tuple = (), kwargs: dict | None = None, *,
+              backend: str | None = "gloo", pass_rank: bool = False, timeout: float | None = None,
+              time_limit: float | None = None, start_limit: float = START_LIMIT_S, threads: int = 1,
+              prefix: str | None = "[rank{rank}] ", method: str | None = None) -> list:
+    """Run ``fn(*args, **kwargs)`` (``pass_rank``: ``fn(rank, world_size, *args, **kwargs)``) on
+    ``nproc`` processes; return their values by rank.
+
+    backend: "gloo", "nccl" (one GPU per rank) or None (no process group). timeout: seconds of
+    every collective (torch's default without). time_limit: seconds of the run, from the moment
+    every rank is ready; start_limit: seconds until then. prefix: put before each line a rank
+    prints ("{rank}" filled in), which comes back to this process's ``sys.stdout`` or
+    ``sys.stderr`` (a notebook cell's output); None: the ranks print to the file descriptors
+    they inherit. method: the start method (default :func:`start_method`; "fork" only to
+    compare). The caller checks its own arguments; this raises :class:`SendError` before
+    anything starts.
+    """
+    payload = pack(fn, args, kwargs or {})
+    method = method or start_method()
+    ctx = _context(method)
+    with tempfile.TemporaryDirectory(prefix="course_ranks_") as tmp:
+        settings = {"world_size": nproc, "backend": backend, "store": f"file://{Path(tmp) / 'store'}",
+                    "timeout": timeout, "threads": threads, "env": dict(os.environ),
+                    "prefix": prefix, "pass_rank": pass_rank, "method": method}
+        from course_lib.launch.rank_child import rank_main
+
+        procs, conns = [], []
+        try:
+            for rank in range(nproc):
+                recv, send = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=rank_main, args=(payload, rank, settings, send),
+                                name=f"rank{rank}")
+                procs.append(p)
+                conns.append(recv)
+                p.start()
+                send.close()
+            run = _Run(procs, conns, (start_limit, time_limit))
+            try:
+                return run.loop()
+            finally:
+                run.stop()
+        finally:
+            for p in procs:
+                if p.exitcode is None and p.pid is not None:
+                    p.kill()
+                    p.join(5.0)

@@ -1,0 +1,233 @@
+"""The one local rank runner (course_lib.launch.ranks) on real gloo ranks: functions of a notebook
+cell travel by value, the ranks inherit nothing of the parent's state, what cannot be sent is
+named before anything starts, hangs and failures name their ranks; the GPU case on a GPU.
+
+    python -m pytest tests/test_launch_ranks.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+
+import pytest
+import torch
+
+from course_lib.launch import ranks
+from course_lib.launch.ranks import RankError, RanksTimeoutError, SendError, run_local
+from course_lib.parallel.spawn import run_ranks
+
+CELL = '''
+import torch
+import torch.distributed as dist
+
+scale = 3.0
+
+def cell_fn(rank, world_size):
+    t = torch.full((2,), float(rank + 1)) * scale
+    dist.all_reduce(t)
+    return t
+'''
+
+
+def notebook_cell(source: str) -> dict:
+    """The namespace a notebook cell leaves behind: its functions belong to ``__main__``, which a
+    rank cannot import, so they must travel by value."""
+    namespace = {"__name__": "__main__"}
+    exec(compile(source, "<cell>", "exec"), namespace)  # noqa: S102 - the test's own source
+    return namespace
+
+
+@pytest.mark.timeout(120)
+def test_a_notebook_function_and_a_closure_run_on_the_ranks():
+    cell_fn = notebook_cell(CELL)["cell_fn"]
+    assert cell_fn.__module__ == "__main__"
+    expected = torch.full((2,), 3.0 * (1 + 2))  # what one process computes: the sum over ranks
+    for got in run_ranks(cell_fn, 2, timeout=30):
+        torch.testing.assert_close(got, expected)
+    offset = torch.arange(3.0)
+
+    def closure(rank, world_size):
+        return offset + rank * world_size
+
+    got = run_ranks(closure, 2, timeout=30)
+    torch.testing.assert_close(got[1], offset + 2)  # a tensor, by value
+    assert run_local(lambda a, b=1: a + b + int(os.environ["RANK"]), 2, (10,), {"b": 5}) == [15, 16]
+
+
+def _module_state(*_rank):
+    lock = getattr(json, "_course_test_lock", None)
+    return getattr(json, "_course_test_mark", None), lock is not None and not lock.acquire(timeout=0.5)
+
+
+@pytest.mark.timeout(120)
+def test_ranks_do_not_inherit_the_parents_state(monkeypatch):
+    """What the parent changed after its imports (an attribute, a lock a thread holds) is not in
+    a rank; a forked rank, which copies the parent's memory, has both (it would hang on the lock)."""
+    held, release = threading.Event(), threading.Event()
+    lock = threading.Lock()
+
+    def hold():
+        with lock:
+            held.set()
+            release.wait()
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    held.wait()
+    monkeypatch.setattr(json, "_course_test_mark", "parent", raising=False)
+    monkeypatch.setattr(json, "_course_test_lock", lock, raising=False)
+    try:
+        assert run_ranks(_module_state, 2, timeout=30) == [(None, False)] * 2
+        assert run_local(_module_state, 1, backend=None, method="fork") == [("parent", True)]
+    finally:
+        release.set()
+        holder.join()
+
+
+@pytest.mark.timeout(120)
+def test_ranks_see_the_parents_environment_as_it_is_now(monkeypatch):
+    run_local(int, 1, backend=None)  # the fork server runs, with the environment of then
+    monkeypatch.setenv("COURSE_TEST_LATER", "set after the server started")
+    got = run_local(lambda: (os.environ.get("COURSE_TEST_LATER"), os.environ["OMP_NUM_THREADS"],
+                             torch.get_num_threads()), 2, threads=1)
+    assert got == [("set after the server started", "1", 1)] * 2
+
+
+@pytest.mark.timeout(60)
+def test_what_cannot_be_sent_is_named_before_any_process_starts(monkeypatch, tmp_path):
+    def no_start(method):
+        raise AssertionError("no process may start")
+
+    monkeypatch.setattr(ranks, "_context", no_start)
+    lock = threading.Lock()
+    with pytest.raises(SendError, match=r"cannot send argument 1 \(a lock\).*_thread.lock"):
+        run_ranks(_module_state, 2, args=(1, lock))
+    generator = (i for i in range(3))
+
+    def uses_a_generator(rank, world_size):
+        return next(generator)
+
+    with pytest.raises(SendError, match=r"variable 'generator' of the function \(a generator\)"):
+        run_ranks(uses_a_generator, 2)
+    gen = (i for i in range(3))
+
+    def calls_back(rank, world_size):  # the two call each other; the generator is one level down
+        return uses_the_generator(rank) if rank < 0 else 0
+
+    def uses_the_generator(rank):
+        return calls_back(rank + 1, 0) + next(gen)
+
+    with pytest.raises(SendError, match=r"variable 'gen' of variable 'uses_the_generator'"):
+        run_ranks(calls_back, 2)
+    with open(tmp_path / "log", "w") as f, pytest.raises(SendError, match=r"keyword argument 'log' \(a TextIOWrapper\)"):
+        run_local(print, 2, kwargs={"log": f})
+
+
+def _sleepy(rank, world_size):
+    import time
+
+    if rank == 1:
+        time.sleep(60)
+    return rank
+
+
+def _fails_on_rank_one(rank, world_size):
+    if rank == 1:
+        print("about to fail")
+        raise KeyError("missing on rank 1")
+    return rank
+
+
+@pytest.mark.timeout(120)
+def test_a_time_limit_names_the_stuck_rank_and_a_failure_brings_its_traceback(capfd):
+    with pytest.raises(RanksTimeoutError, match=r"time limit of 2 s reached; ranks \[1\] did not finish") as e:
+        run_local(_sleepy, 2, pass_rank=True, time_limit=2)
+    assert e.value.stuck == [1] and e.value.phase == "run"
+    with pytest.raises(RankError, match="rank 1 failed: KeyError: 'missing on rank 1'") as e:
+        run_ranks(_fails_on_rank_one, 2, timeout=30)
+    assert e.value.rank == 1 and "in _fails_on_rank_one" in e.value.traceback
+    assert "[rank1] about to fail" in capfd.readouterr().out
+
+
+ANSWERS = '''
+from course_lib.analysis.comm_cost import collective_time
+
+def earlier(x):  # a wrong answer to an earlier question
+    return 2 * x + 1
+
+def later(x):
+    return earlier(x) * 10
+
+def ring_time():
+    return collective_time("all_reduce", 1e6, 4, bandwidth=1e9, algorithm="ring")
+'''
+
+
+@pytest.mark.timeout(120)
+def test_isolated_forbids_and_stands_in_for_notebook_functions(monkeypatch):
+    """Answers defined in a notebook travel by value: the stand-ins and the forbidden functions
+    still reach what the answer calls in the child, and the notebook keeps its own."""
+    from course_lib.analysis import comm_cost
+    from course_lib.exercises.grading import AnswerTimeoutError, isolated
+
+    cell = notebook_cell(ANSWERS)
+    later, ring_time = cell["later"], cell["ring_time"]
+    assert isolated(lambda: later(3)) == 70
+    assert isolated(lambda: later(3), stand_ins={later: {"earlier": lambda x: x}}) == 30
+    assert later(3) == 70
+    with pytest.raises(AssertionError, match="asks you to write yourself"):
+        isolated(ring_time, forbid=[comm_cost.collective_time])
+    assert ring_time() > 0
+    with pytest.raises(AnswerTimeoutError, match="ran longer than 1 s"):
+        isolated(lambda: threading.Event().wait(), timeout=1)
+    draws = (i for i in range(3))  # an answer that keeps a generator: a failed check, named
+    with pytest.raises(AssertionError, match=r"cannot be checked in a process of its own.*'draws'"):
+        isolated(lambda: next(draws))
+
+
+@pytest.mark.timeout(120)
+def test_a_fresh_copy_of_the_grading_module_travels_by_name(monkeypatch):
+    """The exercises' tests call ``grading`` from a copy that is not in ``sys.modules`` (otter's
+    process may never import it): a rank imports it again rather than receive all it holds."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("course_lib.exercises.grading")
+    grading = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(grading)
+    monkeypatch.delitem(sys.modules, "course_lib.exercises.grading", raising=False)
+
+    def check():
+        grading.assert_number(grading.MAX_RANKS, 8, "MAX_RANKS")
+        return grading.__name__
+
+    assert grading.isolated(check) == "course_lib.exercises.grading"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.timeout(300)
+def test_after_a_cuda_backward_in_the_parent_every_front_end_runs():
+    """On an H100 forked ranks died here: "Unable to handle autograd's threading in combination
+    with fork-based multiprocessing" (a backward had run) or "CUDA error: initialization error"."""
+    from course_lib.exercises.grading import isolated
+    from course_lib.launch import notebook_launcher
+
+    w = torch.ones(4, device="cuda", requires_grad=True)
+    (w * w).sum().backward()  # CUDA initialised, autograd's device threads started
+    assert torch.cuda.is_initialized()
+
+    def on_gpu(rank, world_size):
+        t = torch.full((2,), float(rank + 1))
+        torch.distributed.all_reduce(t)
+        x = torch.ones(3, device="cuda", requires_grad=True)
+        (2 * x).sum().backward()
+        return t, x.grad.cpu()
+
+    for t, grad in run_ranks(on_gpu, 2, timeout=60):
+        torch.testing.assert_close(t, torch.full((2,), 3.0))
+        torch.testing.assert_close(grad, torch.full((3,), 2.0))
+    assert notebook_launcher(lambda: torch.cuda.is_available(), nproc=2) == [True, True]
+    assert isolated(lambda: torch.ones(2, device="cuda").sum().item()) == 2.0
