@@ -5,8 +5,8 @@ submission, a score per question and the failure messages of each test case.
 
 Limits, all enforced from outside the student's code:
 
-- every check of an answer runs in a forked child (``grading.isolated``) or on forked ranks
-  (``grading.run_ranks``) that the test's process kills after ``COURSE_GRADING_TIMEOUT`` seconds
+- every check of an answer runs in a child process (``grading.isolated``) or on ranks
+  (``grading.run_ranks``), both started clean by :mod:`course_lib.launch.ranks`, that the test's process kills after ``COURSE_GRADING_TIMEOUT`` seconds
   (``course grade`` sets 10 unless the environment says otherwise): an endless loop or a
   deadlock costs its question, about 10-25 s;
 - every cell of the submission gets ``cell_timeout`` seconds (:class:`CellTimeLimit`);
