@@ -333,8 +333,10 @@ def test_rank_pool_output_is_grouped_by_rank(lab, browser, smoke_executed):
         page.wait_for_selector(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-OutputArea-output", timeout=60_000)
         boards = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .course-rank-board")
         assert boards.count() >= 3, "no %%ranks output grouped by rank"
-        heads = [boards.first.locator(".course-rank").nth(r).inner_text().splitlines()[0] for r in range(4)]
-        assert heads == [f"rank {r} · done" for r in range(4)], heads
+        boxes = boards.first.locator(".course-rank")
+        texts = [boxes.nth(r).inner_text().splitlines() for r in range(4)]
+        assert [t[0] for t in texts] == [f"rank {r} · done" for r in range(4)], texts
+        assert texts[3][1].startswith("rank 3 of 4: data = [30.0, 31.0"), texts  # each rank's own output in its box
         boards.first.scroll_into_view_if_needed()
         boards.first.screenshot(path=str(ARTIFACTS / "rank-board.png"))
         tables = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-OutputArea-output table:has(caption)")
@@ -343,5 +345,7 @@ def test_rank_pool_output_is_grouped_by_rank(lab, browser, smoke_executed):
         last = tables.nth(captions.index(next(c for c in captions if c.startswith("all-gather step 2"))))
         last.scroll_into_view_if_needed()
         last.screenshot(path=str(ARTIFACTS / "ring-last-step.png"))
+        marked = last.locator("td[style*='background-color']").count()
+        assert marked == 8, f"the last ring step should mark the 2 values each of the 4 ranks received, found {marked}"
     finally:
         page.close()

@@ -61,4 +61,6 @@ def test_buffer_tables_mark_what_changed():
     table = steps.show([torch.tensor([1.0, 6.0]), torch.tensor([3.0, 4.0])], "step")
     assert table.changed.values.tolist() == [[False, True], [False, False]]
     assert repr(table) == "step\n        0   1\nrank 0  1  *6\nrank 1  3   4"
-    assert "background-color:#ffe08a" in table._repr_html_().replace(" ", "") and "<caption>step</caption>" in table._repr_html_()
+    page = table._repr_html_()
+    assert page.count("background-color:#ffe08a") == 1 and "<caption>step</caption>" in page
+    assert '<td style="padding:2px 8px;text-align:right;background-color:#ffe08a;font-weight:bold">6</td>' in page

@@ -13,6 +13,8 @@ seen at a glance rather than read from N printouts.
 
 from __future__ import annotations
 
+import html
+
 import pandas as pd
 
 CHANGED = "background-color:#ffe08a;font-weight:bold"
@@ -45,8 +47,17 @@ class StepTable:
         self.title, self.frame, self.changed = title, frame, changed
 
     def _repr_html_(self) -> str:
-        styled = self.frame.style.set_caption(self.title).format("{:g}")
-        return styled.apply(lambda _: self.changed.map(lambda c: CHANGED if c else ""), axis=None).to_html()
+        # inline styles, not a <style> block: a reopened (untrusted) notebook strips <style> tags
+        cell = "padding:2px 8px;text-align:right;"
+        head = "".join(f'<th style="{cell}">{c}</th>' for c in self.frame.columns)
+        rows = "".join(
+            f'<tr><th style="{cell}">{html.escape(str(label))}</th>' + "".join(
+                f'<td style="{cell}{CHANGED if changed else ""}">{value:g}</td>'
+                for value, changed in zip(values, flags, strict=True)) + "</tr>"
+            for label, values, flags in zip(self.frame.index, self.frame.to_numpy(), self.changed.to_numpy(),
+                                            strict=True))
+        return (f'<table class="course-step-table"><caption>{html.escape(self.title)}</caption>'
+                f'<thead><tr><th></th>{head}</tr></thead><tbody>{rows}</tbody></table>')
 
     def __repr__(self) -> str:
         marked = self.frame.map(lambda v: f"{v:g}").where(~self.changed, self.frame.map(lambda v: f"*{v:g}"))
