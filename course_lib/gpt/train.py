@@ -9,7 +9,8 @@ Train the nanoGPT-style model in this process: alone, or as one of the ranks tor
 The loop is nanoGPT's (Karpathy, github.com/karpathy/nanoGPT, train.py): linear warmup then
 cosine learning-rate decay, AdamW, gradient clipping, gradient accumulation, periodic evaluation
 with checkpoints. Every way of distributing it goes through a Strategy
-(:mod:`course_lib.parallel.strategy`); this file never wraps the model itself. Setting up and
+(:mod:`course_lib.parallel.strategy`); this file never wraps the model itself, and its step is the
+one every experiment runs too, :func:`course_lib.parallel.step.train_step`. Setting up and
 checkpointing a run is :mod:`course_lib.gpt.run`, its timing and metrics
 :class:`course_lib.gpt.metrics.RunMeter`. Checking a request and launching workers is the host's
 job (:mod:`course_lib.launch.training`); nothing here imports it.
@@ -38,7 +39,7 @@ from course_lib.gpt.data import DataError
 from course_lib.gpt.metrics import RunMeter
 from course_lib.gpt.run import Run, evaluate, save_checkpoint, setup_run
 from course_lib.gpt.runtime import setup_runtime
-from course_lib.parallel.step import Precision
+from course_lib.parallel.step import Precision, _fp16_step  # noqa: F401  (lesson 09 shows _fp16_step)
 from course_lib.parallel.step import train_step as one_step
 from course_lib.parallel.strategy import Strategy
 
