@@ -23,6 +23,7 @@ import argparse
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 
 import torch
 
@@ -42,6 +43,7 @@ def worker(rank: int, world_size: int, lay: tuple, args) -> dict:
     from course_lib.gpt.run import optimizer_factory
     from course_lib.parallel.model_parallel import ModelParallel
     from course_lib.parallel.process_groups import ProcessGroupGrid
+    from course_lib.parallel.step import train_step
 
     dp, tp, pp, cp, sp = lay
     grid = ProcessGroupGrid(dp=dp, tp=tp, pp=pp, cp=cp)
@@ -50,19 +52,19 @@ def worker(rank: int, world_size: int, lay: tuple, args) -> dict:
     strategy = ModelParallel(GPT(cfg), optimizer_factory(TrainConfig()), grid, args.strategy, sp, args.schedule)
     g = torch.Generator().manual_seed(1)
     b = args.batch // dp
-    times, figures = [], []
+    times, figures, fig = [], [], {}
+
+    def phase(name, micro):
+        if name == "zero_grad":  # the step's figures, taken while the gradients are still held
+            fig.update(strategy.figures())
+        return nullcontext()
     for it in range(args.iters + 1):
         x = torch.randint(0, cfg.vocab_size, (args.micro, b, cfg.block_size), generator=g)
         t0 = time.perf_counter()
-        strategy.train_step(x, x.roll(-1, dims=-1))
-        strategy.finish_grads()
-        strategy.clip_grad_norm_(1.0)
-        strategy.step()
-        fig = strategy.figures()
-        strategy.zero_grad()
+        train_step(strategy, x, x.roll(-1, dims=-1), grad_clip=1.0, phase=phase)
         if it:  # the first step is warm-up (allocations, optimizer state)
             times.append(time.perf_counter() - t0)
-            figures.append(fig)
+            figures.append(dict(fig))
     return {"ms": 1e3 * statistics.median(times), "figures": figures[-1]}
 
 

@@ -55,22 +55,24 @@ def recompute_overhead(reps: int) -> list[dict]:
     import torch
 
     from course_lib.gpt.model import GPT, GPTConfig
+    from course_lib.parallel.step import Precision, forward_backward
+    from course_lib.parallel.strategy import build_strategy
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=64, vocab_size=65, n_layer=4, n_head=4, n_embd=128, bias=False))
-    x = torch.randint(0, 65, (12, 64))
+    single = build_strategy("single", model, lambda m: torch.optim.AdamW(m.parameters()))
+    x = torch.randint(0, 65, (1, 12, 64))  # one micro-batch
     rows = []
     for dtype in ("float32", "bfloat16"):
         best = {m: float("inf") for m in ("none", "selective", "full")}
+        precision = Precision(torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype != "float32"))
         for _ in range(reps):
             for mode in best:
                 model.set_recompute(mode)
                 t0 = time.perf_counter()
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype != "float32"):
-                    loss = model(x, x)[1]
-                loss.backward()
+                forward_backward(single, x, x, precision)  # the trainer's first half-step
                 best[mode] = min(best[mode], time.perf_counter() - t0)
-                model.zero_grad(set_to_none=True)
+                single.zero_grad()
         rows += [{"dtype": dtype, "recompute": m, "fwd+bwd ms (min)": 1e3 * t, "vs_none": t / best["none"]}
                  for m, t in best.items()]
     return rows

@@ -11,6 +11,8 @@ layouts run in fp32). Its full state dict is the single process's, and loads int
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -28,6 +30,7 @@ from course_lib.parallel.gpt_parallel import shard, shard_spec, unshard
 from course_lib.parallel.model_parallel import ModelParallel
 from course_lib.parallel.process_groups import ProcessGroupGrid
 from course_lib.parallel.spawn import run_ranks
+from course_lib.parallel.step import train_step
 from course_lib.parallel.vocab_parallel import vocab_parallel_cross_entropy, vocab_range
 
 CFG = GPTConfig(block_size=16, vocab_size=65, n_layer=2, n_head=4, n_embd=32, bias=True)
@@ -73,16 +76,16 @@ def train_layout(layout: dict, dtype, steps: int = STEPS, start: dict | None = N
                              layout["sp"], layout["schedule"])
     if start is not None:
         strategy.load_state_dict(start)
-    losses = []
+    losses, figures = [], {}
+
+    def phase(name, micro):
+        if name == "zero_grad":  # this step's bytes; model states while gradients are held
+            figures.update(strategy.figures())
+        return nullcontext()
     for s in range(steps):
         x, y = batch(s, grid.dp_world_size)
         mine = slice(B * grid.dp_rank, B * (grid.dp_rank + 1))
-        loss = strategy.train_step(x[:, mine], y[:, mine]).reshape(1)
-        strategy.finish_grads()
-        strategy.clip_grad_norm_(1.0)
-        strategy.step()
-        figures = strategy.figures()  # this step's bytes; model states while gradients are held
-        strategy.zero_grad()
+        loss = train_step(strategy, x[:, mine], y[:, mine], grad_clip=1.0, phase=phase).loss.reshape(1)
         dist.all_reduce(loss)  # tp and pp ranks hold equal losses; dp and cp ranks their part
         losses.append(loss.item() / grid.world_size)
     n_tensors = sum(p.requires_grad for p in strategy.module.parameters())  # DDP's presence flags
@@ -238,7 +241,7 @@ def activations_worker(rank: int, world_size: int, cases: list) -> list[int]:
         torch.manual_seed(0)
         strategy = ModelParallel(GPT(ACT_CFG), optimizer_factory(TRAIN), grid, "ddp", sp, schedule)
         x = torch.randint(0, ACT_CFG.vocab_size, (micro, 8, ACT_CFG.block_size), generator=torch.Generator().manual_seed(0))
-        strategy.train_step(x, x)
+        strategy.forward_backward(x, x)
         strategy.zero_grad()
         out.append(strategy.last_stats.peak_activation_bytes)
     return out

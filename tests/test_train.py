@@ -16,9 +16,10 @@ from course_lib.gpt.data import TrainBatches, prepare
 from course_lib.gpt.metrics import COLUMNS, read_metrics
 from course_lib.gpt.sample import cli as sample_cli
 from course_lib.gpt.sample import sample
-from course_lib.gpt.train import _fp16_step, get_lr, setup_runtime, train
+from course_lib.gpt.train import get_lr, setup_runtime, train
 from course_lib.hardware import PROFILES, cpu_autocast_dtypes, pick_dtype
 from course_lib.launch.training import train_in_process as run
+from course_lib.parallel.step import _fp16_step
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=4, max_iters=8, lr_decay_iters=8,
             warmup_iters=2, learning_rate=3e-3, eval_interval=4, eval_iters=2, log_interval=1, dropout=0.0,

@@ -23,7 +23,6 @@ each bucket before handing it to the default all-reduce hook.
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
@@ -33,6 +32,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from course_lib.analysis.comm_cost import collective_time
 from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.parallel.buckets import bucket_indices
+from course_lib.parallel.step import train_step
 from course_lib.parallel.strategy import build_strategy
 
 # label -> (strategy name, keyword arguments)
@@ -83,14 +83,9 @@ def reference_run(cfg, batches, lr: float, seed: int):
     """One process, the whole global batch per step, from the seed rank 0 uses: (model, losses)."""
     torch.manual_seed(seed)
     model = GPT(cfg)
-    opt = _adamw(lr)(model)
-    losses = []
-    for x, y in batches:
-        loss = model(x, y)[1]  # the mean over every token of the global batch
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+    single = build_strategy("single", model, _adamw(lr))
+    # one micro-batch: the mean over every token of the global batch
+    losses = [train_step(single, x[None], y[None]).loss.item() for x, y in batches]
     return model, losses
 
 
@@ -133,16 +128,9 @@ def compare_with_single_process(variants: dict[str, tuple[str, dict]] = VARIANTS
                     ddp_counter.update(calls=0, bytes=0)
             comm_start = strategy.comm_s
             t0 = time.perf_counter()
-            local = torch.zeros(())
-            for micro in range(grad_accum):
-                rows = slice(micro * micro_batch, (micro + 1) * micro_batch)
-                with contextlib.nullcontext() if micro == grad_accum - 1 else strategy.no_sync():
-                    loss = strategy.model(xr[rows], yr[rows])[1] / grad_accum
-                    loss.backward()
-                local += loss.detach()
-            strategy.finish_grads()
-            strategy.step()
-            strategy.zero_grad()
+            # (grad_accum, micro_batch, T): micro-batch i is rows i * micro_batch ... of this rank's
+            local = train_step(strategy, xr.view(grad_accum, micro_batch, -1),
+                               yr.view(grad_accum, micro_batch, -1)).loss
             step_s.append(time.perf_counter() - t0)
             comm_s.append(strategy.comm_s - comm_start)
             dist.all_reduce(local)  # the loss of the global batch, for the table only

@@ -28,6 +28,8 @@ from course_lib.gpt.data import prepare
 from course_lib.gpt.model import GPT
 from course_lib.hardware import PROFILES, detect, pick_dtype
 from course_lib.launch.train_cli import build_config
+from course_lib.parallel.step import Precision, train_step
+from course_lib.parallel.strategy import build_strategy
 
 GiB = 2**30
 # nanoGPT's recipe (config/train_shakespeare_char.py) in bf16, and the T4 path forced on the same
@@ -125,22 +127,19 @@ def _batch(shape: ModelShape, batch_size: int, device: str):
     return x, torch.roll(x, -1, dims=1)
 
 
-def _train_step(model, optimizer, x, y, autocast) -> None:
-    with autocast:
-        _, loss = model(x, y)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+def _one_step(strategy, x: torch.Tensor, y: torch.Tensor, precision: Precision) -> None:
+    train_step(strategy, x[None], y[None], precision=precision)  # the trainer's step, one micro-batch
 
 
 def _setup(shape: ModelShape, device: str, dtype: str):
+    """The GPT on ``device`` in the single-process strategy (fused AdamW on a GPU), and its autocast."""
     torch.manual_seed(0)
     model = GPT(shape.gpt_config()).to(device)
     fused = {"fused": True} if device.startswith("cuda") else {}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **fused)
+    single = build_strategy("single", model, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4, **fused))
     autocast = (nullcontext() if dtype == "float32"
                 else torch.autocast(device.split(":")[0], dtype=getattr(torch, dtype)))
-    return model, optimizer, autocast
+    return single, Precision(autocast)
 
 
 def _library_workspaces(device: str) -> tuple[int, int]:
@@ -173,17 +172,17 @@ def memory_step(out: Path, preset: str = "gpt2", batch_size: int = 12, device: s
       16-bit activations with fused attention (SDPA stores no s x s scores)."""
     shape = get_preset(preset)
     workspace, base = _library_workspaces(device)
-    model, optimizer, autocast = _setup(shape, device, "bfloat16")
+    single, precision = _setup(shape, device, "bfloat16")
     x, y = _batch(shape, batch_size, device)
-    _train_step(model, optimizer, x, y, autocast)  # creates the moments; zero_grad frees the grads
+    _one_step(single, x, y, precision)  # creates the moments; zero_grad frees the grads
     torch.cuda.synchronize(device)
     kept = torch.cuda.memory_allocated(device) - base - x.nbytes - y.nbytes
     torch.cuda.reset_peak_memory_stats(device)
-    _train_step(model, optimizer, x, y, autocast)
+    _one_step(single, x, y, precision)
     peak = torch.cuda.max_memory_allocated(device)
     states = breakdown(preset=shape, dtype="fp32")
     acts = breakdown(preset=shape, batch_size=batch_size, dtype="mixed", flash_attention=True, dropout=False)
-    del model, optimizer
+    del single
     torch.cuda.empty_cache()
     total = states.model_states + acts.activations
     return {"preset": shape.name, "batch_size": batch_size, "seq_len": shape.block_size,
@@ -195,14 +194,14 @@ def memory_step(out: Path, preset: str = "gpt2", batch_size: int = 12, device: s
             "library_workspace_bytes": workspace}
 
 
-def _time_steps(model, optimizer, x, y, autocast, steps: int, warmup: int, device: str) -> float:
+def _time_steps(strategy, x, y, precision: Precision, steps: int, warmup: int, device: str) -> float:
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     for _ in range(warmup):  # with torch.compile the first one compiles
-        _train_step(model, optimizer, x, y, autocast)
+        _one_step(strategy, x, y, precision)
     sync()
     t0 = time.perf_counter()
     for _ in range(steps):
-        _train_step(model, optimizer, x, y, autocast)
+        _one_step(strategy, x, y, precision)
     sync()
     return (time.perf_counter() - t0) / steps
 
@@ -217,16 +216,18 @@ def mfu_step(out: Path, preset: str | ModelShape = "gpt2", batch_size: int = 12,
     result = {"preset": shape.name, "batch_size": batch_size, "seq_len": shape.block_size, "dtype": dtype,
               "peak_tflops": peak / 1e12 if peak else None}
     for compiled in compile_modes:
-        model, optimizer, autocast = _setup(shape, device, dtype)
-        run = torch.compile(model) if compiled else model
+        single, precision = _setup(shape, device, dtype)
+        model = single.module
+        if compiled:
+            single.model = torch.compile(model)  # what forward is called on; the optimizer keeps model's
         x, y = _batch(shape, batch_size, device)
         t0 = time.perf_counter()
-        s = _time_steps(run, optimizer, x, y, autocast, steps, warmup, device)
+        s = _time_steps(single, x, y, precision, steps, warmup, device)
         tokens_per_s = batch_size * shape.block_size / s
         result["compiled" if compiled else "eager"] = {
             "ms_per_step": s * 1e3, "tokens_per_s": tokens_per_s, "mfu": model.estimate_mfu(tokens_per_s, peak),
             "setup_s": round(time.perf_counter() - t0 - s * steps, 1)}
-        del model, run, optimizer
+        del model, single
     if "eager" in result and "compiled" in result:
         result["compile_speedup"] = result["eager"]["ms_per_step"] / result["compiled"]["ms_per_step"]
     return result

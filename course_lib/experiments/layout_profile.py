@@ -20,7 +20,7 @@ import os
 import time
 from contextlib import nullcontext
 
-from course_lib.experiments.profiling import _events, finish_step
+from course_lib.experiments.profiling import LABELS, _events, labelled
 from course_lib.experiments.step_intervals import STEP, classify
 
 
@@ -31,6 +31,7 @@ def profile_layout_worker(rank: int, world_size: int, spec: dict) -> dict:
     from course_lib.gpt.model import GPT, GPTConfig
     from course_lib.parallel.model_parallel import ModelParallel
     from course_lib.parallel.process_groups import ProcessGroupGrid
+    from course_lib.parallel.step import train_step
 
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's library is quiet
     lay = spec["layout"]
@@ -43,10 +44,11 @@ def profile_layout_worker(rank: int, world_size: int, spec: dict) -> dict:
     gen = torch.Generator().manual_seed(1 + grid.dp_rank)  # one batch per dp rank, shared by its tp/pp/cp ranks
     x = torch.randint(cfg.vocab_size, (spec["grad_accum"], spec["batch_size"], cfg.block_size), generator=gen)
 
+    # "pipeline": the whole schedule, forwards and backwards interleaved
+    names = {**LABELS, "forward_backward": "pipeline"}
+
     def step(label=lambda name: nullcontext()):
-        with label("pipeline"):  # the whole schedule: forwards and backwards interleaved
-            strategy.train_step(x, x.roll(-1, dims=-1))
-        finish_step(strategy, label)
+        train_step(strategy, x, x.roll(-1, dims=-1), grad_clip=1.0, phase=labelled(label, names))
 
     for _ in range(spec["warmup"]):
         step()

@@ -35,6 +35,7 @@ from course_lib.analysis.memory import model_state_bytes
 from course_lib.gpt.activation_meter import SavedTensorMeter
 from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.parallel.footprint import measure_model_states
+from course_lib.parallel.step import train_step
 from course_lib.parallel.strategy import build_strategy
 
 # ------------------------------------------------------------------ counting bytes of tensors
@@ -167,6 +168,21 @@ class CommCounter(TorchDispatchMode):
 # ------------------------------------------------------------------ one run per strategy
 
 
+def _watcher(strategy, seen: dict):
+    """A phase hook for :func:`~course_lib.parallel.step.train_step` that writes into ``seen`` the
+    gradient bytes after the communication (and samples ``seen["tracker"]``) and the model
+    states after the optimizer step."""
+    def phase(name: str, micro: int | None):
+        if name == "update":  # the gradients after the last reduce-scatter landed
+            if seen["tracker"]:
+                seen["tracker"].sample()
+            seen["grads"] = measure_model_states(strategy).grads
+        elif name == "zero_grad":  # after the step: what a rank keeps, gradients aside
+            seen["states"] = measure_model_states(strategy)
+        return contextlib.nullcontext()
+    return phase
+
+
 def measure_strategies(names: list[str], gpt_kwargs: dict, batch_size: int, steps: int = 2,
                        bucket_cap_mb: float = 25.0, lr: float = 1e-3, seed: int = 0) -> dict[str, dict]:
     """Train the same GPT for ``steps`` with each strategy in ``names``; measure the last step.
@@ -189,35 +205,29 @@ def measure_strategies(names: list[str], gpt_kwargs: dict, batch_size: int, step
         strategy = build_strategy(
             name, model, lambda m: torch.optim.AdamW(m.parameters(), lr=lr, foreach=True), **extra)
         gen = torch.Generator().manual_seed(seed + 1)
-        losses = []
+        losses, seen = [], {}
+        phase = _watcher(strategy, seen)
         for step in range(steps):
             last = step == steps - 1
             idx = torch.randint(0, cfg.vocab_size, (batch_size * world_size, cfg.block_size + 1),
                                 generator=gen)
             x, y = idx[rank::world_size, :-1].contiguous(), idx[rank::world_size, 1:].contiguous()
-            tracker = PeakTracker(model, strategy) if last else None
+            tracker = seen["tracker"] = PeakTracker(model, strategy) if last else None
             counter = CommCounter()
             t0 = time.perf_counter()
             with counter if last else contextlib.nullcontext():
-                loss = strategy.model(x, y)[1]
-                loss.backward()
-                strategy.finish_grads()
-                if tracker:
-                    tracker.sample()  # gradients after the last reduce-scatter landed
-                grads_after = measure_model_states(strategy).grads
-                strategy.step()
+                loss = train_step(strategy, x[None], y[None], phase=phase).loss  # one micro-batch
             step_s = time.perf_counter() - t0
-            mean_loss = loss.detach().clone()
+            mean_loss = loss.clone()
             dist.all_reduce(mean_loss)
             losses.append(mean_loss.item() / world_size)
             if last:
                 tracker.remove()
-                states = measure_model_states(strategy)
-                kept = {"params": states.params, "grads": grads_after, "optimizer": states.optimizer}
+                states = seen["states"]
+                kept = {"params": states.params, "grads": seen["grads"], "optimizer": states.optimizer}
                 results[name] = {"num_params": model.num_params(), "losses": losses, "kept": kept,
                                  "peak": dict(tracker.peak), "volume": dict(counter.volume),
                                  "calls": dict(counter.calls), "step_s": step_s}
-            strategy.zero_grad()
     return results
 
 

@@ -22,6 +22,7 @@ import copy
 import math
 import statistics
 from collections import defaultdict
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ from course_lib.gpt.activation_meter import SavedTensorMeter
 from course_lib.gpt.metrics import read_metrics
 from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.launch.training import train_in_process
+from course_lib.parallel.step import Precision, train_step
 from course_lib.parallel.strategy import build_strategy
 
 
@@ -102,12 +104,8 @@ def autocast_bytes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, dtype: st
     if hasattr(model, "set_recompute"):
         model.set_recompute(recompute)
     device_type = next(model.parameters()).device.type
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    with SavedTensorMeter(model) as meter, \
-            torch.autocast(device_type, dtype=getattr(torch, dtype), enabled=dtype != "float32"):
-        _, loss = model(x, y)
-    loss.backward()
-    opt.step()
+    single = build_strategy("single", model, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4))
+    meter, held = SavedTensorMeter(model), {}
 
     def by_dtype(tensors) -> dict[str, int]:
         out: dict[str, int] = defaultdict(int)
@@ -118,10 +116,32 @@ def autocast_bytes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, dtype: st
                 out[str(t.dtype).removeprefix("torch.")] += t.untyped_storage().nbytes()
         return dict(out)
 
-    ps = list(model.parameters())
-    return {"params": by_dtype(ps), "grads": by_dtype(p.grad for p in ps),
-            "optimizer": by_dtype(v for p in ps for k, v in opt.state[p].items() if k != "step"),
-            "saved": meter.by_dtype(), "num_params": sum(p.numel() for p in ps)}
+    def phase(name: str, micro: int | None):
+        if name == "zero_grad":  # after the optimizer step, before the gradients are freed
+            ps = list(model.parameters())
+            opt = single.optimizer
+            held.update(params=by_dtype(ps), grads=by_dtype(p.grad for p in ps),
+                        optimizer=by_dtype(v for p in ps for k, v in opt.state[p].items() if k != "step"))
+        return meter if name == "forward" else nullcontext()
+
+    autocast = torch.autocast(device_type, dtype=getattr(torch, dtype), enabled=dtype != "float32")
+    train_step(single, x[None], y[None], precision=Precision(autocast), phase=phase)  # one micro-batch
+    return {**held, "saved": meter.by_dtype(), "num_params": sum(p.numel() for p in model.parameters())}
+
+
+def _after_grads(seen: dict):
+    """A phase hook for train_step: once the gradients are communicated, note in ``seen`` the
+    bytes the strategy's Comms counted so far and whether every gradient is a number of
+    ``seen["comm"]`` (bf16/fp16: the 16-bit path ran)."""
+    def phase(name: str, micro: int | None):
+        if name == "update":
+            strategy, comm = seen["strategy"], seen["comm"]
+            if hasattr(strategy, "comms"):
+                seen["volume"] = strategy.comms.volume_bytes
+            seen["on_grid"] = comm is None or all(torch.equal(p.grad, p.grad.to(comm).float())
+                                                  for p in strategy.module.parameters() if p.grad is not None)
+        return nullcontext()
+    return phase
 
 
 def grad_comm_worker(rank: int, world_size: int, strategies=("ddp", "torch_ddp"),
@@ -152,17 +172,13 @@ def grad_comm_worker(rank: int, world_size: int, strategies=("ddp", "torch_ddp")
                                     generator=gen)
                 x, y = idx[rank::world_size, :-1].contiguous(), idx[rank::world_size, 1:].contiguous()
                 before = strategy.comms.volume_bytes if hasattr(strategy, "comms") else None
-                loss = strategy.model(x, y)[1]
-                loss.backward()
-                strategy.finish_grads()
+                seen = {"strategy": strategy, "comm": comm}
+                loss = train_step(strategy, x[None], y[None], phase=_after_grads(seen)).loss
                 if before is not None:
-                    volume = strategy.comms.volume_bytes - before
+                    volume = seen["volume"] - before
                 if comm is not None:
-                    on_grid &= all(torch.equal(p.grad, p.grad.to(comm).float())
-                                   for p in model.parameters() if p.grad is not None)
-                strategy.step()
-                strategy.zero_grad()
-                mean = loss.detach().clone()
+                    on_grid &= seen["on_grid"]
+                mean = loss.clone()
                 dist.all_reduce(mean)
                 losses.append(mean.item() / world_size)
             out[(name, dtype)] = {"losses": losses, "volume": volume, "on_grid": on_grid,

@@ -33,6 +33,7 @@ from course_lib.experiments.step_intervals import STEP, classify
 from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.launch.placement import plan_ranks
 from course_lib.parallel.spawn import run_ranks
+from course_lib.parallel.step import train_step
 from course_lib.parallel.strategy import STRATEGIES, build_strategy
 
 # ------------------------------------------------------------------ the profiled step (one rank)
@@ -42,16 +43,15 @@ def _events(prof) -> list[dict]:
              "device": "cuda" if e.device_type == DeviceType.CUDA else "cpu"} for e in prof.events()]
 
 
-def finish_step(strategy, label) -> None:
-    """The trainer's step after backward, each phase under ``label(name)`` (a record_function)."""
-    with label("finish_grads"):
-        strategy.finish_grads()
-    with label("clip_grad_norm"):
-        strategy.clip_grad_norm_(1.0)
-    with label("optimizer_step"):
-        strategy.step()
-    with label("zero_grad"):
-        strategy.zero_grad()
+# the step's phases (course_lib.parallel.step) recorded, under the names classify reads
+LABELS = {name: name for name in ("forward", "backward", "finish_grads", "clip_grad_norm", "optimizer_step",
+                                  "zero_grad")}
+
+
+def labelled(label, names: dict[str, str] = LABELS):
+    """A phase hook for :func:`~course_lib.parallel.step.train_step`: the phases in ``names``
+    under ``label(names[phase])`` (a record_function), the others unlabelled."""
+    return lambda name, micro: label(names[name]) if name in names else nullcontext()
 
 
 def profile_worker(rank: int, world_size: int, spec: dict) -> dict:
@@ -72,13 +72,7 @@ def profile_worker(rank: int, world_size: int, spec: dict) -> dict:
     sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
 
     def step(label=nullcontext):
-        for micro in range(accum):
-            with strategy.no_sync() if micro < accum - 1 else nullcontext():
-                with label("forward"):
-                    loss = strategy.model(x[micro], y[micro])[1] / accum
-                with label("backward"):
-                    loss.backward()
-        finish_step(strategy, label)
+        train_step(strategy, x, y, grad_clip=1.0, phase=labelled(label))  # the trainer's step
         sync()
 
     for _ in range(spec["warmup"]):  # first steps allocate Adam's states, warm up caches

@@ -45,6 +45,7 @@ from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.gpt.run import optimizer_factory
 from course_lib.parallel.footprint import measure_model_states, peak
 from course_lib.parallel.spawn import run_ranks
+from course_lib.parallel.step import train_step
 from course_lib.parallel.strategy import STRATEGIES, build_strategy
 
 FIELDS = ["strategy", "nodes", "ranks", "ms_per_iter", "ms_min", "ms_max", "tokens_per_s", "speedup",
@@ -66,21 +67,12 @@ def bench_worker(rank: int, world_size: int, spec: dict) -> dict:
     batches = TrainBatches(tokens, cfg.batch_size, cfg.block_size, accum, rank, world_size, cfg.seed)
 
     def step(snapshots: list | None = None) -> None:
-        x, y = batches.next()
-        for micro in range(accum):
-            with contextlib.nullcontext() if micro == accum - 1 else strategy.no_sync():
-                loss = strategy.model(x[micro], y[micro])[1] / accum
-                loss.backward()
-        if snapshots is not None:
-            snapshots.append(measure_model_states(strategy))
-        strategy.finish_grads()
-        if snapshots is not None:
-            snapshots.append(measure_model_states(strategy))
-        strategy.clip_grad_norm_(cfg.grad_clip)
-        strategy.step()
-        strategy.zero_grad()
-        if snapshots is not None:
-            snapshots.append(measure_model_states(strategy))
+        def phase(name: str, micro: int | None):
+            # model states after backward, after the gradient communication, after the step
+            if snapshots is not None and name in ("finish_grads", "update", "zero_grad"):
+                snapshots.append(measure_model_states(strategy))
+            return contextlib.nullcontext()
+        train_step(strategy, *batches.next(), grad_clip=cfg.grad_clip, phase=phase)
 
     times, comms = [], []
     for it in range(spec["warmup"] + spec["iters"]):

@@ -10,8 +10,9 @@
 
 Each strategy starts from the same weights and sees the same data (rank r takes rows r, r + N, ...
 of the global batch), as :func:`course_lib.experiments.memory_measure.measure_strategies` does,
-but the step is cut in phases so that each rank's bytes of parameters, gradients and optimizer
-states can be looked at between them, next to the ZeRO paper's model of them
+but the trainer's step (:mod:`course_lib.parallel.step`) is run in its two halves,
+``forward_backward`` and ``optimizer_step``, so that each rank's bytes of parameters, gradients
+and optimizer states can be looked at between them, next to the ZeRO paper's model of them
 (:func:`course_lib.analysis.memory.model_state_bytes`, fp32 AdamW: 4 + 4 + 8 bytes per
 parameter, divided by N from stage 1, 2 or 3 on). :func:`single_process_step` is the reference: the
 same AdamW step on the whole batch in one process, which every stage must reproduce.
@@ -26,6 +27,7 @@ from course_lib.analysis.memory import model_state_bytes
 from course_lib.experiments.memory_measure import PeakTracker
 from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.parallel.footprint import measure_model_states
+from course_lib.parallel.step import forward_backward, optimizer_step, train_step
 from course_lib.parallel.strategy import build_strategy
 
 STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
@@ -71,9 +73,8 @@ class ZeroWalk:
         bytes reported are the peak during backward: ZeRO-1 builds every full gradient first."""
         for name, strategy in self.runs.items():
             tracker = PeakTracker(self.models[name], strategy)
-            loss = strategy.model(self.x, self.y)[1]
-            loss.backward()
-            strategy.finish_grads()
+            # the first half of the trainer's step, one micro-batch: (1, B, T)
+            loss = forward_backward(strategy, self.x[None], self.y[None])
             tracker.sample()
             tracker.remove()
             self.grad_peaks[name] = tracker.peak["grads"]
@@ -85,8 +86,7 @@ class ZeroWalk:
         """The optimizer step on this rank's shard (ZeRO-1/2: then the all-gather of parameters),
         and zero_grad, as the trainer does."""
         for strategy in self.runs.values():
-            strategy.step()
-            strategy.zero_grad()
+            optimizer_step(strategy)  # the second half of the trainer's step (no clipping here)
         self.phase = PHASES[2]
 
     def report(self) -> list[dict]:
@@ -116,13 +116,11 @@ def single_process_step(gpt: dict, batch_size: int, world_size: int, lr: float =
     cfg = GPTConfig(**gpt)
     torch.manual_seed(seed)
     model = GPT(cfg)
-    optimizer = _adamw(lr)(model)
     x, y = global_batch(cfg, batch_size, world_size, seed)
-    # The ranks' averaged gradient is the gradient of the mean loss over their equal micro-batches.
-    loss = sum(model(x[r::world_size].contiguous(), y[r::world_size].contiguous())[1]
-               for r in range(world_size)) / world_size
-    loss.backward()
-    optimizer.step()
+    # The ranks' averaged gradient is the gradient of the mean loss over their equal micro-batches:
+    # in one process, rank r's rows are micro-batch r of gradient accumulation, (world_size, B, T).
+    micro_x, micro_y = (torch.stack([t[r::world_size] for r in range(world_size)]) for t in (x, y))
+    train_step(build_strategy("single", model, _adamw(lr)), micro_x, micro_y)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

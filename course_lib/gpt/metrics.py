@@ -171,7 +171,7 @@ class RunMeter:
         self.master = rt.rank == 0
         dp = rt.world_size // cfg.model_parallel_size  # ranks holding different samples
         self.tokens_per_iter = cfg.batch_size * cfg.gradient_accumulation_steps * dp * cfg.block_size
-        self.layout = hasattr(strategy, "figures")  # tp/pp/cp: per-rank memory, bytes and bubble
+        self.layout = cfg.model_parallel_size > 1  # tp/pp/cp: per-rank memory, bytes and bubble
         self.flops_per_token = model.flops_per_token()
         profile = detect(rt.device)
         peak = profile.peak(rt.dtype if rt.dtype != "float32" else ("tf32" if rt.device_type == "cuda" else "float32"))
@@ -232,10 +232,7 @@ class RunMeter:
 
     def _comm_bytes(self) -> float:
         """Bytes our strategies' Comms counted so far (model parallel: every group's); nan for PyTorch's."""
-        comms = getattr(self.strategy, "comms", None)
-        if isinstance(comms, dict):  # ModelParallel: one Comms per group (tp, sp, cp, pp, dp)
-            return sum(c.volume_bytes for c in comms.values())
-        return comms.volume_bytes if comms is not None else math.nan
+        return self.strategy.comm_bytes()
 
     def log(self, it: int, loss_sum: torch.Tensor, lr: float, grad_norm: torch.Tensor | None,
             extra: dict | None = None) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from course_lib.gpt.model import GPT, GPTConfig, make_adamw
 from course_lib.gpt.runtime import Runtime
 from course_lib.parallel.model_parallel import ModelParallel
 from course_lib.parallel.process_groups import ProcessGroupGrid
+from course_lib.parallel.step import Precision
 from course_lib.parallel.strategy import Strategy, build_strategy
 
 
@@ -41,21 +41,6 @@ def strategy_options(cfg: TrainConfig, strategy_name: str) -> dict:
     if cfg.grad_comm_dtype == "float32" or strategy_name not in GRAD_COMM_STRATEGIES:
         return {}
     return {"grad_comm_dtype": getattr(torch, cfg.grad_comm_dtype)}
-
-
-@dataclass
-class Precision:
-    """Autocast for bf16/fp16 (none for fp32) and the loss scaler (enabled for fp16 only)."""
-    autocast: AbstractContextManager
-    scaler: torch.amp.GradScaler
-    good_steps: int = 0  # consecutive finite fp16 steps (for the scale's growth)
-    skipped: int = 0  # fp16 steps skipped so far because their gradients overflowed
-
-    @classmethod
-    def for_runtime(cls, rt: Runtime) -> Precision:
-        autocast = (nullcontext() if rt.dtype == "float32"
-                    else torch.autocast(rt.device_type, dtype=getattr(torch, rt.dtype)))
-        return cls(autocast, torch.amp.GradScaler(rt.device_type, enabled=rt.dtype == "float16"))
 
 
 @dataclass
@@ -98,7 +83,7 @@ def setup_run(cfg: TrainConfig, rt: Runtime) -> Run:
                  for i, (split, tokens) in enumerate((("train", train_tokens), ("val", val_tokens)))}
     torch.manual_seed(cfg.seed + rt.rank)  # per-rank randomness from here on (dropout, as in nanoGPT)
     random.seed(cfg.seed + rt.rank)
-    run = Run(cfg, rt, model, strategy, strategy_name, batches, eval_sets, Precision.for_runtime(rt), meta,
+    run = Run(cfg, rt, model, strategy, strategy_name, batches, eval_sets, Precision.for_dtype(rt.device_type, rt.dtype), meta,
               act_model_bytes=math.nan if cfg.model_parallel_size > 1  # per stage: peak_activation_bytes
               else modelled_bytes(cfg, gptconf.vocab_size, rt.dtype, rt.device_type))
     if cfg.init_from == "resume":
@@ -132,14 +117,14 @@ def _resume(run: Run) -> None:
 def evaluate(run: Run, n_batches: int) -> dict:
     """Mean loss of the fixed eval batches per split; each dp rank does its share, then all-reduce
     (the tp and pp ranks of a model replica hold its loss, its cp ranks their chunks' means)."""
-    model, staged = run.strategy.model, hasattr(run.strategy, "eval_loss")
+    model = run.strategy.model
     model.eval()
     out = {}
     for split, (x, y, weights) in run.eval_sets.items():
         total = torch.zeros((), device=run.rt.device)
         for k, w in enumerate(weights.tolist()):
             with run.precision.autocast:
-                loss = run.strategy.eval_loss(x[k], y[k]) if staged else model(x[k], y[k])[1]
+                loss = run.strategy.eval_loss(x[k], y[k])
             total += w * loss.float()
         if run.rt.world_size > 1:
             dist.all_reduce(total)  # sum over ranks

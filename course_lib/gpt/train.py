@@ -9,7 +9,8 @@ Train the nanoGPT-style model in this process: alone, or as one of the ranks tor
 The loop is nanoGPT's (Karpathy, github.com/karpathy/nanoGPT, train.py): linear warmup then
 cosine learning-rate decay, AdamW, gradient clipping, gradient accumulation, periodic evaluation
 with checkpoints. Every way of distributing it goes through a Strategy
-(:mod:`course_lib.parallel.strategy`); this file never wraps the model itself. Setting up and
+(:mod:`course_lib.parallel.strategy`); this file never wraps the model itself, and its step is the
+one every experiment runs too, :func:`course_lib.parallel.step.train_step`. Setting up and
 checkpointing a run is :mod:`course_lib.gpt.run`, its timing and metrics
 :class:`course_lib.gpt.metrics.RunMeter`. Checking a request and launching workers is the host's
 job (:mod:`course_lib.launch.training`); nothing here imports it.
@@ -36,8 +37,11 @@ from course_lib.gpt.config import ConfigError, TrainConfig
 from course_lib.gpt.config_args import arg_parser, config_from_args
 from course_lib.gpt.data import DataError
 from course_lib.gpt.metrics import RunMeter
-from course_lib.gpt.run import Precision, Run, evaluate, save_checkpoint, setup_run
+from course_lib.gpt.run import Run, evaluate, save_checkpoint, setup_run
 from course_lib.gpt.runtime import setup_runtime
+from course_lib.parallel.step import Precision, _fp16_step  # noqa: F401  (lesson 09 shows _fp16_step)
+from course_lib.parallel.step import train_step as one_step
+from course_lib.parallel.strategy import Strategy
 
 
 def get_lr(it: int, cfg: TrainConfig) -> float:
@@ -100,44 +104,21 @@ def train_loop(run: Run, meter: RunMeter) -> dict:
     return meter.finish(cfg.max_iters, run.best_val)
 
 
-def train_step(strategy, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig, precision: Precision,
+def train_step(strategy: Strategy, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig, precision: Precision,
                meter: RunMeter, measure: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, int | None]:
-    """One optimizer step on one global batch; x, y (accum, B, T) are this rank's micro-batches.
-
-    Forward/backward over the micro-batches (gradients synchronised on the last one only),
-    finish the gradients (the all-reduce), clip the global norm, step (fp16: or skip), zero.
-    Returns this rank's mean loss (a device tensor: no host sync), the norm (None unclipped) and,
-    with ``measure``, the bytes the first micro-batch's forward kept for backward (else None).
-    """
-    accum, scaler, loss_sum = cfg.gradient_accumulation_steps, precision.scaler, None
+    """One optimizer step (:func:`course_lib.parallel.step.train_step`) timed by ``meter``; x, y
+    (accum, B, T) are this rank's micro-batches. Returns this rank's mean loss (a device tensor),
+    the global gradient norm (None unclipped) and, with ``measure``, the bytes the first
+    micro-batch's forward kept for backward (else None)."""
     saved = SavedTensorMeter(strategy.module) if measure else None
-    with meter.compute():
-        if hasattr(strategy, "train_step"):  # tp/pp/cp: the pipeline schedules the micro-batches itself
-            with precision.autocast:
-                loss_sum = strategy.train_step(x, y)
-        else:
-            for micro in range(accum):
-                with nullcontext() if micro == accum - 1 else strategy.no_sync():
-                    with precision.autocast, saved if (saved and micro == 0) else nullcontext():
-                        _, loss = strategy.model(x[micro], y[micro])
-                    loss = loss / accum  # the mean over the micro-batches
-                    scaler.scale(loss).backward()
-                loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-    strategy.finish_grads()  # wait for (or do) the gradient all-reduce: communication, not compute
-    grad_norm = None
-    with meter.compute():
-        if scaler.is_enabled():
-            scaler.unscale_(strategy.optimizer)
-        if cfg.grad_clip > 0 or scaler.is_enabled():  # the norm over all ranks' gradients
-            grad_norm = strategy.clip_grad_norm_(cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
-        if scaler.is_enabled():
-            scale = scaler.get_scale()
-            precision.good_steps = _fp16_step(strategy, scaler, grad_norm, precision.good_steps)
-            precision.skipped += scaler.get_scale() < scale  # backed off: the step was skipped
-        else:
-            strategy.step()
-        strategy.zero_grad()
-    return loss_sum, grad_norm, saved.bytes if saved else None
+
+    def phase(name: str, micro: int | None):
+        if name in ("forward_backward", "update"):  # compute; finish_grads is communication
+            return meter.compute()
+        return saved if (saved and name == "forward" and micro == 0) else nullcontext()
+
+    result = one_step(strategy, x, y, cfg.grad_clip, precision, phase)
+    return result.loss, result.grad_norm, saved.bytes if saved else None
 
 
 def precision_columns(run: Run, act_bytes: int | None) -> dict:
@@ -147,23 +128,6 @@ def precision_columns(run: Run, act_bytes: int | None) -> dict:
     if run.precision.scaler.is_enabled():
         row.update(loss_scale=run.precision.scaler.get_scale(), skipped_steps=run.precision.skipped)
     return row
-
-
-def _fp16_step(strategy, scaler, grad_norm: torch.Tensor, good_steps: int) -> int:
-    """fp16 + loss scaling: skip the step on inf/NaN gradients and halve the scale; double it
-    after ``growth_interval`` good steps (GradScaler's rule). The decision uses the *global* norm
-    so every rank agrees, also when gradients are sharded."""
-    finite = bool(torch.isfinite(grad_norm))  # a host sync per step, as GradScaler.step makes too
-    scale = scaler.get_scale()
-    if finite:
-        strategy.step()
-        good_steps += 1
-        if good_steps == scaler.get_growth_interval():
-            scale, good_steps = scale * scaler.get_growth_factor(), 0
-    else:
-        scale, good_steps = scale * scaler.get_backoff_factor(), 0
-    scaler.update(scale)  # also clears the per-step "already unscaled" record
-    return good_steps
 
 
 def main(argv: list[str]) -> int:

@@ -4,7 +4,7 @@ on the dp x pp x cp x tp grid (the "4D parallelism" of Megatron-LM and picotron)
 One training step, on every rank::
 
     x, y (accum, B, T): this dp rank's samples   -> this cp rank's chunks (accum, B, T/cp)
-    Pipeline.train_step: the accum micro-batches through the pp stages (AFAB or 1F1B);
+    forward_backward (Pipeline.train_step): the accum micro-batches through the pp stages (AFAB or 1F1B);
         every tp/sp/cp collective happens inside the stage's forward and backward
     finish_grads: the data-parallel strategy (ddp, zero1, zero2) averages the gradients over
         the dp x cp group (cp ranks saw different tokens of the same samples); then
@@ -28,6 +28,8 @@ sequence-parallel all-gathers / reduce-scatters, "cp" the ring, "pp" activations
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -40,6 +42,7 @@ from course_lib.parallel.footprint import measure_model_states, peak
 from course_lib.parallel.gpt_parallel import GPTStage, shard_named, shard_spec, unshard_named
 from course_lib.parallel.pipeline_parallel import Pipeline
 from course_lib.parallel.process_groups import ProcessGroupGrid
+from course_lib.parallel.step import Precision, no_phase
 from course_lib.parallel.strategy import Strategy, build_strategy
 
 DP_FLAVOURS = registry.DP_FLAVOURS  # single, ddp, zero1, zero2
@@ -74,9 +77,15 @@ class ModelParallel(Strategy):
         self.last_stats, self.last_micro = None, 0  # the last step's PipelineStats (bubble) and m
 
     # --- the step ----------------------------------------------------------------------------
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of (accum, B, T) samples; returns the step's mean loss (this dp
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, precision: Precision | None = None,
+                         phase=no_phase) -> torch.Tensor:
+        """Forward and backward of (accum, B, T) samples, the pipeline scheduling the micro-batches
+        (the pipeline does not scale the loss for fp16); returns the step's mean loss (this dp
         rank's samples, this cp rank's tokens). Call ``finish_grads`` after it."""
+        with precision.autocast if precision is not None else nullcontext():
+            return self._pipeline_step(x, y)
+
+    def _pipeline_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         accum, B, T = x.shape
         g = self.grid
         x, y = (cp_split(t.reshape(accum * B, T), g.cp_rank, g.cp_world_size) for t in (x, y))
@@ -178,6 +187,9 @@ class ModelParallel(Strategy):
         for c in self.comms.values():
             c.seconds = 0.0
         self.comms["dp"].seconds = value
+
+    def comm_bytes(self) -> float:
+        return sum(c.volume_bytes for c in self.comms.values())
 
     # --- the one full checkpoint format --------------------------------------------------------
     def _full_layout(self) -> tuple[list[list[str]], list[str]]:

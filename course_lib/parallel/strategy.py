@@ -1,19 +1,11 @@
 """One interface for every way of training: the trainer calls a Strategy, never a wrapper directly.
 
-A training step with gradient accumulation reads, for any strategy::
-
-    for micro in range(grad_accum):
-        with strategy.no_sync() if micro < grad_accum - 1 else nullcontext():
-            loss = strategy.model(x, y)[1] / grad_accum
-            loss.backward()
-    strategy.finish_grads()          # blocking: waits for / does the gradient communication
-    strategy.clip_grad_norm_(1.0)    # global norm, also when gradients are sharded
-    strategy.step()                  # optimizer step (+ parameter all-gather for ZeRO)
-    strategy.zero_grad()
-
-Model parallelism (:class:`~course_lib.parallel.model_parallel.ModelParallel`, tp/pp/cp) replaces
-the micro-batch loop with ``strategy.train_step(x, y)`` (its pipeline schedules the micro-batches)
-and evaluation with ``strategy.eval_loss(x, y)``; the rest of the step is the same.
+The training step itself is written once, in :mod:`course_lib.parallel.step`:
+``train_step(strategy, x, y)`` calls ``forward_backward`` (the micro-batch loop with ``no_sync``,
+:func:`~course_lib.parallel.step.accumulate`; model parallelism overrides it with its pipeline
+schedule), then ``finish_grads`` (blocking: the gradient communication), ``clip_grad_norm_``
+(the global norm, also when gradients are sharded), ``step`` (optimizer step, + parameter
+all-gather for ZeRO) and ``zero_grad``. ``eval_loss`` is the loss of one batch for evaluation.
 
 ``comm_s`` accumulates the wall time spent waiting in collectives (exposed communication); the
 trainer reads and resets it each step to report ``comm_ms``.
@@ -37,6 +29,7 @@ are the way, not implemented here.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable
 
@@ -46,6 +39,7 @@ from torch import nn
 
 from course_lib import registry
 from course_lib.parallel.comms import Comms
+from course_lib.parallel.step import Precision, accumulate, no_phase
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 
@@ -67,6 +61,23 @@ class Strategy:
         self.model = model  # what forward is called on (a wrapper for some strategies)
         self.optimizer = make_optimizer(model)
         self.comm_s = 0.0
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, precision: Precision,
+                         phase=no_phase) -> torch.Tensor:
+        """Forward and backward of the micro-batches x[i], y[i] (accum, B, T); the step's mean loss."""
+        return accumulate(self, x, y, precision, phase)
+
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The loss of one batch (B, T), for evaluation (call under torch.no_grad)."""
+        return self.model(x, y)[1]
+
+    def figures(self) -> dict:
+        """Per-step figures beyond time and loss (model parallelism: bytes per group, bubble)."""
+        return {}
+
+    def comm_bytes(self) -> float:
+        """Bytes this rank's collectives moved so far; nan where we cannot count them (PyTorch's)."""
+        return math.nan
 
     def no_sync(self):
         return contextlib.nullcontext()
@@ -115,6 +126,9 @@ class CommsStrategy(Strategy):
     @comm_s.setter
     def comm_s(self, value: float) -> None:
         self.comms.seconds = value
+
+    def comm_bytes(self) -> float:
+        return self.comms.volume_bytes
 
 
 class SingleProcess(Strategy):
