@@ -39,7 +39,7 @@ from course_lib.gpt.data import DataError
 from course_lib.gpt.metrics import RunMeter
 from course_lib.gpt.run import Run, evaluate, save_checkpoint, setup_run
 from course_lib.gpt.runtime import setup_runtime
-from course_lib.parallel.step import Precision, _fp16_step  # noqa: F401  (lesson 09 shows _fp16_step)
+from course_lib.parallel.step import Precision
 from course_lib.parallel.step import train_step as one_step
 from course_lib.parallel.strategy import Strategy
 
