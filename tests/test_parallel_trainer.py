@@ -38,7 +38,9 @@ def trainer_worker(rank: int, world_size: int, configs: list[dict], stores: list
                           LOCAL_WORLD_SIZE=str(world_size))
     summaries = []
     for cfg, store in zip(configs, stores):
-        if world_size > 1 and not dist.is_initialized():  # train() ends the group it ran in
+        # train() ends the group it ran in; the ranks carry RANK and WORLD_SIZE (as under torchrun),
+        # so even one rank trains in a group, made anew for each run
+        if not dist.is_initialized():
             # a new file per group: a TCP port picked free at the start could by now be one of
             # gloo's own listening sockets, and the ranks would wait on it forever
             dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
