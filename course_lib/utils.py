@@ -86,3 +86,25 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], mod
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """:func:`atomic_write` of ``data``."""
     atomic_write(path, lambda f: f.write(data))
+
+
+def init_process_group(backend: str, *, timeout_s: float | None = None, device=None, **rendezvous) -> None:
+    """The course's one call of ``torch.distributed.init_process_group``.
+
+    ``rendezvous``: ``init_method=``, ``rank=``, ``world_size=`` (none: ``env://``, what torchrun
+    sets). ``timeout_s``: the collective timeout. ``device``: this rank's device; NCCL binds its
+    communicator to it (``device_id``, where the installed torch takes it: feature-detected).
+    """
+    import inspect
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist  # here: importing course_lib.utils must not import torch
+
+    kwargs = dict(rendezvous)
+    if timeout_s is not None:
+        kwargs["timeout"] = timedelta(seconds=timeout_s)
+    if backend == "nccl" and device is not None and \
+            "device_id" in inspect.signature(dist.init_process_group).parameters:
+        kwargs["device_id"] = torch.device(device)
+    dist.init_process_group(backend, **kwargs)

@@ -118,7 +118,7 @@ def run_benchmark(backend: str = "gloo", nproc: int = 2, sizes=("1K", "1M"), ops
         out = Path(jsonl_path) if jsonl_path else Path(tmp) / "rows.jsonl"
         start = len(_read_rows(out))
         if backend == "mpi":
-            cfg_path = Path(tmp) / "config.json"
+            cfg_path = Path(tmp) / "bench.json"  # the benchmark's settings, for the MPI ranks
             cfg_path.write_text(json.dumps(cfg))
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
             mpiexec, family = find_mpiexec(env)

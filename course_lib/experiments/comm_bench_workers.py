@@ -19,13 +19,13 @@ import json
 import os
 import sys
 import time
-from datetime import timedelta
 from functools import partial
 
 import numpy as np
 from tqdm import tqdm
 
 from course_lib.analysis.comm_cost import algbw, busbw, bytes_per_rank
+from course_lib.utils import init_process_group
 
 OPS = ("all_reduce", "broadcast", "reduce", "reduce_scatter", "all_gather")
 ITEMSIZE = 4  # float32
@@ -78,8 +78,8 @@ def torch_worker(rank: int, cfg: dict, port: int, out_path: str) -> None:
     if backend == "nccl":
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=p, timeout=timedelta(seconds=cfg["timeout_s"]))
+    init_process_group(backend, timeout_s=cfg["timeout_s"], init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                       world_size=p)
     # torch >= 2.13 names the tensor-in/tensor-out collectives *_single; older: *_into_tensor.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

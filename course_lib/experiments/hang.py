@@ -17,10 +17,11 @@ import argparse
 import os
 import sys
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from course_lib.utils import init_process_group
 
 
 def skip_a_collective(skip_rank: int = 1, busy_s: float = 60.0, fixed: bool = False) -> dict:
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if not dist.is_initialized():  # plain torchrun; course_lib.launch initialises the group itself
         timeout = float(os.environ.get("COURSE_COLLECTIVE_TIMEOUT", "10"))
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
+        init_process_group("gloo", timeout_s=timeout)
     print(skip_a_collective(a.skip_rank, a.busy, a.fixed), flush=True)
     return 0
 

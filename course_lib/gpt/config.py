@@ -19,10 +19,12 @@ from course_lib import registry
 from course_lib.analysis.activations import RECOMPUTE  # none, selective, full
 from course_lib.gpt.data import DATASETS
 from course_lib.gpt.layout import layout_error, world_error
+from course_lib.utils import atomic_write_bytes
 
 # Every strategy name the trainer knows, ours and PyTorch's, and the ones that take a 16-bit
 # gradient all-reduce: from the torch-free registry (course_lib.registry)
 STRATEGY_NAMES, GRAD_COMM_STRATEGIES = registry.STRATEGY_NAMES, registry.GRAD_COMM_STRATEGIES
+CONFIG_FILE = "config.json"  # in each run directory: the frozen TrainConfig every rank reads
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 GRAD_COMM_DTYPES = ("float32", "bfloat16")
 INIT_FROM = ("scratch", "resume")
@@ -163,7 +165,7 @@ class TrainConfig:
         return cls(**d)
 
     @classmethod
-    def from_json(cls, text: str, source: str = "config.json") -> "TrainConfig":
+    def from_json(cls, text: str, source: str = CONFIG_FILE) -> "TrainConfig":
         try:
             d = json.loads(text)
         except ValueError as e:
@@ -171,6 +173,13 @@ class TrainConfig:
         if not isinstance(d, dict):
             raise ConfigError(f"{source} must hold a JSON object")
         return cls.from_dict(d, source)
+
+    def save(self) -> Path:
+        """Write OUT_DIR/config.json, atomically: the one place that writes it (the launcher before
+        any rank starts, the trainer again when it runs without the launcher). Returns its path."""
+        path = Path(self.out_dir) / CONFIG_FILE
+        atomic_write_bytes(path, self.to_json().encode())
+        return path
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "TrainConfig":

@@ -135,7 +135,7 @@ def throughput(steps: int, elapsed_s: float, compute_s: float, comm_s: float, to
 def announce_run(cfg, info: dict) -> None:
     """Write ``run.json`` (what this run resolved to) and ``config.json``, print the header."""
     out = Path(cfg.out_dir)
-    atomic_write_bytes(out / "config.json", cfg.to_json().encode())
+    cfg.save()
     atomic_write_bytes(out / "run.json", (json.dumps(info, indent=1) + "\n").encode())
     cpu = info["device"] == "cpu"
     where = f"{info['world_size']} x {info['device']}" + (f" ({info['threads_per_worker']} threads each)" if cpu else "")

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from course_lib.gpt.config import TrainConfig
 from course_lib.hardware import detect, pick_dtype, planned_device, planned_gpu_share
+from course_lib.utils import init_process_group
 
 
 @dataclass
@@ -61,8 +61,7 @@ def setup_runtime(cfg: TrainConfig) -> Runtime:
         torch.set_num_threads(threads)
     if distributed and not dist.is_initialized():
         backend = backend or ("nccl" if device.startswith("cuda") else "gloo")
-        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s),
-                                device_id=torch.device(device) if backend == "nccl" else None)
+        init_process_group(backend, timeout_s=cfg.timeout_s, device=device)
     dtype = pick_dtype(detect(device), cfg.dtype)
     share = planned_gpu_share() if planned and device.startswith("cuda") else 1.0
     return Runtime(rank, world, local_world, device, dtype, threads, distributed, world * share)

@@ -28,10 +28,10 @@ import socket
 import sys
 import time
 import traceback
-from datetime import timedelta
 
 from course_lib.hardware import planned_device
 from course_lib.launch.procs import set_parent_death_signal
+from course_lib.utils import init_process_group
 
 RANK_ENVS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
 SIZE_ENVS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
@@ -104,13 +104,9 @@ def _init_torch(backend: str, timeout_s: float, local_rank: int) -> dict:
         backend = planned[1] if planned else ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl" and device is None:
         device = f"cuda:{local_rank}"
-    kwargs = {}
     if device and device.startswith("cuda"):
         torch.cuda.set_device(device)  # gloo ranks sharing a GPU too: their CUDA tensors live here
-    if backend == "nccl":
-        # device_id binds the communicator to this rank's GPU (no guessing in barrier())
-        kwargs["device_id"] = torch.device(device)
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+    init_process_group(backend, timeout_s=timeout_s, device=device)  # NCCL: bound to this rank's GPU
     return {"torch": torch, "dist": dist, "DEVICE": torch.device(device or "cpu")}
 
 

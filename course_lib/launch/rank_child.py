@@ -18,9 +18,9 @@ import sys
 import threading
 import time
 import traceback
-from datetime import timedelta
 
 from course_lib.launch.procs import reset_locks_after_fork, set_parent_death_signal
+from course_lib.utils import init_process_group
 
 
 class _Sender:
@@ -61,14 +61,12 @@ def _join_group(rank: int, s: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    kwargs = {}
+    device = None
     if s["backend"] == "nccl":  # one GPU per rank (the parent checked there are enough)
-        torch.cuda.set_device(rank)
-        kwargs["device_id"] = torch.device("cuda", rank)  # binds the communicator to this GPU
-    if s["timeout"] is not None:
-        kwargs["timeout"] = timedelta(seconds=s["timeout"])
-    dist.init_process_group(s["backend"], init_method=s["store"], rank=rank,
-                            world_size=s["world_size"], **kwargs)
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    init_process_group(s["backend"], timeout_s=s["timeout"], device=device, init_method=s["store"],
+                       rank=rank, world_size=s["world_size"])
     # gloo's init returns on a rank once its own connections are up; a rank whose function is
     # quick could then exit while a peer still completes its handshake with it ("connectFullMesh
     # failed: Connection closed by peer"): everyone is connected before the function runs.

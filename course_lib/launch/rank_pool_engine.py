@@ -63,16 +63,13 @@ def install_tracker(op_file: str) -> None:
 
 
 def _init_group(backend: str, store: str, rank: int, world_size: int, timeout_s: float, device: str) -> None:
-    from datetime import timedelta
-
     import torch.distributed as dist
 
-    kwargs = {"timeout": timedelta(seconds=timeout_s)}
-    if backend == "nccl":
-        import torch
+    from course_lib.utils import init_process_group
 
-        kwargs["device_id"] = torch.device(device)  # binds the communicator to this rank's GPU
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size, **kwargs)
+    # NCCL: the communicator is bound to this rank's GPU
+    init_process_group(backend, timeout_s=timeout_s, device=device, init_method=f"file://{store}",
+                       rank=rank, world_size=world_size)
     dist.barrier()  # everyone connected before the first cell runs
 
 

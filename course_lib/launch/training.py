@@ -40,7 +40,6 @@ from course_lib.launch.api import LaunchResult, launch
 from course_lib.launch.checks import LaunchConfigError
 from course_lib.launch.monitor import MetricsProgress
 from course_lib.launch.placement import RankPlan
-from course_lib.utils import atomic_write_bytes
 
 TRAIN_MODULE = "course_lib.gpt.train"
 RUN_FILES = ("last.pt", "best.pt", "metrics.csv", "summary.json", "run.json", "config.json")
@@ -171,9 +170,7 @@ def prepare_run_dir(req: TrainRequest) -> Path:
     if cfg.init_from == "scratch" and req.overwrite:
         for name in RUN_FILES:
             (out / name).unlink(missing_ok=True)
-    path = out / "config.json"
-    atomic_write_bytes(path, cfg.to_json().encode())
-    return path.resolve()
+    return cfg.save().resolve()
 
 
 def prepare_run(config: TrainConfig, *, nproc=None, nnodes: int = 1, overwrite: bool = False,
