@@ -22,7 +22,6 @@ ranks in :mod:`course_lib.launch.rank_pool_engine`.
 
 from __future__ import annotations
 
-import re
 import shutil
 import signal
 import sys
@@ -32,14 +31,13 @@ from pathlib import Path
 
 from course_lib.launch.checks import LaunchConfigError
 from course_lib.launch.placement import RankPlan, plan_ranks
-from course_lib.launch.rank_pool_view import RankBoard
+from course_lib.launch.rank_pool_view import RankBoard, error_line
 
 DEFAULT_TIMEOUT_S = 30.0
 GRACE_S = 5.0  # after interrupting the ranks: how long they have to come back
 # The collective timeout is the cell limit plus this: the pool sees a hang first, while the ranks
 # still wait in their collective (and say which), then they come back when it times out.
 PG_MARGIN_S = 2.0
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 class RankPoolError(RuntimeError):
@@ -169,7 +167,8 @@ class RankPool:
             board.update(ar.metadata, final=True, stopped=dict.fromkeys(running, "interrupted"))
             raise KeyboardInterrupt(f"interrupted rank(s) {running}; the process group was made anew") from None
         board.update(ar.metadata, final=True)
-        failed = {r: _error_line(md) for r, md in zip(targets, ar.metadata, strict=True) if md.get("status") == "error"}
+        failed = {r: error_line(md) or "failed" for r, md in zip(targets, ar.metadata, strict=True)
+                  if md.get("status") == "error"}
         if failed:
             who = ", ".join(f"rank {r}: {line}" for r, line in failed.items())
             ok = [r for r in targets if r not in failed]
@@ -266,11 +265,6 @@ def _lookup(name: str):
 
     ns = get_ipython().user_ns
     return (True, ns[name]) if name in ns else (False, None)
-
-
-def _error_line(md: dict) -> str:
-    err = md.get("error")
-    return _ANSI.sub("", f"{err.ename}: {err.evalue}") if err is not None else "failed"
 
 
 def _kill(pid: int, sig: int) -> None:

@@ -65,7 +65,7 @@ class RankBoard:
         parts, running, stopped = {}, set(), stopped or {}
         for rank, md in zip(self.ranks, metadata, strict=True):
             err = md.get("error")
-            tb = _ANSI.sub("", err.traceback or f"{err.ename}: {err.evalue}") if err is not None else ""
+            tb = _ANSI.sub("", err.traceback) if err is not None and err.traceback else error_line(md)
             if rank in stopped:
                 tb = ""
             parts[rank] = (md.get("stdout") or "", md.get("stderr") or "", tb)
@@ -98,6 +98,12 @@ class RankBoard:
             for line in new.splitlines():
                 out.write(f"[rank {rank}] {line}\n")
         out.flush()
+
+
+def error_line(md: dict) -> str:
+    """'Name: message' of a rank's exception in ipyparallel's metadata ('' when it raised none)."""
+    err = md.get("error")
+    return _ANSI.sub("", f"{err.ename}: {err.evalue}") if err is not None else ""
 
 
 def _in_kernel() -> bool:
