@@ -52,7 +52,7 @@ slurm-local: $(STAMP) slurm-deps
 
 demo: $(STAMP)
 	$(VENV)/bin/course data prepare shakespeare_char
-	$(VPY) -m course_lib.launch.demo --nproc=$(NPROC) --out_dir=runs/demo
+	$(VPY) -m course_lib.notebook.demo --nproc=$(NPROC) --out_dir=runs/demo
 
 test: $(STAMP) browser-deps slurm-deps mpi-deps
 	$(VPY) -m pytest -q --durations=15

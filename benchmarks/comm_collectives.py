@@ -13,8 +13,15 @@ import sys
 from pathlib import Path
 
 from course_lib.analysis.comm_cost import fit_alpha_beta
-from course_lib.experiments.comm_bench import BACKENDS, OPS, format_table, parse_sizes, run_benchmark, to_csv
-from course_lib.notebook.plots import plot_comm_bench
+from course_lib.experiments.comm_bench import (
+    BACKENDS,
+    OPS,
+    format_table,
+    parse_sizes,
+    plot_comm_bench,
+    run_benchmark,
+    to_csv,
+)
 from course_lib.utils import atomic_write_bytes
 
 # The algorithm each library most likely uses for large messages (for the fit only).

@@ -40,10 +40,10 @@ LAYOUTS = {  # name -> (dp, tp, pp, cp, sequence_parallel)
 def worker(rank: int, world_size: int, lay: tuple, args) -> dict:
     from course_lib.gpt.config import TrainConfig
     from course_lib.gpt.model import GPT, GPTConfig
-    from course_lib.gpt.run import optimizer_factory
     from course_lib.parallel.model_parallel import ModelParallel
     from course_lib.parallel.process_groups import ProcessGroupGrid
     from course_lib.parallel.step import train_step
+    from course_lib.trainer.run import optimizer_factory
 
     dp, tp, pp, cp, sp = lay
     grid = ProcessGroupGrid(dp=dp, tp=tp, pp=pp, cp=cp)
@@ -69,7 +69,7 @@ def worker(rank: int, world_size: int, lay: tuple, args) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from course_lib.parallel.spawn import run_ranks
+    from course_lib.launch.spawn import run_ranks
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", default="4,8", help="comma-separated world sizes (4, 8)")

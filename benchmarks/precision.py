@@ -99,7 +99,7 @@ def underflow_table() -> list[dict]:
 
 def grad_comm_table(steps: int) -> list[dict]:
     from course_lib.experiments.precision import grad_comm_worker
-    from course_lib.parallel.spawn import run_ranks
+    from course_lib.launch.spawn import run_ranks
 
     res = run_ranks(grad_comm_worker, 2, args=(("ddp", "torch_ddp"), ("float32", "bfloat16"), None, steps))[0]
     rows = []

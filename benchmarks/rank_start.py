@@ -36,7 +36,7 @@ def one_case(method: str, nproc: int, calls: int) -> dict:
     """In a fresh interpreter: the first call and ``calls`` more, in seconds."""
     import torch  # noqa: F401 - a kernel has it imported before its first call
 
-    from course_lib.parallel.spawn import run_ranks
+    from course_lib.launch.spawn import run_ranks
 
     times = []
     for _ in range(1 + calls):

@@ -1,6 +1,6 @@
 """python benchmarks/train_throughput.py [--iters 200] [--cases 1x1,1x2,2x1] [--strategy ddp] [--gpu]
 
-Throughput of the real trainer (course_lib.gpt.train) on the CPU recipe ``shakespeare_char_cpu``
+Throughput of the real trainer (course_lib.trainer.loop) on the CPU recipe ``shakespeare_char_cpu``
 (4 layers, 4 heads, 128 dims, block 64, batch 12 per rank, fp32): ms/iter and tokens/s for
 1 process x 1 thread, 1 process x 2 threads and 2-rank DDP x 1 thread each, and the scaling
 efficiency of each against 1 x 1 (tokens/s over cases x 1 x 1's tokens/s, where cases = the cores
@@ -44,8 +44,8 @@ def machine() -> str:
 
 def measure(name: str, preset: str, overrides: dict, warmup: int, iters: int, data_dir: str, out_root: Path) -> dict:
     from course_lib.gpt.config import make_config
-    from course_lib.gpt.metrics import read_metrics
     from course_lib.launch.training import run_training
+    from course_lib.trainer.metrics import read_metrics
 
     total = warmup + iters
     cfg = make_config(preset, {"max_iters": total, "lr_decay_iters": total, "eval_interval": total + 1,

@@ -1,17 +1,18 @@
 """course_lib: the library behind the distributed-training course.
 
-    gpt          the model, its data and config, and the training loop one process runs
+    gpt          the model, its data and config, checkpoints
+    trainer      the training loop one process runs (each torchrun worker), its metrics
     parallel     the Strategy interface and the strategies (DDP, ZeRO, FSDP), TP, PP, collectives
     launch       starting ranks: launch, launch_training, the notebook magics, clusters
     analysis     closed-form models: communication cost, memory, scaling laws, strategy guide
     experiments  the measured experiments behind the notebooks
-    notebook     what the notebooks display: smoke mode, plots, widgets, diagrams
+    notebook     what a person sees: smoke mode, plots, widgets, diagrams, the demo
     pram         the PRAM simulator of notebook 6
     exercises    building and grading the exercises
     cli          ``course``: dispatches to the command each package implements
     hardware     hardware profiles, peak FLOP/s, ``course info``
     registry     the facts about the training strategies, torch-free (names, classes, ZeRO stage, ...)
-    utils        free ports, atomic writes, where the repository and its data are
+    utils        free ports, atomic writes, the process group, where the course is published
 
 ARCHITECTURE.md (top of the repository) shows how they depend on each other. Importing this
 package has no side effects. ``%load_ext course_lib`` registers the
@@ -20,13 +21,6 @@ persistent rank pool (see :mod:`course_lib.launch`).
 """
 
 __version__ = "0.1.0"
-
-# Where the course lives on GitHub: the Colab badges, the Colab install cell and the links to
-# committed images are built from these two names (course_lib.notebook.smoke). PLACEHOLDER: the real
-# organisation/repository is not known yet; change it here, then run
-# `python tools/notebooks.py sync` to rewrite the badges and setup cells of the notebooks.
-GITHUB_REPO = "course-org/parallel-dl-course"
-GITHUB_BRANCH = "main"
 
 
 def load_ipython_extension(ipython):  # pragma: no cover - exercised through a real kernel

@@ -1,15 +1,26 @@
-"""Small helpers shared across course_lib: free ports, paths to shipped data, atomic writes."""
+"""Small helpers shared across course_lib: free ports, paths to shipped data, atomic writes, the one
+call of ``init_process_group``, and where the course is published (the pip spec a Colab setup cell
+installs, Colab links and badges), which lessons and exercises share."""
 
 from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Mapping
+from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
 PACKAGE_DIR = Path(__file__).resolve().parent
+INSTALL_SPEC_VAR = "COURSE_INSTALL_SPEC"  # overrides install_spec() in every setup cell
+
+# Where the course lives on GitHub: the Colab badges, the Colab install cell and the links to
+# committed images are built from these two names (install_spec, colab_badge below). PLACEHOLDER: the real
+# organisation/repository is not known yet; change it here, then run
+# `python tools/notebooks.py sync` to rewrite the badges and setup cells of the notebooks.
+GITHUB_REPO = "course-org/parallel-dl-course"
+GITHUB_BRANCH = "main"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -108,3 +119,48 @@ def init_process_group(backend: str, *, timeout_s: float | None = None, device=N
             "device_id" in inspect.signature(dist.init_process_group).parameters:
         kwargs["device_id"] = torch.device(device)
     dist.init_process_group(backend, **kwargs)
+
+
+# -- where the course is published -----------------------------------------------------------------
+
+def in_colab(environ: Mapping[str, str] | None = None) -> bool:
+    """True inside a Google Colab kernel (the same test the setup cell uses)."""
+    env = os.environ if environ is None else environ
+    return "google.colab" in sys.modules or "COLAB_RELEASE_TAG" in env
+
+
+def install_spec(repo: str = GITHUB_REPO, branch: str = GITHUB_BRANCH) -> str:
+    """What pip installs on Colab unless ``$COURSE_INSTALL_SPEC`` says otherwise: the package
+    straight from the course repository, with the ``colab`` extra.
+
+    That extra is ``mpich`` (Colab has no MPI of its own, and ``%%mpirun`` needs the ``mpiexec``
+    and libmpi of the PyPI MPICH wheel) and ``grading`` (otter-grader, for the exercises).
+    """
+    return f"course-lib[colab] @ git+https://github.com/{repo}@{branch}"
+
+
+def colab_url(notebook: str, repo: str = GITHUB_REPO, branch: str = GITHUB_BRANCH) -> str:
+    """Colab's address for a notebook of the repository, e.g. ``notebooks/01_setup_and_hardware.ipynb``."""
+    path = PurePosixPath(notebook)
+    if path.is_absolute() or ".." in path.parts or path.suffix != ".ipynb":
+        raise ValueError(f"give the notebook's path inside the repository (e.g. notebooks/01_x.ipynb), got {notebook!r}")
+    return f"https://colab.research.google.com/github/{repo}/blob/{branch}/{path}"
+
+
+def colab_badge(notebook: str, repo: str = GITHUB_REPO, branch: str = GITHUB_BRANCH) -> str:
+    """The markdown "Open in Colab" badge that starts each notebook's first cell."""
+    return (f'<a href="{colab_url(notebook, repo, branch)}" target="_parent">'
+            '<img src="https://colab.research.google.com/assets/colab-badge.svg" alt="Open In Colab"/></a>')
+
+
+def colab_install_lines(repo: str = GITHUB_REPO, branch: str = GITHUB_BRANCH, then: tuple[str, ...] = ()) -> str:
+    """The install part of every setup cell (lessons and exercises): on Colab, pip-install
+    ``$COURSE_INSTALL_SPEC`` or else the spec on the cell's own line, then run ``then`` (more
+    lines of the Colab branch); elsewhere nothing."""
+    return "\n".join([
+        "import os, sys",
+        f'COURSE_INSTALL_SPEC = os.environ.get("{INSTALL_SPEC_VAR}") or "{install_spec(repo, branch)}"',
+        'if "google.colab" in sys.modules or "COLAB_RELEASE_TAG" in os.environ:',
+        '    %pip install --quiet "{COURSE_INSTALL_SPEC}"',
+        *(f"    {line}" for line in then),
+    ])

@@ -64,7 +64,7 @@ WIDGET_CHECKS: dict[str, tuple[SliderCheck, ...]] = {
     # notebook 4's memory calculator (course_lib.notebook.widgets, class course-memcalc): the micro-batch
     # changes the activation memory and so the summary
     "04_zero_and_fsdp.ipynb": (SliderCheck("micro-batch", ".course-memcalc", ".widget-html"),),
-    # notebook 6's PRAM step slider (course_lib.pram.step_slider): each step redraws the memory
+    # notebook 6's PRAM step slider (course_lib.notebook.pram_slider): each step redraws the memory
     "06_pram.ipynb": (SliderCheck("step", None, ".widget-html"),),
     # notebook 7's live loss plot (course_lib.notebook.live_plot, class course-live-loss): the smoothing
     # slider changes the smoothed train loss in the status line (and the curve)

@@ -80,7 +80,7 @@ def test_slurm_script_text():
                           "--rdzv-backend=c10d --rdzv-endpoint=\"$head_node:$rdzv_port\" "
                           "--rdzv-id=\"$SLURM_JOB_ID\" --rdzv-conf=join_timeout=300")
     # the batch log is a file: the trainer prints its step lines without a progress bar
-    assert run.endswith("-m course_lib.gpt.train --no-progress --max_iters=100 '--run_name=a b;c' '$HOME' "
+    assert run.endswith("-m course_lib.trainer.loop --no-progress --max_iters=100 '--run_name=a b;c' '$HOME' "
                         "--strategy=zero2")
     assert "rdzv_port=$((29500 + SLURM_JOB_ID % 10000))" in text.splitlines()  # one port per job
     assert "rdzv_port=29511" in cluster.slurm_script(1, 1, port=29511, activate=None).splitlines()
@@ -126,7 +126,7 @@ def test_slurm_script_runs_with_arguments_intact(tmp_path):
     (call,) = [json.loads(line) for line in record.read_text().splitlines()]
     assert call == ["srun", "--kill-on-bad-exit=1", "torchrun", "--nnodes=2", "--nproc-per-node=4",
                     "--rdzv-backend=c10d", "--rdzv-endpoint=gpu07:33742", "--rdzv-id=4242",  # 29500 + 4242
-                    "--rdzv-conf=join_timeout=300", "--max-restarts=0", "-m", "course_lib.gpt.train",
+                    "--rdzv-conf=join_timeout=300", "--max-restarts=0", "-m", "course_lib.trainer.loop",
                     "--no-progress", *TRAIN_ARGS]
 
 

@@ -127,7 +127,7 @@ def test_cli_json_csv_and_plot(tmp_path, capsys):
 
 
 def test_plot_comm_bench_lines():
-    from course_lib.notebook.plots import plot_comm_bench
+    from course_lib.experiments.comm_bench import plot_comm_bench
 
     rows = [make_row("gloo", op, 2, s, 1e-4 * s / 1024, 1, s, s, True)
             for op in ("all_reduce", "broadcast") for s in (1024, 2048, 4096)]

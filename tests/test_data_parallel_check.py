@@ -10,7 +10,7 @@ from course_lib.experiments.data_parallel_check import (
     compare_with_single_process,
     summary_rows,
 )
-from course_lib.parallel.spawn import run_ranks
+from course_lib.launch.spawn import run_ranks
 
 
 def _worker(rank, world_size, variants):

@@ -208,7 +208,7 @@ def test_sync_rewrites_badge_and_setup_cell(tmp_path):
     nb = nbformat.read(ex.source, as_version=4)
     md = next(c for c in nb.cells if c.cell_type == "markdown")
     code = next(c for c in nb.cells if c.cell_type == "code")
-    from course_lib import GITHUB_REPO
+    from course_lib.utils import GITHUB_REPO
 
     md.source = md.source.replace(GITHUB_REPO, "someone/old-name")
     code.source = code.source.replace(GITHUB_REPO, "someone/old-name")

@@ -22,8 +22,8 @@ from course_lib.gpt.finetune import (
     speaker_counts,
     speeches,
 )
-from course_lib.gpt.metrics import read_metrics
 from course_lib.launch.training import train_in_process
+from course_lib.trainer.metrics import read_metrics
 from course_lib.utils import shipped_file
 
 

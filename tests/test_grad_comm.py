@@ -9,7 +9,7 @@ the loss ~4.2) of the fp32 run's (measured: 1.6e-4); both implementations give t
 import pytest
 
 from course_lib.experiments.precision import grad_comm_worker
-from course_lib.parallel.spawn import run_ranks
+from course_lib.launch.spawn import run_ranks
 
 LOSS_TOL = 2e-3
 

@@ -94,7 +94,7 @@ def test_ranks_started_while_another_thread_holds_tqdms_lock_do_not_hang():
 
     from tqdm.auto import tqdm
 
-    from course_lib.parallel.spawn import run_ranks
+    from course_lib.launch.spawn import run_ranks
 
     held, release = threading.Event(), threading.Event()
 

@@ -17,7 +17,7 @@ import torch
 
 from course_lib.launch import ranks
 from course_lib.launch.ranks import RankError, RanksTimeoutError, SendError, run_local
-from course_lib.parallel.spawn import run_ranks
+from course_lib.launch.spawn import run_ranks
 
 CELL = '''
 import torch

@@ -120,8 +120,8 @@ def test_a_new_check_plugs_in(small_data, tmp_path, monkeypatch):
 
 
 def test_the_worker_imports_no_launch_code():
-    """python -m course_lib.gpt.train starts without the host side (and no import cycle through it)."""
-    code = ("import sys, course_lib.gpt.train; "
+    """python -m course_lib.trainer.loop starts without the host side (and no import cycle through it)."""
+    code = ("import sys, course_lib.trainer.loop; "
             "print(sorted(m for m in sys.modules if m.startswith('course_lib.launch')))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert proc.stdout.strip() == "[]"

@@ -33,11 +33,11 @@ from course_lib.analysis.memory import ModelShape, breakdown, model_state_bytes
 from course_lib.gpt.config import ConfigError, TrainConfig
 from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.hardware import PROFILES
+from course_lib.launch.spawn import run_ranks
 from course_lib.parallel.comms import Comms
 from course_lib.parallel.context_parallel import cp_split, ring_attention
 from course_lib.parallel.gpt_parallel import GPTStage
 from course_lib.parallel.pipeline_parallel import Pipeline, mlp_stage
-from course_lib.parallel.spawn import run_ranks
 from course_lib.parallel.tensor_parallel import tensor_parallel_gpt
 from course_lib.parallel.toy import ToyMLP, toy_batch
 

@@ -13,8 +13,8 @@ import time
 import pytest
 
 from course_lib.gpt.config import ConfigError, make_config
-from course_lib.gpt.metrics import MetricsWriter, read_metrics
 from course_lib.notebook.live_plot import LiveLossPlot, ema, status_html, train_live
+from course_lib.trainer.metrics import MetricsWriter, read_metrics
 
 
 def test_ema():

@@ -216,12 +216,12 @@ def test_gpt2_presets_parameter_counts():
 
 
 def test_preset_counts_equal_the_course_model():
-    from course_lib.gpt.model import GPT
+    from course_lib.gpt.model import GPT, GPTConfig
 
     shapes = list(PRESETS.values()) + [ModelShape("nobias", 3, 2, 64, 32, 100, 1, bias=False)]
     for shape in shapes:
         with torch.device("meta"):
-            model = GPT(shape.gpt_config())
+            model = GPT(GPTConfig.from_shape(shape))
         assert model.num_params() == shape.num_params(), shape.name
 
 
@@ -244,11 +244,11 @@ def test_activations_match_what_autograd_saves():
     """fp32, no dropout, fused attention (the course model's SDPA): the Korthikanti count with
     e = 4, no masks and no s x s scores is within 2% of the bytes autograd really keeps (the
     rest: LayerNorm statistics and the attention log-sum-exp, which the paper neglects)."""
-    from course_lib.gpt.model import GPT
+    from course_lib.gpt.model import GPT, GPTConfig
 
     shape = PRESETS["shakespeare_char_cpu"]
     torch.manual_seed(0)
-    model = GPT(shape.gpt_config()).train()  # dropout 0 in this preset
+    model = GPT(GPTConfig.from_shape(shape)).train()  # dropout 0 in this preset
     b = 8
     idx = torch.randint(0, shape.vocab_size, (b, shape.block_size))
     measured = _saved_activation_bytes(model, idx, torch.roll(idx, -1, 1))
@@ -258,10 +258,10 @@ def test_activations_match_what_autograd_saves():
 
 def test_model_states_match_a_real_adamw_step():
     """fp32 AdamW holds weights, gradients and two moments: 4 + 4 + 8 = 16 bytes per parameter."""
-    from course_lib.gpt.model import GPT
+    from course_lib.gpt.model import GPT, GPTConfig
 
     shape = PRESETS["shakespeare_char_cpu"]
-    model = GPT(shape.gpt_config())
+    model = GPT(GPTConfig.from_shape(shape))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     idx = torch.randint(0, shape.vocab_size, (2, shape.block_size))
     model(idx, idx)[1].backward()

@@ -21,7 +21,7 @@ from course_lib.experiments.memory_measure import (
     saved_activation_bytes,
 )
 from course_lib.gpt.model import GPT, GPTConfig
-from course_lib.parallel.spawn import run_ranks
+from course_lib.launch.spawn import run_ranks
 
 CFG = GPTConfig(block_size=32, vocab_size=65, n_layer=3, n_head=4, n_embd=64, bias=True)
 

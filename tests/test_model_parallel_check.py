@@ -19,8 +19,8 @@ from course_lib.experiments.model_parallel_check import (
     compare_tensor_parallel,
     measure_pipeline_bubble,
 )
+from course_lib.launch.spawn import run_ranks
 from course_lib.notebook.plots import plot_pipeline_bubble
-from course_lib.parallel.spawn import run_ranks
 
 B, D, OUT = 8, 36, 20
 

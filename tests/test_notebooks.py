@@ -21,6 +21,7 @@ from urllib.parse import unquote, urlparse
 import nbformat
 import pytest
 
+from course_lib import utils
 from course_lib.notebook import smoke
 from course_lib.utils import repo_root
 
@@ -220,7 +221,7 @@ def _section(cell, title: str) -> str | None:
 def test_lesson_structure(path):
     nb = _read(path)
     first = nb.cells[0]
-    assert first.cell_type == "markdown" and first.source.startswith(smoke.colab_badge(_rel(path))), \
+    assert first.cell_type == "markdown" and first.source.startswith(utils.colab_badge(_rel(path))), \
         "the first cell starts with the Colab badge: python tools/notebooks.py sync"
     assert re.search(r"^# \S", first.source, re.MULTILINE), "the first cell has the notebook's title (# ...)"
     code = [c for c in nb.cells if c.cell_type == "code"]
@@ -254,36 +255,36 @@ def test_setup_cell_installs_on_colab_only(monkeypatch):
     monkeypatch.delenv("COURSE_INSTALL_SPEC", raising=False)
     assert _run_setup_cell(smoke.colab_setup_cell()) == []
     monkeypatch.setenv("COLAB_RELEASE_TAG", "release-colab-test")
-    assert _run_setup_cell(smoke.colab_setup_cell()) == [("pip", f'install --quiet "{smoke.install_spec()}"')]
+    assert _run_setup_cell(smoke.colab_setup_cell()) == [("pip", f'install --quiet "{utils.install_spec()}"')]
     # the colab extra: MPICH (Colab has no MPI, and %%mpirun needs the wheel's mpiexec) and otter-grader
-    assert smoke.install_spec(repo="o/r", branch="b") == "course-lib[colab] @ git+https://github.com/o/r@b"
+    assert utils.install_spec(repo="o/r", branch="b") == "course-lib[colab] @ git+https://github.com/o/r@b"
     # a fork or a mirror: the environment variable, or an edit of the one line that names the spec
     mirror = "course-lib[colab] @ git+https://git.example.org/me/course.git@v2"
     monkeypatch.setenv("COURSE_INSTALL_SPEC", mirror)
     assert _run_setup_cell(smoke.colab_setup_cell()) == [("pip", f'install --quiet "{mirror}"')]
     monkeypatch.delenv("COURSE_INSTALL_SPEC")
-    edited = smoke.colab_setup_cell().replace(smoke.install_spec(), "course-lib==0.1.0")
-    assert sum(smoke.install_spec() in line for line in smoke.colab_setup_cell().splitlines()) == 1
+    edited = smoke.colab_setup_cell().replace(utils.install_spec(), "course-lib==0.1.0")
+    assert sum(utils.install_spec() in line for line in smoke.colab_setup_cell().splitlines()) == 1
     assert _run_setup_cell(edited) == [("pip", 'install --quiet "course-lib==0.1.0"')]
 
 
 def test_exercise_setup_cells_share_the_install_spec():
     from course_lib import exercises
 
-    lines = smoke.colab_install_lines(then=("from course_lib.exercises import fetch_student_tests",
+    lines = utils.colab_install_lines(then=("from course_lib.exercises import fetch_student_tests",
                                             'fetch_student_tests("01_collectives")'))
     assert lines in exercises.colab_setup_cell("01_collectives")
-    assert smoke.colab_install_lines() in smoke.colab_setup_cell()
-    assert exercises.install_spec() == smoke.install_spec()
+    assert utils.colab_install_lines() in smoke.colab_setup_cell()
+    assert exercises.install_spec() == utils.install_spec()
 
 
 def test_sync_rewrites_badge_and_setup_cell():
     nb = nbtools.skeleton("01_x", "X")
-    nb.cells[0].source = nb.cells[0].source.replace(smoke.colab_badge("notebooks/01_x.ipynb"),
-                                                    smoke.colab_badge("notebooks/01_x.ipynb", repo="old/name"))
+    nb.cells[0].source = nb.cells[0].source.replace(utils.colab_badge("notebooks/01_x.ipynb"),
+                                                    utils.colab_badge("notebooks/01_x.ipynb", repo="old/name"))
     nb.cells[2].source = "print('old setup')"
     assert nbtools.sync(nb, "notebooks/01_x.ipynb") is True
-    assert nb.cells[0].source.startswith(smoke.colab_badge("notebooks/01_x.ipynb")) and "old/name" not in nb.cells[0].source
+    assert nb.cells[0].source.startswith(utils.colab_badge("notebooks/01_x.ipynb")) and "old/name" not in nb.cells[0].source
     assert nb.cells[2].source == smoke.colab_setup_cell()
     assert nbtools.sync(nb, "notebooks/01_x.ipynb") is False
 
@@ -300,7 +301,7 @@ def test_smoke_switch(monkeypatch):
     monkeypatch.setenv("COURSE_SMOKE", "2")
     with pytest.raises(ValueError, match="COURSE_SMOKE='2'.*set it to 1"):
         smoke.smoke_or(1, 2)
-    assert smoke.colab_url("notebooks/01_a.ipynb").endswith("/blob/main/notebooks/01_a.ipynb")
+    assert utils.colab_url("notebooks/01_a.ipynb").endswith("/blob/main/notebooks/01_a.ipynb")
     for bad in ("../x.ipynb", "/abs/x.ipynb", "notebooks/x.py"):
         with pytest.raises(ValueError, match="path inside the repository"):
-            smoke.colab_url(bad)
+            utils.colab_url(bad)

@@ -2,7 +2,7 @@
 10 iterations equal one process with the same global batch, checkpoints resume across layouts,
 and bad layouts are refused in one line before anything is spawned.
 
-The trainer (course_lib.gpt.train.train) runs in-process on gloo ranks (as in
+The trainer (course_lib.trainer.loop.train) runs in-process on gloo ranks (as in
 tests/test_parallel_trainer.py) on a tiny Shakespeare model in fp32 with 2 micro-batches (the
 pipeline's micro-batches) and clipping. Global batch 16 sequences everywhere: batch_size 8 with
 dp = 1, 4 with dp = 2. Train losses are compared with the single process to 1e-4 relative (the

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib.gpt.model import GPT, GPTConfig
-from course_lib.parallel.spawn import run_ranks
+from course_lib.launch.spawn import run_ranks
 from course_lib.parallel.strategy import STRATEGIES, build_strategy
 from course_lib.parallel.toy import ToyMLP, adamw, toy_batch
 

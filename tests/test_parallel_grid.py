@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.gpt.model import GPT, GPTConfig
+from course_lib.launch.spawn import run_ranks
 from course_lib.parallel.data_parallel import DataParallelBucket
 from course_lib.parallel.process_groups import (
     ProcessGroupGrid,
@@ -17,7 +18,6 @@ from course_lib.parallel.process_groups import (
     grid_coords,
     group_ranks,
 )
-from course_lib.parallel.spawn import run_ranks
 from course_lib.parallel.tensor_parallel import tensor_parallel_gpt
 from course_lib.parallel.toy import adamw
 

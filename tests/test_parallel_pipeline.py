@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from course_lib.gpt.model import GPT, GPTConfig
+from course_lib.launch.spawn import run_ranks
 from course_lib.parallel.comms import Comms
 from course_lib.parallel.pipeline_parallel import (
     SCHEDULES,
@@ -25,7 +26,6 @@ from course_lib.parallel.pipeline_parallel import (
     schedule_ops,
     split_layers,
 )
-from course_lib.parallel.spawn import run_ranks
 from course_lib.parallel.toy import ToyMLP, adamw, toy_batch
 
 STEPS, N_MICRO, BATCH, TOL = 10, 4, 8, 1e-6

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from course_lib.gpt.model import GPT, MLP, GPTConfig
+from course_lib.launch.spawn import run_ranks
 from course_lib.parallel.comms import Comms
-from course_lib.parallel.spawn import run_ranks
 from course_lib.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,

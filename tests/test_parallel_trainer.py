@@ -2,7 +2,7 @@
 sharded strategies resume exactly (also under another strategy: every strategy saves the full
 state in one format).
 
-The trainer (course_lib.gpt.train.train) runs in-process on 2 gloo ranks per strategy, on a tiny
+The trainer (course_lib.trainer.loop.train) runs in-process on 2 gloo ranks per strategy, on a tiny
 Shakespeare model for 6 iterations with 2 micro-batches of gradient accumulation and clipping.
 The single-process reference uses micro-batches twice as large: the same global batch.
 """
@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from course_lib.gpt.config import STRATEGY_NAMES, make_config
 from course_lib.gpt.data import prepare
-from course_lib.parallel.spawn import run_ranks
+from course_lib.launch.spawn import run_ranks
 from course_lib.parallel.strategy import STRATEGIES
 
 ITERS = 6
@@ -31,7 +31,7 @@ DISTRIBUTED = [s for s in STRATEGY_NAMES if s != "single"]
 
 def trainer_worker(rank: int, world_size: int, configs: list[dict], stores: list[str]) -> list[dict]:
     from course_lib.gpt.config import TrainConfig
-    from course_lib.gpt.train import train
+    from course_lib.trainer.loop import train
 
     if world_size > 1:  # what torchrun would set; the process group exists already
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),

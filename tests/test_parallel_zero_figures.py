@@ -21,8 +21,8 @@ import torch
 
 from course_lib.analysis.comm_cost import zero_comm_volume
 from course_lib.analysis.memory import model_state_bytes
+from course_lib.launch.spawn import run_ranks
 from course_lib.parallel.footprint import measure_model_states, peak
-from course_lib.parallel.spawn import run_ranks
 from course_lib.parallel.strategy import build_strategy
 from course_lib.parallel.toy import ToyMLP, adamw, toy_batch
 

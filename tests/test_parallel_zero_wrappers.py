@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.parallel.spawn import run_ranks
+from course_lib.launch.spawn import run_ranks
 from course_lib.parallel.toy import ToyMLP, toy_batch
 
 STEPS, B = 4, 8  # global batch B, each rank its slice

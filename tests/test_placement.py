@@ -12,9 +12,10 @@ import psutil
 import pytest
 
 from course_lib.hardware import BACKEND_ENV, RANK_DEVICES_ENV, planned_device, planned_gpu_share
-from course_lib.launch import checks, demo, training
+from course_lib.launch import placement, training
 from course_lib.launch.api import launch
 from course_lib.launch.placement import PlanError, plan_ranks
+from course_lib.notebook import demo
 
 
 def test_one_gpu_two_ranks_share_it_over_gloo():
@@ -80,7 +81,7 @@ def test_each_rank_reads_its_own_device():
 
 @pytest.fixture
 def one_gpu(monkeypatch):
-    monkeypatch.setattr(checks, "gpu_count", lambda: 1)
+    monkeypatch.setattr(placement, "gpu_count", lambda: 1)
 
 
 @pytest.fixture
@@ -94,9 +95,9 @@ def nothing_spawned(tmp_path):
 def test_launch_refuses_nccl_ranks_sharing_a_gpu(one_gpu, nothing_spawned, tmp_path):
     script = tmp_path / "ok.py"
     script.write_text("print('hi')\n")
-    with pytest.raises(checks.LaunchConfigError, match=r"Run one rank per GPU \(--nproc=1, NCCL\)"):
+    with pytest.raises(placement.LaunchConfigError, match=r"Run one rank per GPU \(--nproc=1, NCCL\)"):
         launch(script, nproc=2, backend="nccl", run_dir=nothing_spawned)
-    with pytest.raises(checks.LaunchConfigError, match="backend must be"):
+    with pytest.raises(placement.LaunchConfigError, match="backend must be"):
         launch(script, nproc=2, backend="mpi", run_dir=nothing_spawned)
 
 
@@ -118,7 +119,7 @@ def test_course_train_on_one_gpu_keeps_the_gpu_recipe_on_the_gpu(one_gpu, monkey
     assert (launched["nproc"], launched["device"], launched["backend"]) == (2, "cuda", "gloo")
     assert launched["recipe"] == "shakespeare_char"
     assert TrainConfig.load(tmp_path / "run" / "config.json").device == "auto"  # the ranks follow the plan
-    assert checks.plan(2, "cuda", "gloo", "shakespeare_char", same_host=True).devices == ("cuda:0", "cuda:0")
+    assert placement.plan(2, "cuda", "gloo", "shakespeare_char", same_host=True).devices == ("cuda:0", "cuda:0")
 
 
 def test_pipeline_ranks_sharing_a_gpu_are_refused(one_gpu, monkeypatch, tmp_path):
@@ -129,7 +130,7 @@ def test_pipeline_ranks_sharing_a_gpu_are_refused(one_gpu, monkeypatch, tmp_path
     monkeypatch.setattr(training, "detect", lambda device=None: cpu)
     cfg = make_config("shakespeare_char", {"nproc": 2, "pp": 2, "n_layer": 2, "dtype": "float32", "dropout": 0.0,
                                            "out_dir": str(tmp_path / "run")})
-    with pytest.raises(checks.LaunchConfigError, match=r"gloo cannot do with CUDA tensors \(plan: 2 ranks · cuda:0, "
+    with pytest.raises(placement.LaunchConfigError, match=r"gloo cannot do with CUDA tensors \(plan: 2 ranks · cuda:0, "
                                                        r"cuda:0 .*\); use one rank per GPU \(NCCL\) or --device=cpu"):
         training.check_request(cfg)
 

@@ -211,7 +211,9 @@ def test_trace_render_and_slider():
     assert "initial memory" in pram.render_step(r, -1)
     with pytest.raises(IndexError):
         pram.render_step(r, 3)
-    slider = pram.step_slider(r)
+    from course_lib.notebook.pram_slider import step_slider
+
+    slider = step_slider(r)
     s, view = slider.widget.children
     assert (s.min, s.max) == (0, 3)  # 0: the initial memory, 3: after the last step
     s.value = 3

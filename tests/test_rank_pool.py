@@ -13,7 +13,7 @@ import pytest
 import torch
 from kernel_cells import Cell, run, start_kernel
 
-from course_lib.launch.checks import LaunchConfigError
+from course_lib.launch.placement import LaunchConfigError
 from course_lib.launch.rank_pool import RankPool
 
 LIMIT = 4  # the pool's cell limit and collective timeout in these tests, seconds

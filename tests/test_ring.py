@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from course_lib.launch.spawn import run_ranks
 from course_lib.notebook.rank_tables import BufferSteps
 from course_lib.parallel.ring import chunk_indices, ring_all_reduce, ring_chunks, ring_step
-from course_lib.parallel.spawn import run_ranks
 
 
 def _data(rank: int, n: int) -> torch.Tensor:

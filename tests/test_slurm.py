@@ -18,8 +18,8 @@ import sys
 import pytest
 
 from course_lib.gpt.data import prepare
-from course_lib.gpt.metrics import read_metrics
 from course_lib.launch import cluster, slurm_local
+from course_lib.trainer.metrics import read_metrics
 from course_lib.utils import free_port
 
 pytestmark = [

@@ -14,7 +14,7 @@ import pytest
 
 from course_lib.launch import torchrun
 from course_lib.launch.api import launch
-from course_lib.launch.checks import LaunchConfigError
+from course_lib.launch.placement import LaunchConfigError
 
 
 def older_parser(removed=(), underscore_only=False) -> argparse.ArgumentParser:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from course_lib.experiments.tp_walkthrough import TPLayer, compare_with_dense, shard_shapes
-from course_lib.parallel.spawn import run_ranks
+from course_lib.launch.spawn import run_ranks
 
 N_EMBD = 8
 

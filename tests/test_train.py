@@ -13,13 +13,13 @@ import torch
 from course_lib.gpt import checkpoint as ckpt_io
 from course_lib.gpt.config import ConfigError, TrainConfig, make_config
 from course_lib.gpt.data import TrainBatches, prepare
-from course_lib.gpt.metrics import COLUMNS, read_metrics
 from course_lib.gpt.sample import cli as sample_cli
 from course_lib.gpt.sample import sample
-from course_lib.gpt.train import get_lr, setup_runtime, train
 from course_lib.hardware import PROFILES, cpu_autocast_dtypes, pick_dtype
 from course_lib.launch.training import train_in_process as run
 from course_lib.parallel.step import _fp16_step
+from course_lib.trainer.loop import get_lr, setup_runtime, train
+from course_lib.trainer.metrics import COLUMNS, read_metrics
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=4, max_iters=8, lr_decay_iters=8,
             warmup_iters=2, learning_rate=3e-3, eval_interval=4, eval_iters=2, log_interval=1, dropout=0.0,
@@ -149,8 +149,8 @@ def test_dtype_follows_the_hardware_profile(data_dir, tmp_path):
 
 
 def test_fp16_steps_skip_overflow_and_adapt_the_scale():
-    from course_lib.gpt.run import optimizer_factory
     from course_lib.parallel.strategy import build_strategy
+    from course_lib.trainer.run import optimizer_factory
 
     model = torch.nn.Linear(4, 1)
     strategy = build_strategy("single", model, optimizer_factory(TrainConfig()))
@@ -186,7 +186,7 @@ def test_sampling_from_a_run(data_dir, tmp_path, capsys):
 
 
 def test_worker_entry_alone_refuses_a_distributed_config(data_dir, tmp_path, capsys, monkeypatch):
-    from course_lib.gpt.train import main
+    from course_lib.trainer.loop import main
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert main(["--config=shakespeare_char_cpu", "--nproc=2", f"--out_dir={tmp_path}"]) == 2

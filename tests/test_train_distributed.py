@@ -24,9 +24,9 @@ import torch
 from course_lib.gpt import checkpoint as ckpt_io
 from course_lib.gpt.config import make_config
 from course_lib.gpt.data import prepare
-from course_lib.gpt.metrics import read_metrics
-from course_lib.gpt.train import train
 from course_lib.launch import launch_training
+from course_lib.trainer.loop import train
+from course_lib.trainer.metrics import read_metrics
 
 ITERS = 6
 # device cpu for the reference and the ranks alike: equal to 1e-6 needs the same kernels on both sides
@@ -65,7 +65,7 @@ def assert_same_training(run_dir, ref_dir, iters=ITERS):
 @pytest.mark.timeout(180)
 def test_demo_on_two_ranks_equals_one_process(reference):
     out = reference / "demo"
-    cmd = [sys.executable, "-m", "course_lib.launch.demo", "--nproc=2", f"--out_dir={out}",
+    cmd = [sys.executable, "-m", "course_lib.notebook.demo", "--nproc=2", f"--out_dir={out}",
            *flags({**TINY, "data_dir": reference / "data", "batch_size": 2, "gradient_accumulation_steps": 2})]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -12,9 +12,9 @@ import pytest
 
 from course_lib.gpt.config import ConfigError, make_config
 from course_lib.gpt.data import prepare
-from course_lib.gpt.metrics import read_metrics
 from course_lib.hardware import cpu_autocast_dtypes
 from course_lib.launch.training import train_in_process
+from course_lib.trainer.metrics import read_metrics
 
 TINY = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "batch_size": 4, "max_iters": 4,
         "lr_decay_iters": 4, "warmup_iters": 1, "learning_rate": 3e-3, "eval_interval": 4, "eval_iters": 1,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from course_lib.experiments.zero_walkthrough import ZeroWalk, differences, shard_table, single_process_step
-from course_lib.parallel.spawn import run_ranks
+from course_lib.launch.spawn import run_ranks
 
 GPT = {"block_size": 16, "vocab_size": 65, "n_layer": 2, "n_head": 2, "n_embd": 32, "bias": True}
 NAMES = ["zero1", "zero2", "zero3"]

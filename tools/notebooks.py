@@ -8,7 +8,7 @@ Housekeeping for the course notebooks (``make notebooks-clear`` runs ``clear``):
     python tools/notebooks.py new 04_zero_and_fsdp "ZeRO and FSDP"   # a notebook skeleton
 
 Without NOTEBOOK arguments ``clear`` covers notebooks/*.ipynb and instructor/*/*.ipynb (the
-exercise sources; their generated releases in exercises/ are left alone). ``sync`` is for when course_lib.GITHUB_REPO
+exercise sources; their generated releases in exercises/ are left alone). ``sync`` is for when course_lib.utils.GITHUB_REPO
 changes: every lesson notebook's Colab badge and first code cell are generated from it by
 course_lib.notebook.smoke, and tests/test_notebooks.py checks that they match.
 """
@@ -25,6 +25,7 @@ import nbformat
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a clone without installing
 
+from course_lib import utils
 from course_lib.notebook import smoke
 
 CELL_METADATA_KEYS = ("execution", "ExecuteTime", "collapsed", "scrolled")
@@ -68,7 +69,7 @@ def clear(nb) -> bool:
 
 def sync(nb, path_in_repo: str) -> bool:
     """Put the current Colab badge and setup cell into a lesson notebook; True if changed."""
-    badge = smoke.colab_badge(path_in_repo)
+    badge = utils.colab_badge(path_in_repo)
     first_md = next(c for c in nb.cells if c.cell_type == "markdown")
     new_md = BADGE_RE.sub(badge, first_md.source, count=1) if BADGE_RE.search(first_md.source) \
         else f"{badge}\n\n{first_md.source}"
@@ -84,7 +85,7 @@ def skeleton(stem: str, title: str):
     nb = v4.new_notebook(metadata={"kernelspec": {"display_name": "Python 3 (ipykernel)", "language": "python",
                                                   "name": "python3"}, "language_info": {"name": "python"}})
     nb.cells = [
-        v4.new_markdown_cell(f"{smoke.colab_badge(f'notebooks/{stem}.ipynb')}\n\n# {title}\n\nOne paragraph: why this lesson."),
+        v4.new_markdown_cell(f"{utils.colab_badge(f'notebooks/{stem}.ipynb')}\n\n# {title}\n\nOne paragraph: why this lesson."),
         v4.new_markdown_cell("## Learning goals\n\nAfter this notebook you can\n\n- ...\n- ..."),
         v4.new_code_cell(smoke.colab_setup_cell()),
         v4.new_code_cell("from course_lib.notebook.smoke import smoke_or\n\nn_steps = smoke_or(1000, 10)  # lesson size, test size"),

@@ -191,13 +191,6 @@ class ModelShape:
         per_layer = 12 * h * h + (9 * h if self.bias else 0) + 2 * ln * h
         return (self.vocab_size + self.block_size) * h + self.n_layer * per_layer + ln * h
 
-    def gpt_config(self):
-        from course_lib.gpt.model import GPTConfig  # torch: `course memory` and launch checks start without it
-
-        return GPTConfig(block_size=self.block_size, vocab_size=self.vocab_size,
-                         n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd,
-                         dropout=self.dropout, bias=self.bias)
-
 
 # GPT-2 (Radford et al. 2019; shapes of the released checkpoints, vocabulary 50257, context 1024)
 # with nanoGPT's micro-batch of 12; the course's Shakespeare character models (vocabulary 65).

@@ -38,7 +38,7 @@ def cli(argv: list[str] | None = None) -> int:
     c.add_argument("--root", type=Path)
     ls = sub.add_parser("list", help="list the exercises")
     ls.add_argument("--root", type=Path)
-    sy = sub.add_parser("sync", help="rewrite each source's setup cell from course_lib.GITHUB_REPO")
+    sy = sub.add_parser("sync", help="rewrite each source's setup cell from course_lib.utils.GITHUB_REPO")
     sy.add_argument("names", nargs="*")
     sy.add_argument("--root", type=Path)
     pb = sub.add_parser("publish", help="write what students get (student notebooks, public tests, "

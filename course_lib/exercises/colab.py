@@ -8,23 +8,20 @@ import json
 import os
 from pathlib import Path
 
+from course_lib import utils
 from course_lib.exercises.layout import MANIFEST, Exercise
-from course_lib.utils import PACKAGE_DIR
+from course_lib.utils import INSTALL_SPEC_VAR, PACKAGE_DIR, colab_badge, colab_install_lines
 
 
 def install_spec() -> str:
-    """What pip installs on Colab: the lessons' spec (course_lib.notebook.smoke.install_spec),
+    """What pip installs on Colab: the lessons' spec (course_lib.utils.install_spec),
     whose ``colab`` extra brings otter-grader."""
-    from course_lib.notebook.smoke import install_spec as lesson_spec
-
-    return lesson_spec()
+    return utils.install_spec()
 
 
 def colab_setup_cell(name: str) -> str:
     """Source of an exercise's first code cell. otter needs its public tests as files next to
     the notebook; Colab opens the notebook alone, so the cell fetches them there."""
-    from course_lib.notebook.smoke import INSTALL_SPEC_VAR, colab_install_lines
-
     return (
         "# Setup. On Google Colab: install the course package and fetch this exercise's public tests.\n"
         "# Anywhere else (JupyterHub, your laptop) the package and tests/ are already there.\n"
@@ -47,7 +44,7 @@ def fetch_student_tests(name: str, dest: str | os.PathLike = "tests", base_url: 
     if base_url is None and (PACKAGE_DIR / "_course" / "exercises" / name).is_dir():
         base_url = (PACKAGE_DIR / "_course").as_uri()
     if base_url is None:
-        from course_lib import GITHUB_BRANCH, GITHUB_REPO
+        from course_lib.utils import GITHUB_BRANCH, GITHUB_REPO
 
         base_url = f"https://raw.githubusercontent.com/{GITHUB_REPO}/{GITHUB_BRANCH}"
     base = f"{base_url.rstrip('/')}/exercises/{name}"
@@ -73,8 +70,6 @@ def fetch_student_tests(name: str, dest: str | os.PathLike = "tests", base_url: 
 
 def colab_badge_line(name: str) -> str:
     """The "Open in Colab" badge that starts an exercise: it opens the student release."""
-    from course_lib.notebook.smoke import colab_badge
-
     return colab_badge(f"exercises/{name}/{name}.ipynb")
 
 
@@ -84,12 +79,12 @@ def _first(nb, cell_type: str):
 
 def setup_cell_problems(ex: Exercise) -> list[str]:
     """The first markdown cell of a source must start with the Colab badge and its first code
-    cell must be :func:`colab_setup_cell`, both for the repository in course_lib.GITHUB_REPO."""
+    cell must be :func:`colab_setup_cell`, both for the repository in course_lib.utils.GITHUB_REPO."""
     import nbformat
 
     nb = nbformat.read(ex.source, as_version=4)
     problems = []
-    fix = "run `course exercises sync` (it rewrites them from course_lib.GITHUB_REPO)"
+    fix = "run `course exercises sync` (it rewrites them from course_lib.utils.GITHUB_REPO)"
     md, code = _first(nb, "markdown"), _first(nb, "code")
     if md is None or md.source.split("\n", 1)[0] != colab_badge_line(ex.name):
         problems.append(f"{ex.source}: the first markdown cell does not start with the Colab badge of {ex.name}; {fix}")

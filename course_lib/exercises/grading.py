@@ -6,7 +6,7 @@ hang, compare with a reference and say what is wrong.
     value = isolated(check, timeout=10)     # check() in a process of its own, killed after 10 s
 
 Students call :func:`run_ranks` in the exercise notebooks to try their multi-rank code; the
-exercises' tests call it too (it is :func:`course_lib.parallel.spawn.run_ranks`, with the
+exercises' tests call it too (it is :func:`course_lib.launch.spawn.run_ranks`, with the
 grading timeout), and run every single-process check through :func:`isolated`: the answer runs in
 a child process that the test's process kills when it runs past its limit, so an endless loop
 costs its question, never the grader. ``isolated(..., forbid=[f, ...])`` makes the course's own
@@ -48,7 +48,7 @@ def fresh_copy(name: str = "course_lib.exercises.grading"):
     return module
 
 
-_spawn = fresh_copy("course_lib.parallel.spawn")  # run_ranks, as its file says
+_spawn = fresh_copy("course_lib.launch.spawn")  # run_ranks, as its file says
 RankError, RanksTimeoutError = _spawn.RankError, _spawn.RanksTimeoutError
 p2p_only = fresh_copy("course_lib.exercises.p2p").p2p_only  # point-to-point only, bytes counted
 
@@ -68,7 +68,7 @@ def default_timeout() -> float:
 
 def run_ranks(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float | None = None) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``nproc`` gloo ranks (started clean, ``fn`` sent by
-    value) and return their values (:func:`course_lib.parallel.spawn.run_ranks`).
+    value) and return their values (:func:`course_lib.launch.spawn.run_ranks`).
 
     ``timeout`` (default ``COURSE_GRADING_TIMEOUT`` or 60 s) bounds every collective; the whole
     call gets timeout + 5 s of wall clock. Raises :class:`RanksTimeoutError` when ranks hang,

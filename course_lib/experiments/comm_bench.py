@@ -25,6 +25,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import psutil
@@ -163,6 +164,41 @@ def to_csv(rows: list[dict]) -> str:
     return buf.getvalue()
 
 
+def plot_comm_bench(rows: Sequence[Mapping], metric: str = "busbw_GBps", ax=None):
+    """Bandwidth (or time) against message size, one line per (backend, collective, nproc).
+
+    rows: result rows of :func:`run_benchmark`. metric: "busbw_GBps",
+    "algbw_GBps" or "time_us".
+    """
+    if not rows:
+        raise ValueError("plot_comm_bench needs benchmark rows to draw")
+    if metric not in ("busbw_GBps", "algbw_GBps", "time_us"):
+        raise ValueError(f"metric must be busbw_GBps, algbw_GBps or time_us, got {metric!r}")
+    from matplotlib.figure import Figure  # matplotlib only when a figure is asked for
+
+    if ax is None:
+        fig = Figure(figsize=(7, 4), layout="constrained")
+        ax = fig.add_subplot()
+    fig = ax.figure
+    series: dict[tuple, list] = {}
+    for r in rows:
+        series.setdefault((r["backend"], r["op"], r["nproc"]), []).append(r)
+    for (backend, op, nproc), rs in sorted(series.items()):
+        rs = sorted(rs, key=lambda r: r["size_bytes"])
+        ax.plot([r["size_bytes"] for r in rs], [r[metric] for r in rs], marker="o",
+                markersize=3, label=f"{op} ({backend}, {nproc} ranks)")
+    ax.set_xscale("log", base=2)
+    if metric == "time_us":
+        ax.set_yscale("log")
+    ax.set_xlabel("message size S (bytes)")
+    ax.set_ylabel({"busbw_GBps": "bus bandwidth (GB/s)", "algbw_GBps": "algorithm bandwidth (GB/s)",
+                   "time_us": "time per call (us)"}[metric])
+    ax.set_title("Collectives (nccl-tests definitions)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    return fig
+
+
 def cli(argv: list[str] | None = None) -> int:
     """``course bench comm ...`` (the only ``course bench`` benchmark so far)."""
     parser = argparse.ArgumentParser(prog="course bench", description="course benchmarks")
@@ -197,7 +233,5 @@ def cli(argv: list[str] | None = None) -> int:
     if args.csv:
         atomic_write_bytes(args.csv, to_csv(rows).encode())
     if args.plot:
-        from course_lib.notebook.plots import plot_comm_bench  # matplotlib only for --plot
-
         plot_comm_bench(rows).savefig(args.plot, dpi=120)
     return 0 if all(r["correct"] for r in rows) else 1

@@ -72,7 +72,7 @@ def probe(device: str = "cuda") -> dict:
 
     from course_lib.exercises import grading
     from course_lib.launch.forked import notebook_launcher
-    from course_lib.parallel.spawn import run_ranks
+    from course_lib.launch.spawn import run_ranks
 
     x = torch.randn(64, 64, device=device, requires_grad=True)
     (x @ x).sum().backward()  # CUDA initialised and autograd's device threads started
@@ -145,9 +145,9 @@ def gpu_tests_step(out: Path, root: Path | None = None, marker: str = "gpu") -> 
 
 
 def lessons_step(out: Path, notebooks: Sequence[Path] | None = None, smoke: bool = False) -> dict:
-    """Execute every lesson (full mode unless ``smoke``) with nbclient; its wall time or its error."""
-    from course_lib.notebook.book import execute
-
+    """Execute every lesson (full mode unless ``smoke``), each in its own ``python -m
+    course_lib.notebook.book --lesson`` process (nbclient; a crash ends only that lesson); its wall
+    time or its error."""
     root = repo_root()
     if notebooks is None:
         if root is None:
@@ -155,13 +155,13 @@ def lessons_step(out: Path, notebooks: Sequence[Path] | None = None, smoke: bool
         notebooks = sorted((root / "notebooks").glob("[0-9][0-9]_*.ipynb"))
     result = {}
     for path in notebooks:
+        cmd = [sys.executable, "-m", "course_lib.notebook.book", "--lesson", str(path), "--out", str(out / "lessons")]
         t0 = time.perf_counter()
-        try:
-            execute(Path(path), out / "lessons", smoke=smoke, force=True)
-            result[Path(path).stem] = {"ok": True, "seconds": round(time.perf_counter() - t0, 1)}
-        except Exception as e:  # noqa: BLE001 - one failed lesson must not hide the others
-            result[Path(path).stem] = {"ok": False, "seconds": round(time.perf_counter() - t0, 1),
-                                       "error": f"{type(e).__name__}: {e}"[-1500:]}
+        proc = subprocess.run(cmd + (["--smoke"] if smoke else []), capture_output=True, text=True)
+        entry = {"ok": proc.returncode == 0, "seconds": round(time.perf_counter() - t0, 1)}
+        if proc.returncode != 0:
+            entry["error"] = (proc.stderr.strip() or proc.stdout.strip())[-1500:]
+        result[Path(path).stem] = entry
     return result
 
 

@@ -25,7 +25,7 @@ from course_lib.analysis.memory import ModelShape, breakdown, get_preset
 from course_lib.experiments.comm_bench import run_benchmark
 from course_lib.gpt.checkpoint import load_checkpoint
 from course_lib.gpt.data import prepare
-from course_lib.gpt.model import GPT
+from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.hardware import PROFILES, detect, pick_dtype
 from course_lib.launch.train_cli import build_config
 from course_lib.parallel.step import Precision, train_step
@@ -134,7 +134,7 @@ def _one_step(strategy, x: torch.Tensor, y: torch.Tensor, precision: Precision) 
 def _setup(shape: ModelShape, device: str, dtype: str):
     """The GPT on ``device`` in the single-process strategy (fused AdamW on a GPU), and its autocast."""
     torch.manual_seed(0)
-    model = GPT(shape.gpt_config()).to(device)
+    model = GPT(GPTConfig.from_shape(shape)).to(device)
     fused = {"fused": True} if device.startswith("cuda") else {}
     single = build_strategy("single", model, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4, **fused))
     autocast = (nullcontext() if dtype == "float32"

@@ -69,7 +69,7 @@ def profile_layout(world_size: int = 4, tp: int = 1, pp: int = 1, cp: int = 1, s
                    grad_accum: int = 4, warmup: int = 1) -> list[dict]:
     """Profile one step of the layout on ``world_size`` gloo ranks (dp = the rest); one dict per rank
     (what :func:`~course_lib.experiments.step_intervals.classify` returns, plus rank and wall_ms)."""
-    from course_lib.parallel.spawn import run_ranks
+    from course_lib.launch.spawn import run_ranks
 
     if world_size % (tp * pp * cp):
         raise ValueError(f"world_size {world_size} is not divisible by tp*pp*cp = {tp * pp * cp}")

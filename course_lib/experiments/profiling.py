@@ -32,7 +32,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from course_lib.experiments.step_intervals import STEP, classify
 from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.launch.placement import plan_ranks
-from course_lib.parallel.spawn import run_ranks
+from course_lib.launch.spawn import run_ranks
 from course_lib.parallel.step import train_step
 from course_lib.parallel.strategy import STRATEGIES, build_strategy
 

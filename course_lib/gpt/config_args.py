@@ -1,7 +1,7 @@
 """The command line of a training run: presets, a config.json, ``--resume`` and ``--field=value``.
 
     course train --config=shakespeare_char_cpu --max_iters=500 --nproc=2      (launch/train_cli.py)
-    python -m course_lib.gpt.train --config-file RUN_DIR/config.json           (gpt/train.py, a worker)
+    python -m course_lib.trainer.loop --config-file RUN_DIR/config.json           (trainer/loop.py, a worker)
 
 Both parse with :func:`arg_parser` and :func:`config_from_args`, so a field means the same on the
 host and in every worker; the result is one :class:`course_lib.gpt.config.TrainConfig`.
@@ -65,7 +65,7 @@ def parse_overrides(args: list[str]) -> dict:
 
 
 def arg_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    """The command line shared by ``course train`` (host) and ``python -m course_lib.gpt.train``
+    """The command line shared by ``course train`` (host) and ``python -m course_lib.trainer.loop``
     (worker): a preset or a config.json, ``--resume``, then any field as ``--field=value``."""
     p = argparse.ArgumentParser(prog=prog, allow_abbrev=False, epilog=_help_epilog(), description=description,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

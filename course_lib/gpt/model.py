@@ -47,6 +47,12 @@ class GPTConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
+    @classmethod
+    def from_shape(cls, shape) -> GPTConfig:
+        """The model of an :class:`course_lib.analysis.memory.ModelShape` (what the memory model prices)."""
+        return cls(block_size=shape.block_size, vocab_size=shape.vocab_size, n_layer=shape.n_layer,
+                   n_head=shape.n_head, n_embd=shape.n_embd, dropout=shape.dropout, bias=shape.bias)
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):

@@ -13,7 +13,6 @@ Modules:
     training    the one training path: check_request, run_training behind launch_training()
                 and ``course train``
     train_cli   ``course train``
-    demo        ``make demo``: the instructor's end-to-end run
     checks      refusing bad launches before anything is spawned
     mpi         mpirun(): the same for MPI ranks (mpi4py), with the mpiexec of mpi4py's MPI library
     ranks       the one local rank runner (run_local): N processes started clean from a fork
@@ -21,6 +20,8 @@ Modules:
                 notebook_launcher, run_ranks and the grading helpers
     rank_child  what each of those local ranks runs: join, call, send back value or traceback
     forked      notebook_launcher(): a notebook function on N local CPU ranks (via ranks)
+    spawn       run_ranks(fn, world_size): a function on N local gloo processes, for the tests,
+                the lessons and the exercises (via ranks)
     magics      the %%torchrun and %%mpirun cell magics
     placement   where ranks run: the device of each rank and the backend, decided before any start
     rank_pool   RankPool: persistent ranks across cells (ipyparallel engines + a process group)
@@ -49,7 +50,7 @@ _EXPORTS = {
     "launch": "course_lib.launch.api",
     "LaunchResult": "course_lib.launch.api",
     "LaunchError": "course_lib.launch.api",
-    "LaunchConfigError": "course_lib.launch.checks",
+    "LaunchConfigError": "course_lib.launch.placement",
     "launch_training": "course_lib.launch.training",
     "mpirun": "course_lib.launch.mpi",
     "notebook_launcher": "course_lib.launch.forked",

@@ -3,7 +3,7 @@
     alloc = detect_allocation()                  # None outside a batch job
     check_allocation(nnodes=2, nproc_per_node=4, uses_gpus=True, alloc=alloc)   # or a ValueError
 
-:mod:`course_lib.launch.checks` refuses a launch that asks for more nodes or GPUs than the job has.
+:func:`check_scheduler` refuses a launch that asks for more nodes or GPUs than the job has.
 Variables read: SLURM_JOB_ID, SLURM_JOB_NUM_NODES/SLURM_NNODES, SLURM_GPUS_ON_NODE,
 SLURM_CPUS_ON_NODE, SLURM_JOB_NODELIST (https://slurm.schedmd.com/sbatch.html#SECTION_OUTPUT-ENVIRONMENT-VARIABLES);
 PBS_JOBID, PBS_NODEFILE, NCPUS (PBS Professional reference guide, "PBS environment variables").
@@ -15,6 +15,8 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from course_lib.launch.placement import LaunchConfigError
 
 
 @dataclass(frozen=True)
@@ -83,3 +85,11 @@ def check_allocation(nnodes: int, nproc_per_node: int, uses_gpus: bool,
             f"{nproc_per_node} GPU ranks per node but this job has {alloc.gpus_per_node} GPU(s) per "
             f"node (SLURM_GPUS_ON_NODE); use nproc={alloc.gpus_per_node} or submit with "
             f"--gpus-per-node {nproc_per_node}")
+
+
+def check_scheduler(nnodes: int, nproc_per_node: int, device: str, env: Mapping[str, str] | None = None) -> None:
+    """Inside a SLURM/PBS job: refuse more nodes or GPUs than the job was given (a LaunchConfigError)."""
+    try:
+        check_allocation(nnodes, nproc_per_node, device == "cuda", detect_allocation(env))
+    except ValueError as e:
+        raise LaunchConfigError(str(e)) from None

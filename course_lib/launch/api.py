@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from course_lib.hardware import threads_per_rank
-from course_lib.launch import checks, torchrun
+from course_lib.launch import allocation, checks, placement, torchrun
 from course_lib.launch.supervise import Agent, RankFailure, supervise
 
 
@@ -141,21 +141,21 @@ def launch(target, args: Sequence[str] = (), *, nproc="auto", nnodes: int = 1,
         ranks' stderr still prefixed).
     """
     nnodes = checks.check_nnodes(nnodes)
-    plan = checks.plan(nproc, device, backend, recipe or Path(os.fspath(target)).name, nnodes,
+    plan = placement.plan(nproc, device, backend, recipe or Path(os.fspath(target)).name, nnodes,
                        same_host=rdzv_endpoint is None)
     nproc, device = plan.nproc, plan.device_type
     timeout = checks.check_timeout("timeout", timeout)
     collective_timeout = checks.check_timeout("collective_timeout", collective_timeout, False)
     target, is_module = checks.resolve_target(target, module)
     if rdzv not in torchrun.RDZV_BACKENDS:
-        raise checks.LaunchConfigError(f"rdzv must be one of {torchrun.RDZV_BACKENDS}, got {rdzv!r}")
+        raise placement.LaunchConfigError(f"rdzv must be one of {torchrun.RDZV_BACKENDS}, got {rdzv!r}")
     if nnodes > 1 and rdzv != "c10d":
-        raise checks.LaunchConfigError("several nodes need the c10d rendezvous (rdzv='c10d')")
+        raise placement.LaunchConfigError("several nodes need the c10d rendezvous (rdzv='c10d')")
     if rdzv_endpoint and not rdzv_id:
-        raise checks.LaunchConfigError("rdzv_endpoint needs rdzv_id: the same id on every node")
+        raise placement.LaunchConfigError("rdzv_endpoint needs rdzv_id: the same id on every node")
     if output not in ("ranks", "raw"):
-        raise checks.LaunchConfigError(f"output must be 'ranks' or 'raw', got {output!r}")
-    checks.check_scheduler(nnodes, plan.gpus_per_node or nproc, device)  # inside a SLURM/PBS job: what it was given
+        raise placement.LaunchConfigError(f"output must be 'ranks' or 'raw', got {output!r}")
+    allocation.check_scheduler(nnodes, plan.gpus_per_node or nproc, device)  # in a SLURM/PBS job: what it was given
     torchrun.nccl_debug_env(nccl_debug, nccl_debug_subsys, nccl_debug_file)  # validates
 
     run_dir = _prepare_run_dir(run_dir or default_run_dir())

@@ -1,10 +1,10 @@
 """Refuse bad launches before anything is spawned, with a message that says what to change.
 
-Checked: the number of processes and nodes, the devices and backend of the ranks
-(:mod:`course_lib.launch.placement`, with this machine's GPU count), the script or
-module to run, the batch allocation (SLURM/PBS) the launch runs in, the timeouts and strategy
-names. A whole training request (data, dtype, memory, resume) is checked by
-:func:`course_lib.launch.training.check_request`, which builds on these.
+Checked here: the number of nodes, the script or module to run, the timeouts and strategy names.
+The number of ranks, their devices and the backend are checked where they are decided
+(:func:`course_lib.launch.placement.plan`), the batch job (SLURM/PBS) the launch runs in by
+:func:`course_lib.launch.allocation.check_scheduler`. A whole training request (data, dtype,
+memory, resume) is checked by :func:`course_lib.launch.training.check_request`, which builds on these.
 """
 
 from __future__ import annotations
@@ -13,26 +13,8 @@ import importlib.util
 import os
 from pathlib import Path
 
-from course_lib.gpt.config import ConfigError
-from course_lib.hardware import gpu_count
-from course_lib.launch.allocation import check_allocation, detect_allocation
-from course_lib.launch.placement import PlanError, RankPlan, plan_ranks
-
-
-class LaunchConfigError(ConfigError):
-    """A launch that cannot work as asked; the message says what to change. A ConfigError (a
-    ValueError): ``course train`` reports both the same way."""
-
-
-def plan(nproc, device: str = "auto", backend: str = "auto", recipe: str = "", nnodes: int = 1,
-         same_host: bool = False) -> RankPlan:
-    """Each rank's device and the backend on this machine (:func:`placement.plan_ranks` with its GPU
-    count): ranks beyond the GPUs share them over gloo; what cannot work is refused here."""
-    try:
-        n_gpu = 0 if device == "cpu" else gpu_count()  # CPU ranks: no torch import to count GPUs
-        return plan_ranks(n_gpu, nproc, device, backend, recipe, nnodes, same_host)
-    except PlanError as e:
-        raise LaunchConfigError(str(e)) from None
+from course_lib.launch.placement import LaunchConfigError
+from course_lib.registry import STRATEGIES
 
 
 def check_nnodes(nnodes) -> int:
@@ -66,19 +48,10 @@ def resolve_target(target, module: bool | None = None) -> tuple[str, bool]:
         found = False
     if not found:
         raise LaunchConfigError(f"{target!r} is neither a file nor an importable module; give a "
-                                "script path (ending in .py) or a module name like course_lib.gpt.train")
+                                "script path (ending in .py) or a module name like course_lib.trainer.loop")
     return target, True
 
 
-def check_scheduler(nnodes: int, nproc_per_node: int, device: str, env=None) -> None:
-    try:
-        check_allocation(nnodes, nproc_per_node, device == "cuda", detect_allocation(env))
-    except ValueError as e:
-        raise LaunchConfigError(str(e)) from None
-
-
 def check_strategy(name: str) -> None:
-    from course_lib.parallel.strategy import STRATEGIES  # why: imports torch; launching a plain script needs none
-
     if name not in STRATEGIES:
         raise LaunchConfigError(f"unknown strategy {name!r}; choose one of {sorted(STRATEGIES)}")

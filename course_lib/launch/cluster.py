@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 SCHEDULERS = ("slurm", "pbs")
-DEFAULT_MODULE = "course_lib.gpt.train"
+DEFAULT_MODULE = "course_lib.trainer.loop"
 
 
 def _port_lines(port: int | None, job_number: str) -> list[str]:
@@ -169,8 +169,8 @@ def _check_train_args(train_args: Sequence[str], data: bool, world_size: int) ->
     from course_lib.gpt.config_args import arg_parser, config_from_args
     from course_lib.gpt.data import DataError, load_meta
 
-    try:  # parsed as the worker (python -m course_lib.gpt.train) will parse them
-        cfg, _ = config_from_args(arg_parser("python -m course_lib.gpt.train", ""), list(train_args))
+    try:  # parsed as the worker (python -m course_lib.trainer.loop) will parse them
+        cfg, _ = config_from_args(arg_parser("python -m course_lib.trainer.loop", ""), list(train_args))
         cfg.check_layout(world_size)  # tp * pp * cp divides the job's ranks
         if data:
             load_meta(cfg.data_dir or None, cfg.dataset)
@@ -191,7 +191,7 @@ def cli(argv: list[str]) -> int:
     p.add_argument("--account")
     p.add_argument("--port", type=int, help="rendezvous port on the first node (default: 29500 + job id %% 10000)")
     p.add_argument("--nccl-debug", choices=["VERSION", "WARN", "INFO", "TRACE"])
-    p.add_argument("--script", help="run this Python file instead of -m course_lib.gpt.train")
+    p.add_argument("--script", help="run this Python file instead of -m course_lib.trainer.loop")
     p.add_argument("--output", help="where to write the batch script (default runs/submit/)")
     p.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then the trainer's arguments")

@@ -25,7 +25,7 @@ import sys
 
 from course_lib.hardware import threads_per_rank
 from course_lib.launch.bootstrap import diagnose
-from course_lib.launch.checks import LaunchConfigError
+from course_lib.launch.placement import LaunchConfigError
 from course_lib.launch.ranks import RankError, RanksTimeoutError, run_local
 
 

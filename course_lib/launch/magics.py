@@ -26,7 +26,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 
 from course_lib.launch.api import LaunchError, default_run_dir, launch
-from course_lib.launch.checks import LaunchConfigError
+from course_lib.launch.placement import LaunchConfigError
 from course_lib.launch.mpi import mpirun
 
 

@@ -226,7 +226,7 @@ class MetricsProgress:
     STEP_COLUMNS = ("iter", "step", "iteration")
 
     def __init__(self, path: str, total: int | None, desc: str = "train", file=None):
-        from course_lib.notebook.progress import (
+        from course_lib.trainer.progress import (
             progress_bar,  # tqdm (ipywidgets in a notebook) only once a bar is shown
         )
 

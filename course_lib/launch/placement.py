@@ -1,6 +1,6 @@
 """Where the ranks run: each rank's device and the process group's backend, decided once.
 
-    plan = plan_ranks(gpu_count(), nproc=2, recipe="shakespeare_char")
+    plan = plan(nproc=2, recipe="shakespeare_char")      # plan_ranks(gpu_count(), ...)
     plan.line()   # 'plan: 2 ranks · cuda:0, cuda:0 · gloo · recipe shakespeare_char'
 
 Every way of starting ranks (``course train``, :func:`course_lib.launch.launch`, ``%%torchrun``,
@@ -27,13 +27,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from course_lib.gpt.config import ConfigError
-from course_lib.hardware import BACKEND_ENV, RANK_DEVICES_ENV
+from course_lib.hardware import BACKEND_ENV, RANK_DEVICES_ENV, gpu_count
 
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "gloo", "nccl")
 
 
-class PlanError(ConfigError):
+class LaunchConfigError(ConfigError):
+    """A launch that cannot work as asked; the message says what to change. A ConfigError (a
+    ValueError): ``course train`` reports both the same way."""
+
+
+class PlanError(LaunchConfigError):
     """Ranks, devices and backend that cannot work together; the message says what to run instead."""
 
 
@@ -126,3 +131,10 @@ def plan_ranks(n_gpu: int, nproc="auto", device: str = "auto", backend: str = "a
     if backend == "auto":
         backend = "gloo" if shared else "nccl"
     return RankPlan(devices, backend, recipe, nnodes, nproc)
+
+
+def plan(nproc, device: str = "auto", backend: str = "auto", recipe: str = "", nnodes: int = 1,
+         same_host: bool = False) -> RankPlan:
+    """:func:`plan_ranks` on this machine (its GPU count): what every launcher asks."""
+    n_gpu = 0 if device == "cpu" else gpu_count()  # CPU ranks: no torch import to count GPUs
+    return plan_ranks(n_gpu, nproc, device, backend, recipe, nnodes, same_host)

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from course_lib.launch.checks import LaunchConfigError
+from course_lib.launch.placement import LaunchConfigError
 from course_lib.launch.placement import RankPlan, plan_ranks
 from course_lib.launch.rank_pool_view import RankBoard, error_line
 

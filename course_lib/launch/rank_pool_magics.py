@@ -19,7 +19,7 @@ import shlex
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
-from course_lib.launch.checks import LaunchConfigError
+from course_lib.launch.placement import LaunchConfigError
 from course_lib.launch.rank_pool import DEFAULT_TIMEOUT_S, RankPool
 
 

@@ -4,7 +4,7 @@
     values = run_local(fn, 2, args=(x,), pass_rank=True)        # fn(rank, world_size, x) on 2 gloo ranks
     value, = run_local(check, 1, backend=None, time_limit=10)   # one child, no process group
 
-``run_ranks`` (:mod:`course_lib.parallel.spawn`), ``notebook_launcher``
+``run_ranks`` (:mod:`course_lib.launch.spawn`), ``notebook_launcher``
 (:mod:`course_lib.launch.forked`) and the grading helpers (``course_lib.exercises.grading``)
 are front-ends of :func:`run_local`.
 

@@ -1,7 +1,10 @@
-"""torchrun command lines: one node on 127.0.0.1, several nodes with a c10d rendezvous.
+"""python -m course_lib.launch.torchrun [torchrun options] TARGET [ARGS...]   (the agent process)
+
+torchrun command lines: one node on 127.0.0.1, several nodes with a c10d rendezvous; and the
+torchrun we run for them.
 
 Single node (what a notebook uses): the rendezvous endpoint is ``127.0.0.1:<free port>`` and the
-agent hosts the store; ``course_lib.launch.agent`` makes that store listen on loopback only.
+agent hosts the store; :func:`main` (the agent) makes that store listen on loopback only.
 ``c10d`` (the dynamic rendezvous) and ``static`` (``--master-addr/--master-port``) both work.
 
 Multi-node: every node runs the same command; the agents meet at ``--rdzv-endpoint HOST:PORT``
@@ -14,16 +17,32 @@ today's spelling; :func:`fit_to_torchrun` then rewrites them for the torchrun th
 (read from its own parser, never from a version number): older releases spell some options with
 underscores only, and some options do not exist in every release (torch 2.11's torchrun rejects
 ``--shutdown-timeout``), so those are left out where the course does the same job itself.
+
+The agent (:func:`main`, what ``python -m course_lib.launch.torchrun`` runs) is torchrun, with one
+change for runs whose every node is this host: the TCP stores that torchrun hosts (the c10d or static rendezvous store, and the store it shares with the workers) listen on
+127.0.0.1 only, so students sharing a JupyterHub node expose nothing to the network.
+
+PyTorch's TCPStore server binds every interface (``::``) whatever host name it is given; the
+one way to choose the address is ``master_listen_fd``, a socket that is already bound and
+listening. With ``COURSE_LOOPBACK_STORE=1`` in the environment, this module hands torchrun a
+TCPStore subclass that binds such a socket to 127.0.0.1 when it is asked to be the server.
+Multi-node runs on a cluster use the plain ``torchrun``: there the store must be reachable.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
+import socket
 import sys
+import traceback
 import uuid
 from collections.abc import Sequence
+from datetime import timedelta
 
-from course_lib.launch.checks import LaunchConfigError
+from course_lib.launch.placement import LaunchConfigError
+from course_lib.launch.procs import set_parent_death_signal
 from course_lib.utils import free_port
 
 LOOPBACK = "127.0.0.1"
@@ -131,7 +150,7 @@ def multi_node_flags(nnodes: int, nproc_per_node: int, endpoint: str, run_id: st
 def agent_argv(flags: Sequence[str], loopback: bool = True) -> list[str]:
     """The agent program: our loopback-store torchrun for local runs, else plain torchrun."""
     if loopback:
-        return [sys.executable, "-m", "course_lib.launch.agent", *flags]
+        return [sys.executable, "-m", "course_lib.launch.torchrun", *flags]
     return [sys.executable, "-m", "torch.distributed.run", *flags]
 
 
@@ -175,3 +194,79 @@ def local_network_env() -> dict[str, str]:
     if os.path.exists("/sys/class/net/lo"):
         return {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
     return {}
+
+
+# -- the agent: torchrun with its stores on loopback ------------------------------------------------
+
+LOOPBACK_ENV = "COURSE_LOOPBACK_STORE"
+
+
+def loopback_store_class():
+    """A ``torch.distributed.TCPStore`` whose server side listens on 127.0.0.1 only."""
+    import torch.distributed as dist  # torch in functions: main sets the parent-death signal first
+
+    base = dist.TCPStore
+
+    class LoopbackTCPStore(base):
+        def __init__(self, host_name, port, world_size=None, is_master=False,
+                     timeout=timedelta(seconds=300), wait_for_workers=True, multi_tenant=False,
+                     master_listen_fd=None, use_libuv=True):
+            if is_master and master_listen_fd is None:
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    sock.bind(("127.0.0.1", int(port)))
+                    sock.listen(512)
+                except OSError as e:
+                    sock.close()
+                    # torch's c10d backend retries as a client on RuntimeError (port taken).
+                    raise RuntimeError(f"cannot listen on 127.0.0.1:{port}: {e}") from e
+                port = sock.getsockname()[1]
+                master_listen_fd = sock.detach()  # the store's server owns the socket now
+            super().__init__(host_name, port, world_size, is_master, timeout, wait_for_workers,
+                             multi_tenant, master_listen_fd, use_libuv)
+
+    LoopbackTCPStore.__name__ = LoopbackTCPStore.__qualname__ = "LoopbackTCPStore"
+    return base, LoopbackTCPStore
+
+
+def install_loopback_store() -> None:
+    """Make torch.distributed and torchrun's rendezvous modules create loopback stores."""
+    import torch.distributed as dist  # (torch only after main has set the parent-death signal)
+    import torch.distributed.elastic.rendezvous.c10d_rendezvous_backend
+    import torch.distributed.elastic.rendezvous.dynamic_rendezvous
+    import torch.distributed.elastic.rendezvous.static_tcp_rendezvous  # noqa: F401
+
+    base, loopback = loopback_store_class()
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torch.distributed") and getattr(module, "TCPStore", None) is base:
+            module.TCPStore = loopback
+    dist.TCPStore = loopback
+
+
+def main(argv: list[str] | None = None) -> None:
+    # Belt and braces: the launcher sets this too (preexec); a hand-started agent gets it here.
+    if os.environ.get("COURSE_PDEATHSIG") == "1":
+        set_parent_death_signal()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # where is the agent? (kill -USR1)
+    if os.environ.get(LOOPBACK_ENV) == "1":
+        install_loopback_store()
+    from torch.distributed.run import main as torchrun_main  # seconds of import: after the signal
+
+    code = 0
+    try:
+        torchrun_main(sys.argv[1:] if argv is None else argv)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - torchrun's failure summary is in the traceback
+        traceback.print_exc()
+        code = 1
+    # torchrun has stopped its workers by now. Skip the interpreter's teardown: with torch
+    # loaded it takes seconds on a busy machine, and it is all the stop button would wait for.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

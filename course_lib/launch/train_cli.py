@@ -11,7 +11,7 @@ notebook. Everything that can be wrong with the input (fields, types, data not p
 ranks vs GPUs, memory, an out_dir that already holds a run, an incompatible resume) is reported in
 one line before any process starts; where the ranks run (each one's device, the backend) is
 printed as one line too (:mod:`course_lib.launch.placement`). The workers run
-``python -m course_lib.gpt.train --config-file RUN_DIR/config.json`` under torchrun on this host
+``python -m course_lib.trainer.loop --config-file RUN_DIR/config.json`` under torchrun on this host
 (one of them for ``--nproc=1``). Ctrl-C stops the whole process tree (SIGTERM, then SIGKILL).
 """
 

@@ -15,7 +15,7 @@ Both front ends are :func:`run_training`, and differ only in how the run is show
 
 Either way: :func:`check_request` refuses a bad request before anything is spawned, with one line
 that says what to change; :func:`prepare_run_dir` writes ``RUN_DIR/config.json`` (RUN_DIR =
-``config.out_dir``); then ``python -m course_lib.gpt.train --config-file RUN_DIR/config.json``
+``config.out_dir``); then ``python -m course_lib.trainer.loop --config-file RUN_DIR/config.json``
 runs on every rank under torchrun through :func:`course_lib.launch.api.launch` (its process
 handling, logs in ``RUN_DIR/logs``, failure diagnosis). One process can also train right here,
 after the same checks: :func:`train_in_process`.
@@ -33,15 +33,14 @@ from course_lib.analysis.memory import ModelShape, breakdown
 from course_lib.gpt import checkpoint as ckpt_io
 from course_lib.gpt import data
 from course_lib.gpt.config import TrainConfig
-from course_lib.gpt.train import train
 from course_lib.hardware import detect, pick_dtype
-from course_lib.launch import checks
+from course_lib.launch import allocation, checks, placement
 from course_lib.launch.api import LaunchResult, launch
-from course_lib.launch.checks import LaunchConfigError
 from course_lib.launch.monitor import MetricsProgress
-from course_lib.launch.placement import RankPlan
+from course_lib.launch.placement import LaunchConfigError, RankPlan
+from course_lib.trainer.loop import train
 
-TRAIN_MODULE = "course_lib.gpt.train"
+TRAIN_MODULE = "course_lib.trainer.loop"
 RUN_FILES = ("last.pt", "best.pt", "metrics.csv", "summary.json", "run.json", "config.json")
 DISPLAYS = ("notebook", "terminal")
 
@@ -137,7 +136,7 @@ def check_layout(req: TrainRequest) -> None:
 
 def check_allocation(req: TrainRequest) -> None:
     """Inside a SLURM/PBS job: the nodes and GPUs it was given."""
-    checks.check_scheduler(req.nnodes, (req.plan and req.plan.gpus_per_node) or req.config.nproc, req.device)
+    allocation.check_scheduler(req.nnodes, (req.plan and req.plan.gpus_per_node) or req.config.nproc, req.device)
 
 
 CHECKS: list[Callable[[TrainRequest], None]] = [check_allocation, check_strategy, check_dtype, check_layout,
@@ -156,7 +155,7 @@ def check_request(config: TrainConfig, *, nproc=None, nnodes: int = 1, overwrite
     if not isinstance(config, TrainConfig):
         raise LaunchConfigError(f"expected a TrainConfig (course_lib.gpt.config.make_config), got {type(config).__name__}")
     nproc = config.nproc if nproc is None else nproc
-    plan = checks.plan(nproc, config.device, recipe=recipe or config.name, nnodes=checks.check_nnodes(nnodes),
+    plan = placement.plan(nproc, config.device, recipe=recipe or config.name, nnodes=checks.check_nnodes(nnodes),
                        same_host=True)
     req = TrainRequest(config.replace(nproc=plan.nproc), plan.nnodes, plan.device_type, overwrite, plan)
     for check in CHECKS:
@@ -183,7 +182,7 @@ def prepare_run(config: TrainConfig, *, nproc=None, nnodes: int = 1, overwrite: 
 
 def train_in_process(config: TrainConfig, *, overwrite: bool = False, progress: bool = True) -> dict:
     """The same checks and run directory, then one process training right here (a notebook's
-    kernel, a test): :func:`course_lib.gpt.train.train`. Returns its summary."""
+    kernel, a test): :func:`course_lib.trainer.loop.train`. Returns its summary."""
     req = prepare_run(config, overwrite=overwrite)
     if req.world_size > 1 or req.strategy != "single":
         raise LaunchConfigError(f"{req.world_size} rank(s) with strategy {req.strategy} need workers: "

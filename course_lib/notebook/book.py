@@ -28,8 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from course_lib import GITHUB_BRANCH, GITHUB_REPO
-from course_lib.utils import repo_root
+from course_lib.utils import GITHUB_BRANCH, GITHUB_REPO, repo_root
 
 KEY = "course_book"  # notebook metadata: {"key": ..., "seconds": ..., "smoke": ...}
 
@@ -221,7 +220,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true", help="re-execute every notebook, cached or not")
     p.add_argument("--out", type=Path, help="output folder (default build/book)")
     p.add_argument("--times", action="store_true", help="print the cached execution times as a table, build nothing")
+    p.add_argument("--lesson", type=Path, help="execute this one notebook now, keep it under --out, print its "
+                   "wall time as JSON; build nothing (course check-gpu runs each lesson this way)")
     args = p.parse_args(argv)
+    if args.lesson:
+        t0 = time.perf_counter()
+        execute(args.lesson, args.out or Path("executed"), smoke=args.smoke, force=True)
+        print(json.dumps({"lesson": args.lesson.stem, "seconds": round(time.perf_counter() - t0, 1)}))
+        return 0
     if args.times:
         out = args.out or repo_root() / "build" / "book"
         print(times_table(out / "executed" / ("smoke" if args.smoke else "full")))

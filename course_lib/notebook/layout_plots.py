@@ -14,7 +14,7 @@ import json
 import math
 from pathlib import Path
 
-from course_lib.gpt.metrics import read_metrics
+from course_lib.trainer.metrics import read_metrics
 
 GROUPS = ("tp", "sp", "cp", "pp", "dp")
 

@@ -8,7 +8,7 @@
     plot.follow(some_function, ...)  # call it here while a thread keeps re-reading the file
 
 The trainer writes one row of ``metrics.csv`` per logged step and flushes it at once
-(:mod:`course_lib.gpt.metrics`), so following that file works for every way of training: in this
+(:mod:`course_lib.trainer.metrics`), so following that file works for every way of training: in this
 process, or on N ranks under torchrun, where only rank 0 writes. The plot polls the file from a
 background thread while the training runs in the foreground, so the stop button still
 interrupts the training, and it redraws only when a new row has arrived.
@@ -37,8 +37,8 @@ import ipywidgets as w
 from IPython.display import display
 from matplotlib.figure import Figure  # no pyplot: no global figure state
 
-from course_lib.gpt.metrics import read_metrics
 from course_lib.notebook.plots import plot_loss_curve
+from course_lib.trainer.metrics import read_metrics
 
 
 def ema(values: Sequence[float], smoothing: float) -> list[float]:

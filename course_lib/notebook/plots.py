@@ -15,7 +15,7 @@ from matplotlib.figure import Figure  # no pyplot: no global figure state
 from course_lib.analysis.comm_cost import ALGORITHMS, collective_time
 from course_lib.analysis.memory import STAGE_NAMES, STAGES, breakdown, resolve_gpu
 from course_lib.analysis.scaling_laws import amdahl_speedup, gustafson_speedup
-from course_lib.gpt.metrics import read_metrics
+from course_lib.trainer.metrics import read_metrics
 
 GB = 1e9
 _PART_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868",
@@ -76,36 +76,6 @@ def plot_zero_memory(num_params: float | None = None, dp: int = 1, *, gpu=None, 
                        f"Psi = {psi:.3g} parameters, N_d = {dp}", ax=ax)
 
 
-def plot_comm_bench(rows: Sequence[Mapping], metric: str = "busbw_GBps", ax=None):
-    """Bandwidth (or time) against message size, one line per (backend, collective, nproc).
-
-    rows: result rows of :func:`course_lib.experiments.comm_bench.run_benchmark`. metric: "busbw_GBps",
-    "algbw_GBps" or "time_us".
-    """
-    if not rows:
-        raise ValueError("plot_comm_bench needs benchmark rows to draw")
-    if metric not in ("busbw_GBps", "algbw_GBps", "time_us"):
-        raise ValueError(f"metric must be busbw_GBps, algbw_GBps or time_us, got {metric!r}")
-    fig, ax = _axes(ax)
-    series: dict[tuple, list] = {}
-    for r in rows:
-        series.setdefault((r["backend"], r["op"], r["nproc"]), []).append(r)
-    for (backend, op, nproc), rs in sorted(series.items()):
-        rs = sorted(rs, key=lambda r: r["size_bytes"])
-        ax.plot([r["size_bytes"] for r in rs], [r[metric] for r in rs], marker="o",
-                markersize=3, label=f"{op} ({backend}, {nproc} ranks)")
-    ax.set_xscale("log", base=2)
-    if metric == "time_us":
-        ax.set_yscale("log")
-    ax.set_xlabel("message size S (bytes)")
-    ax.set_ylabel({"busbw_GBps": "bus bandwidth (GB/s)", "algbw_GBps": "algorithm bandwidth (GB/s)",
-                   "time_us": "time per call (us)"}[metric])
-    ax.set_title("Collectives (nccl-tests definitions)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    return fig
-
-
 def plot_collective_model(nbytes: Sequence[float], p: int, alpha: float, bandwidth: float,
                           op: str = "all_reduce", algorithms: Sequence[str] | None = None, ax=None):
     """Alpha-beta model time against message size for each algorithm of ``op``
@@ -128,7 +98,7 @@ def plot_collective_model(nbytes: Sequence[float], p: int, alpha: float, bandwid
 def plot_loss_curve(rows: Sequence[Mapping] | str, title: str | None = None, ax=None):
     """Train loss per logged step and val loss at each evaluation against the iteration.
 
-    rows: the rows of a run's ``metrics.csv`` (:func:`course_lib.gpt.metrics.read_metrics`), or the
+    rows: the rows of a run's ``metrics.csv`` (:func:`course_lib.trainer.metrics.read_metrics`), or the
     path of that file.
     """
     if isinstance(rows, str) or hasattr(rows, "__fspath__"):

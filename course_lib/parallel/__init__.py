@@ -23,8 +23,6 @@
     gpt_parallel        the course GPT cut for one place of the grid
     model_parallel      ModelParallel: the trainer's strategy for tp/pp/cp layouts
     footprint           bytes of parameters, gradients, optimizer states one rank holds
-    spawn               run_ranks(fn, world_size): a function on N local gloo processes
-                        (a front-end of course_lib.launch.ranks, the one local rank runner)
     toy                 a small MLP with the GPT interface
 
 Every strategy's ``state_dict()`` is the FULL model and optimizer state (the unsharded

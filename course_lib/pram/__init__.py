@@ -10,7 +10,7 @@
 
     r = pram.run(tree_sum, "EREW", processors=4, memory={"A": [3, 1, 4, 1, 5, 9, 2, 6]})
     r.steps, r.work, r["A"][0]              # (3, 7, 31)
-    pram.step_slider(r)                      # a notebook slider over the steps
+    step_slider(r)       # from course_lib.notebook.pram_slider: a notebook slider over the steps
 
 Modules:
 
@@ -26,7 +26,7 @@ Modules:
     classify          the weakest model a program runs on
     gpt_step          the whole step as a table; how it scales with B, T, C
     lost_updates      what the combining rule protects against, on real threads and processes
-    trace             tables and the notebook's step slider
+    trace             tables, and the steps of a traced run as HTML
     trace_plots       steps and work against n, kernel scaling, lost updates (matplotlib)
     cli               ``course pram``
 
@@ -80,7 +80,7 @@ from .models import (
 )
 from .program import Program, Result, StepStats, StepTrace, coords, phases
 from .shared_memory import Array, Memory, filled
-from .trace import format_table, render_step, step_slider, work_time_table
+from .trace import format_table, render_step, work_time_table
 
 __all__ = [
     # simulator
@@ -100,5 +100,5 @@ __all__ = [
     "encoder_backward", "adamw_update", "classify", "Verdict", "Attempt", "GPTShape",
     "StepKernel", "STEP_KERNELS", "step_table", "cost", "scaling", "growth",
     # display
-    "format_table", "render_step", "step_slider", "work_time_table",
+    "format_table", "render_step", "work_time_table",
 ]

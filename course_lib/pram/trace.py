@@ -1,7 +1,6 @@
-"""Showing a run: text tables, one step of the trace as HTML, and a notebook step slider.
+"""Showing a run: text tables, and one step of the trace (or all of them) as HTML.
 
-``step_slider(result)`` builds an ipywidgets slider over the steps of a traced run; ipywidgets
-is imported only when it is called, so the rest of the package works without it.
+The notebook's slider over these steps is :func:`course_lib.notebook.pram_slider.step_slider`.
 """
 
 from __future__ import annotations
@@ -10,7 +9,7 @@ import html
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["all_steps_html", "format_table", "render_step", "step_slider", "work_time_table"]
+__all__ = ["all_steps_html", "format_table", "render_step", "work_time_table"]
 
 _READ, _WRITE, _BOTH = "#cfe2ff", "#ffd8a8", "#e5c7ff"
 
@@ -88,24 +87,3 @@ def render_step(result, step: int, arrays: Sequence[str] | None = None) -> str:
 def all_steps_html(result, arrays: Sequence[str] | None = None) -> str:
     """Every step of a traced run one below the other: what the slider shows, without a kernel."""
     return "\n".join(render_step(result, step, arrays) for step in range(-1, len(result.trace or [])))
-
-
-def step_slider(result, arrays: Sequence[str] | None = None):
-    """A slider over the steps (0 = initial memory, k = after step k) above the rendering.
-
-    Returns :func:`course_lib.notebook.static.with_snapshot` of the ipywidgets ``VBox``
-    (``.widget``): a saved notebook shows every step as static HTML instead of the widget's repr.
-    """
-    import ipywidgets as widgets  # only here: the package must import without ipywidgets
-
-    from course_lib.notebook.static import with_snapshot
-
-    slider = widgets.IntSlider(value=0, min=0, max=len(result.trace or []),
-                               description="step", continuous_update=True)
-    view = widgets.HTML(render_step(result, -1, arrays))
-
-    def show(change):
-        view.value = render_step(result, change["new"] - 1, arrays)
-
-    slider.observe(show, names="value")
-    return with_snapshot(widgets.VBox([slider, view]), html=all_steps_html(result, arrays))

@@ -4,7 +4,7 @@
 slice; fixed eval batches per split), the model from the config's seed behind its Strategy, the
 precision (autocast, and the fp16 loss scaler), and, for ``init_from='resume'``, the state of
 ``last.pt`` (weights, optimizer, scaler, RNGs: an exact resume). The loop that uses it is
-:func:`course_lib.gpt.train.train_loop`.
+:func:`course_lib.trainer.loop.train_loop`.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from course_lib.gpt.activation_meter import modelled_bytes
 from course_lib.gpt.config import GRAD_COMM_STRATEGIES, TrainConfig
 from course_lib.gpt.data import TrainBatches, eval_batches, load_meta, load_tokens, model_vocab_size
 from course_lib.gpt.model import GPT, GPTConfig, make_adamw
-from course_lib.gpt.runtime import Runtime
 from course_lib.parallel.model_parallel import ModelParallel
 from course_lib.parallel.process_groups import ProcessGroupGrid
 from course_lib.parallel.step import Precision
 from course_lib.parallel.strategy import Strategy, build_strategy
+from course_lib.trainer.process import Runtime
 
 
 def optimizer_factory(cfg: TrainConfig):

@@ -1,8 +1,8 @@
-"""python -m course_lib.gpt.train --config-file RUN_DIR/config.json   (what every worker runs)
+"""python -m course_lib.trainer.loop --config-file RUN_DIR/config.json   (what every worker runs)
 
 Train the nanoGPT-style model in this process: alone, or as one of the ranks torchrun started.
 
-    python -m course_lib.gpt.train --config=shakespeare_char_cpu --max_iters=200   # one process, here
+    python -m course_lib.trainer.loop --config=shakespeare_char_cpu --max_iters=200   # one process, here
     course train --config=shakespeare_char_cpu --nproc=2     # checks the request, then launches workers
     course train --resume --out_dir=out-shakespeare-char-cpu # continue a run exactly
 
@@ -11,8 +11,8 @@ cosine learning-rate decay, AdamW, gradient clipping, gradient accumulation, per
 with checkpoints. Every way of distributing it goes through a Strategy
 (:mod:`course_lib.parallel.strategy`); this file never wraps the model itself, and its step is the
 one every experiment runs too, :func:`course_lib.parallel.step.train_step`. Setting up and
-checkpointing a run is :mod:`course_lib.gpt.run`, its timing and metrics
-:class:`course_lib.gpt.metrics.RunMeter`. Checking a request and launching workers is the host's
+checkpointing a run is :mod:`course_lib.trainer.run`, its timing and metrics
+:class:`course_lib.trainer.metrics.RunMeter`. Checking a request and launching workers is the host's
 job (:mod:`course_lib.launch.training`); nothing here imports it.
 
 Data parallel semantics: all ranks build the model from the same seed (and the strategy
@@ -36,12 +36,12 @@ from course_lib.gpt.checkpoint import CheckpointError
 from course_lib.gpt.config import ConfigError, TrainConfig
 from course_lib.gpt.config_args import arg_parser, config_from_args
 from course_lib.gpt.data import DataError
-from course_lib.gpt.metrics import RunMeter
-from course_lib.gpt.run import Run, evaluate, save_checkpoint, setup_run
-from course_lib.gpt.runtime import setup_runtime
 from course_lib.parallel.step import Precision
 from course_lib.parallel.step import train_step as one_step
 from course_lib.parallel.strategy import Strategy
+from course_lib.trainer.metrics import RunMeter
+from course_lib.trainer.process import setup_runtime
+from course_lib.trainer.run import Run, evaluate, save_checkpoint, setup_run
 
 
 def get_lr(it: int, cfg: TrainConfig) -> float:
@@ -59,7 +59,7 @@ def get_lr(it: int, cfg: TrainConfig) -> float:
 def train(cfg: TrainConfig, progress: bool = True) -> dict:
     """Run (or resume) the training described by ``cfg`` in this process; returns a summary.
 
-    Under torchrun every worker calls this (``python -m course_lib.gpt.train``); the host side
+    Under torchrun every worker calls this (``python -m course_lib.trainer.loop``); the host side
     that checks the request and launches them is :func:`course_lib.launch.training.run_training`.
     """
     threads_before = torch.get_num_threads()
@@ -133,7 +133,7 @@ def precision_columns(run: Run, act_bytes: int | None) -> dict:
 def main(argv: list[str]) -> int:
     """The worker: ``--config-file`` (what the launcher writes), or a preset and ``--field=value``
     overrides (as ``course submit`` jobs and nanoGPT's ``python train.py`` pass them)."""
-    parser = arg_parser("python -m course_lib.gpt.train", "Train in this process (a torchrun worker, or alone).")
+    parser = arg_parser("python -m course_lib.trainer.loop", "Train in this process (a torchrun worker, or alone).")
     try:
         cfg, args = config_from_args(parser, argv)
         if "WORLD_SIZE" not in os.environ and (cfg.nproc > 1 or cfg.resolved_strategy(1) != "single"):
@@ -141,7 +141,7 @@ def main(argv: list[str]) -> int:
                               f"workers; launch them with: course train --nproc={cfg.nproc} ...")
         train(cfg, progress=not args.no_progress)
     except (ConfigError, DataError, CheckpointError) as e:
-        print(f"python -m course_lib.gpt.train: error: {e}", file=sys.stderr)
+        print(f"python -m course_lib.trainer.loop: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 1
     return 0
 

@@ -1,7 +1,7 @@
 """Run a function on N local processes joined in a process group (tests, notebooks, benchmarks,
 graded exercises): the course's ``run_ranks``.
 
-    from course_lib.parallel.spawn import run_ranks
+    from course_lib.launch.spawn import run_ranks
     results = run_ranks(fn, world_size=2, args=(...))   # fn(rank, world_size, *args) -> value
     results = run_ranks(fn, 2, timeout=10)               # never longer than ~10 s + start-up
 

@@ -1,6 +1,6 @@
 """Progress bars that leave their final line in a saved notebook.
 
-    from course_lib.notebook.progress import progress_bar
+    from course_lib.trainer.progress import progress_bar
     bar = progress_bar(total=2000, desc="shakespeare-char")   # tqdm's arguments
     ...; bar.update(1); ...; bar.close()
 

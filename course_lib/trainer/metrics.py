@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from course_lib.gpt.runtime import launcher_info
 from course_lib.hardware import detect
-from course_lib.notebook.progress import progress_bar
+from course_lib.trainer.process import launcher_info
+from course_lib.trainer.progress import progress_bar
 from course_lib.utils import atomic_write_bytes
 
 COLUMNS = ("iter", "train_loss", "val_loss", "eval_train_loss", "lr", "grad_norm", "step_ms", "compute_ms",

@@ -1,4 +1,4 @@
-"""python -m course_lib.launch.demo --nproc=auto --out_dir=runs/demo
+"""python -m course_lib.notebook.demo --nproc=auto --out_dir=runs/demo
 
 The instructor demo (``make demo``): Shakespeare, data parallel on every local device.
 
@@ -24,7 +24,7 @@ from course_lib.gpt.config import ConfigError, make_config
 from course_lib.gpt.config_args import parse_overrides
 from course_lib.gpt.data import DataError, prepare
 from course_lib.gpt.sample import sample
-from course_lib.launch import checks
+from course_lib.launch import placement
 from course_lib.launch.api import LaunchError
 from course_lib.launch.training import run_training
 from course_lib.notebook.plots import plot_loss_curve
@@ -33,7 +33,7 @@ NANOGPT_CPU_VAL_LOSS = 1.8857  # nanoGPT README, shakespeare_char on a CPU after
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m course_lib.launch.demo", description=__doc__.split("\n\n")[1])
+    p = argparse.ArgumentParser(prog="python -m course_lib.notebook.demo", description=__doc__.split("\n\n")[1])
     p.add_argument("--nproc", default="auto", help="workers: 'auto' = every GPU, or 2 on a CPU host")
     p.add_argument("--out_dir", "--out-dir", default="runs/demo")
     p.add_argument("--config", default="auto", help="preset; 'auto' = shakespeare_char_cpu on CPU, shakespeare_char on GPU")
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         overrides = {"out_dir": args.out_dir, "run_name": "demo", **parse_overrides(rest)}
         # where the ranks run decides the recipe: the GPU one whenever they run on GPUs (shared or not)
-        plan = checks.plan(args.nproc, overrides.get("device", "auto"))
+        plan = placement.plan(args.nproc, overrides.get("device", "auto"))
         preset = args.config if args.config != "auto" else ("shakespeare_char" if plan.device_type == "cuda"
                                                             else "shakespeare_char_cpu")
         cfg = make_config(preset, {**overrides, "nproc": plan.nproc})

@@ -1,6 +1,6 @@
 """Where a training process runs: its rank, device, dtype and threads, resolved from the config.
 
-Imported by :mod:`course_lib.gpt.train`; under torchrun it joins the process group (gloo on CPUs,
+Imported by :mod:`course_lib.trainer.loop`; under torchrun it joins the process group (gloo on CPUs,
 NCCL on GPUs) with the config's timeout, on the device and backend the launcher planned for it
 (``COURSE_RANK_DEVICES``/``COURSE_BACKEND``: two ranks may share one GPU over gloo).
 """

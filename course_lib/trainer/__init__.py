@@ -1,0 +1,13 @@
+"""The training loop one process runs, alone or as one of torchrun's ranks (imports nothing on import).
+
+    python -m course_lib.trainer.loop --config-file RUN_DIR/config.json   (what every worker runs)
+
+    loop        the loop: warmup and cosine learning rate, evaluation, checkpoints, the step
+    run         what one training process holds: setup, resume, evaluation, checkpoint saving
+    process     where this process runs: rank, device, dtype, threads, the process group
+    metrics     RunMeter (timing, metrics.csv, progress bar, summary), timers, throughput and MFU
+    progress    progress bars whose saved output is their finished line (also the launcher's)
+
+It stands on ``gpt/`` (the model and data) and ``parallel/`` (the Strategy and the one step,
+:func:`course_lib.parallel.step.train_step`); ``launch/`` starts it and reads what it writes.
+"""
