@@ -1,0 +1,188 @@
+"""Imports point only downward (issue 23): course_lib is a stack of layers, ``notebook/`` at the top.
+
+Bottom to top (ARCHITECTURE.md draws the same stack):
+
+    base         utils, hardware, registry
+    analysis     closed-form models (numbers in, numbers out)
+    pram         the PRAM simulator
+    gpt          the model, its data, config and checkpoints
+    parallel     the Strategy, the one training step, DP / ZeRO / TP / PP / CP
+    trainer      the loop one process runs
+    launch       starting ranks and watching them
+    exercises    building and grading the exercises
+    experiments  what the lessons measure
+    notebook     what a person sees
+    entry        ``course`` (cli.py) and ``%load_ext course_lib`` (course_lib/__init__.py)
+
+Two checks: every import statement in the source (read with ``ast``, those inside functions
+too) goes to the same layer or one below; and each layer really imports, every module of it, in a
+fresh interpreter in which the layers above it cannot be imported at all.
+
+Also here: the path of ``nproc`` from ``course train --nproc=2`` to the ranks, traced.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from test_architecture import ROOT, all_modules, import_graph
+
+LAYERS = ("base", "analysis", "pram", "gpt", "parallel", "trainer", "launch", "exercises",
+          "experiments", "notebook", "entry")
+BASE = {"course_lib.utils", "course_lib.hardware", "course_lib.registry"}
+ENTRY = {"course_lib", "course_lib.cli"}
+
+
+def layer(module: str) -> str:
+    if module in BASE:
+        return "base"
+    if module in ENTRY:
+        return "entry"
+    return module.split(".")[1]
+
+
+def test_every_module_has_a_layer():
+    assert {layer(m) for m in all_modules()} == set(LAYERS)
+
+
+def test_imports_point_only_downward():
+    upward = [f"{a} ({layer(a)}) imports {b} ({layer(b)})"
+              for a, targets in sorted(import_graph().items()) for b in sorted(targets)
+              if LAYERS.index(layer(b)) > LAYERS.index(layer(a))]
+    assert not upward, "imports that climb a layer:\n" + "\n".join(upward)
+
+
+def test_the_check_sees_an_upward_import(tmp_path):
+    pkg = tmp_path / "course_lib"
+    for d in ("gpt", "notebook"):
+        (pkg / d).mkdir(parents=True)
+        (pkg / d / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "notebook" / "plots.py").write_text("X = 1\n")
+    (pkg / "gpt" / "metrics.py").write_text("def f():\n    from course_lib.notebook.plots import X\n")
+    graph = import_graph(tmp_path)
+    assert graph["course_lib.gpt.metrics"] == {"course_lib.notebook.plots"}
+    assert LAYERS.index(layer("course_lib.notebook.plots")) > LAYERS.index(layer("course_lib.gpt.metrics"))
+
+
+# Run in a fresh interpreter: refuse every course_lib module of the layers above, then import
+# every module of this layer (which imports what it needs below).
+_IMPORT_LAYER = textwrap.dedent("""
+    import importlib, json, sys
+    blocked, modules = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+
+    class Refuse:
+        def find_spec(self, name, path=None, target=None):
+            if any(name == b or name.startswith(b + ".") for b in blocked):
+                raise ImportError(f"{name} is above this layer")
+            return None
+
+    sys.meta_path.insert(0, Refuse())
+    for m in modules:
+        importlib.import_module(m)
+    print("imported", len(modules))
+""")
+
+
+@pytest.mark.parametrize("name", LAYERS[:-1])
+def test_each_layer_imports_without_the_layers_above(name):
+    modules = sorted(m for m in all_modules() if layer(m) == name)
+    above = LAYERS[LAYERS.index(name) + 1:]
+    blocked = sorted({m if layer(m) in ("base", "entry") else ".".join(m.split(".")[:2])
+                      for m in all_modules() if layer(m) in above} - {"course_lib"})
+    proc = subprocess.run([sys.executable, "-c", _IMPORT_LAYER, json.dumps(blocked), json.dumps(modules)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"imported {len(modules)}" in proc.stdout
+    assert "course_lib.notebook" in blocked or name == "notebook"
+
+
+# ``course train --nproc=2`` in a fresh interpreter under a profiler: every call into course_lib
+# that takes the rank count (a parameter named nproc*, or a command line holding --nproc), with
+# the call that handed it on; the run stops where the agent process would start.
+_TRACE_NPROC = textwrap.dedent("""
+    import json, sys
+    from course_lib import cli
+    from course_lib.launch import procs
+
+    calls, stack = [], []
+
+    class Spawned(Exception):
+        pass
+
+    def spawn(argv, *a, **k):
+        calls.append({"file": "process", "argv": [str(x) for x in argv],
+                      "parent": stack[-1] if stack else None})
+        raise Spawned
+
+    def carries(name, value):
+        if "nproc" in name:
+            return True
+        seq = value if isinstance(value, (list, tuple)) else [value]
+        return any(isinstance(x, str) and x.startswith(("--nproc", "--nproc-per-node")) for x in seq)
+
+    def prof(frame, event, arg):
+        code = frame.f_code
+        if "/course_lib/" not in code.co_filename:
+            return
+        if event == "call":
+            names = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+            if any(carries(n, frame.f_locals.get(n)) for n in names):
+                rel = code.co_filename.split("/course_lib/")[1]
+                calls.append({"file": rel, "fn": code.co_name, "parent": stack[-1] if stack else None})
+                stack.append(rel)
+            else:
+                stack.append(stack[-1] if stack else None)
+        elif event == "return" and stack:
+            stack.pop()
+
+    procs.spawn = spawn
+    sys.setprofile(prof)
+    try:
+        cli.main(sys.argv[1:])
+    except Spawned:
+        pass
+    finally:
+        sys.setprofile(None)
+    print(json.dumps(calls))
+""")
+
+
+def nproc_path(calls: list[dict]) -> tuple[list[str], list[str]]:
+    """(main line, side reads): files that hand the rank count on to another file or to a process,
+    in order, ending with the processes started; and files that only read it."""
+    hands_on = {c["parent"] for c in calls if c["parent"] and c["parent"] != c["file"]}
+    order = list(dict.fromkeys(c["file"] for c in calls if c["file"] != "process"))
+    main = [f for f in order if f in hands_on]
+    started = next(c["argv"] for c in calls if c["file"] == "process")
+    for i, arg in enumerate(started[:-1]):  # -m MODULE: the agent, then what it runs on each rank
+        if arg == "-m" and started[i + 1].startswith("course_lib."):
+            main.append(started[i + 1].removeprefix("course_lib.").replace(".", "/") + ".py")
+    return main, [f for f in order if f not in main]
+
+
+def test_nproc_from_the_cli_to_the_ranks_passes_few_files_and_only_goes_down(tmp_path):
+    argv = ["train", "--config=shakespeare_char_cpu", "--nproc=2", "--max_iters=1",
+            f"--out_dir={tmp_path / 'run'}"]
+    proc = subprocess.run([sys.executable, "-c", _TRACE_NPROC, *argv], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    calls = json.loads(proc.stdout.strip().splitlines()[-1])
+    main, side = nproc_path(calls)
+    print("main line:", main, "\nread on the way:", side)
+    assert main[:2] == ["cli.py", "launch/train_cli.py"] and main[-1] == "launch/bootstrap.py"
+    assert "launch/torchrun.py" in main and "launch/training.py" in main
+    assert len(set(main)) <= 8, main
+    assert len(set(main) | set(side)) <= 10, (main, side)  # ARCHITECTURE.md lists all ten
+    assert "launch/placement.py" in side  # decided there, before anything starts
+
+    def rank(f):
+        return LAYERS.index(layer("course_lib." + f.removesuffix(".py").replace("/", ".")))
+    climbs = [(c["parent"], c["file"]) for c in calls
+              if c["parent"] and c["file"] != "process" and rank(c["file"]) > rank(c["parent"])]
+    assert not climbs, climbs
