@@ -31,8 +31,9 @@ GOOD = {
     "nccl": {"run": {"backend": "nccl", "world_size": 1, "torchrun": True}, "bench_backend": "nccl",
              "bench_all_correct": True, "bench": [{"op": "all_reduce"}]},
     "memory": {"states_measured_bytes": 1.391 * 2**30, "states_model_bytes": 1.390 * 2**30, "states_ratio": 1.001,
-               "measured_bytes": 13.1 * 2**30, "model_bytes": 8.4 * 2**30, "model_states_bytes": 2.0 * 2**30,
-               "activation_bytes": 6.4 * 2**30, "ratio": 13.1 / 8.4},
+               "measured_bytes": 12.6 * 2**30, "model_bytes": 12.38 * 2**30, "ratio": 12.6 / 12.38,
+               "parts": {"weights": 0.46 * 2**30, "optimizer": 0.93 * 2**30, "activations": 6.38 * 2**30,
+                         "loss gradients": 4.61 * 2**30}},
     "mfu": {"eager": {"mfu": 0.31, "ms_per_step": 90.0}, "compiled": {"mfu": 0.45, "ms_per_step": 62.0},
             "compile_speedup": 90 / 62},
     "ranks": {k: {"ok": True, "seconds": 1.5} for k in ("run_ranks", "notebook_launcher", "isolated")},
@@ -97,8 +98,8 @@ def test_judge_passes_good_figures_and_fails_each_fault():
     assert _status(judge(_with("nccl.run.backend", "gloo"), {}, 1), nccl) == "fail"
     assert _status(judge(_with("nccl.run.torchrun", False), {}, 1), nccl) == "fail"
     assert _status(judge(_with("nccl.bench_all_correct", False), {}, 1), nccl) == "fail"
-    assert _status(judge(_with("memory.ratio", 2.1), {}, 1), "GPT-2 small memory vs model") == "fail"
-    assert _status(judge(_with("memory.ratio", 0.8), {}, 1), "GPT-2 small memory vs model") == "fail"
+    assert _status(judge(_with("memory.ratio", 1.12), {}, 1), "GPT-2 small memory vs model") == "fail"
+    assert _status(judge(_with("memory.ratio", 0.88), {}, 1), "GPT-2 small memory vs model") == "fail"
     assert _status(judge(_with("memory.states_ratio", 1.03), {}, 1), "GPT-2 small memory vs model") == "fail"
     assert _status(judge(_with("mfu.compiled.mfu", math.nan), {}, 1), "GPT-2 small MFU") == "fail"  # no peak known
     assert _status(judge(_with("mfu.eager.mfu", 1.2), {}, 1), "GPT-2 small MFU") == "fail"  # a wrong peak

@@ -29,7 +29,6 @@ import sys
 import textwrap
 
 import pytest
-
 from test_architecture import ROOT, all_modules, import_graph
 
 LAYERS = ("base", "analysis", "pram", "gpt", "parallel", "trainer", "launch", "exercises",

@@ -3,6 +3,7 @@
     comm_cost       alpha-beta cost of collectives and the bytes each rank moves
     memory          per-device training memory: model states (DP, ZeRO 1-3) and activations
     activations     activation memory of a transformer layer (Korthikanti et al. 2022)
+    step_peak       the peak of one training step: states, activations, the loss's gradients
     precision       number formats (fp32 ... FP8), autocast's bytes and activations (notebook 9)
     memory_cli      ``course memory``
     scaling_laws    Amdahl, Gustafson, Karp-Flatt; fitting a serial fraction; 6 N D training cost

@@ -4,6 +4,7 @@
     dp_speedup             the trainer on 1 and N ranks: measured data-parallel speedup (notebook 3)
     model_parallel_check   tensor and pipeline parallel vs one process, bubble (notebook 5)
     memory_measure         saved activations and model states of real processes (notebook 4)
+    step_memory            the peak of one real training step (live tensors; a GPU's allocator) (notebook 4)
     zero_walkthrough       one ZeRO-1/2/3 step taken apart across cells on %ranks (notebook 4)
     tp_walkthrough         one tensor-parallel MLP's shards and partial products on %ranks (notebook 10)
     precision              fp16 underflow, loss scaling, bytes by dtype, bf16 gradient all-reduce, recompute runs (notebook 9)

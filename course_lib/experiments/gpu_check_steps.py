@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from course_lib.analysis.memory import ModelShape, breakdown, get_preset
+from course_lib.analysis.memory import ModelShape, get_preset
 from course_lib.experiments.comm_bench import run_benchmark
+from course_lib.experiments.step_memory import measure_step_peak
 from course_lib.gpt.checkpoint import load_checkpoint
 from course_lib.gpt.data import prepare
 from course_lib.gpt.model import GPT, GPTConfig
@@ -163,34 +164,24 @@ def _library_workspaces(device: str) -> tuple[int, int]:
 
 
 def memory_step(out: Path, preset: str = "gpt2", batch_size: int = 12, device: str = "cuda") -> dict:
-    """A bf16-autocast training step against :func:`course_lib.analysis.memory.breakdown`:
+    """A bf16-autocast training step of the trainer against :mod:`course_lib.analysis.step_peak`:
 
-    * after one step (gradients freed), ``memory_allocated`` holds the weights and Adam's two
-      moments: 4 + 8 bytes per parameter, since the trainer keeps them in fp32 (the "fp32" split of
-      the same 16 bytes/parameter the ZeRO paper counts for mixed precision);
-    * ``max_memory_allocated`` of the second step against the whole model: 16 bytes/parameter plus
-      16-bit activations with fused attention (SDPA stores no s x s scores)."""
+    * after a step (gradients freed), ``memory_allocated`` holds the weights and Adam's two
+      moments: 4 + 8 bytes per parameter, since the trainer keeps them in fp32;
+    * ``max_memory_allocated`` of the next step against the modelled peak: those states, every
+      activation and the cross-entropy's two fp32 (b s, v) gradients at the start of backward
+      (:func:`course_lib.experiments.step_memory.measure_step_peak`)."""
     shape = get_preset(preset)
     workspace, base = _library_workspaces(device)
-    single, precision = _setup(shape, device, "bfloat16")
-    x, y = _batch(shape, batch_size, device)
-    _one_step(single, x, y, precision)  # creates the moments; zero_grad frees the grads
-    torch.cuda.synchronize(device)
-    kept = torch.cuda.memory_allocated(device) - base - x.nbytes - y.nbytes
-    torch.cuda.reset_peak_memory_stats(device)
-    _one_step(single, x, y, precision)
-    peak = torch.cuda.max_memory_allocated(device)
-    states = breakdown(preset=shape, dtype="fp32")
-    acts = breakdown(preset=shape, batch_size=batch_size, dtype="mixed", flash_attention=True, dropout=False)
-    del single
+    cfg = GPTConfig.from_shape(shape)
+    r = measure_step_peak(cfg, batch_size, "bfloat16", device)
     torch.cuda.empty_cache()
-    total = states.model_states + acts.activations
     return {"preset": shape.name, "batch_size": batch_size, "seq_len": shape.block_size,
-            "num_params": shape.num_params(), "states_measured_bytes": kept,
-            "states_model_bytes": states.params + states.optimizer,
-            "states_ratio": kept / (states.params + states.optimizer),
-            "measured_bytes": peak, "model_bytes": total, "model_states_bytes": states.model_states,
-            "activation_bytes": acts.activations, "ratio": peak / total,
+            "num_params": r["num_params"], "states_measured_bytes": r["states_bytes"] - base,
+            "states_model_bytes": r["model_states_bytes"],
+            "states_ratio": (r["states_bytes"] - base) / r["model_states_bytes"],
+            "measured_bytes": r["measured_bytes"] - base, "model_bytes": r["model_bytes"],
+            "ratio": (r["measured_bytes"] - base) / r["model_bytes"], "parts": r["parts"],
             "library_workspace_bytes": workspace}
 
 

@@ -68,7 +68,10 @@ def accumulate(strategy, x: torch.Tensor, y: torch.Tensor, precision: Precision,
     for micro in range(accum):
         with nullcontext() if micro == accum - 1 else strategy.no_sync():
             with phase("forward", micro), precision.autocast:
-                _, loss = strategy.model(x[micro], y[micro])
+                # the logits (B, T, V) are not kept: backward needs only the loss's graph, and
+                # holding them through backward adds B T V values to the step's peak
+                # (course_lib.analysis.step_peak)
+                loss = strategy.model(x[micro], y[micro])[1]
             loss = loss / accum  # the mean over the micro-batches
             with phase("backward", micro):
                 precision.scaler.scale(loss).backward()  # fp32/bf16: the scaler is off, loss as is

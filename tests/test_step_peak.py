@@ -1,0 +1,76 @@
+"""The peak memory of a training step (issue 21, item 5): course_lib.analysis.step_peak against the
+live tensors of the trainer's real step (course_lib.experiments.step_memory), on a CPU here and
+on a GPU where there is one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from course_lib.analysis.step_peak import step_peak
+from course_lib.experiments.step_memory import LiveTensorBytes, measure_step_peak
+from course_lib.gpt.model import GPTConfig
+
+
+def test_the_meter_counts_what_is_alive_and_forgets_what_is_freed():
+    with LiveTensorBytes() as m:
+        a = torch.ones(1000)          # 4000 bytes
+        b = torch.ones(500) * 2       # the ones() temporary (2000) is freed after the mul
+        view = a[:10]                 # a view: no new storage
+        del b
+    assert m.peak == 4000 + 2000 + 2000 and m.live == 4000
+    del a, view
+    assert m.live == 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", [
+    dict(n_layer=2, n_head=4, n_embd=128, block_size=128, vocab_size=4096, batch=8),   # the loss dominates
+    dict(n_layer=4, n_head=4, n_embd=64, block_size=128, vocab_size=512, batch=16),    # the layers do
+    dict(n_layer=2, n_head=4, n_embd=256, block_size=16, vocab_size=256, batch=1),     # the weights do
+])
+def test_model_of_the_peak_meets_the_trainers_step(shape, dtype):
+    shape = dict(shape)
+    batch = shape.pop("batch")
+    r = measure_step_peak(GPTConfig(**shape), batch, dtype)
+    assert r["states_bytes"] == pytest.approx(r["model_states_bytes"], rel=1e-4)  # 4 + 8 bytes/parameter
+    assert r["ratio"] == pytest.approx(1.0, abs=0.03), r
+    if batch > 1:  # backward's first op: log_softmax's gradient beside nll_loss's and the saved log-probs
+        assert r["peak_op"].split(".")[0] in ("_log_softmax_backward_data", "nll_loss_forward"), r
+        assert "loss gradients" in r["parts"]
+    else:
+        assert set(r["parts"]) == {"weights", "optimizer", "gradients"}
+
+
+def test_the_step_does_not_hold_the_logits():
+    # A step that kept them (``logits, loss = model(x, y)``, nanoGPT's train.py) would sit B T V
+    # values above the model; with V = 4096 that is 20 % here.
+    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=128, block_size=128, vocab_size=4096)
+    r = measure_step_peak(cfg, 8, "float32")
+    held = step_peak(2, 4, 128, 128, 4096, 8, "float32", num_params=r["num_params"], device_type="cpu",
+                     logits_held=True)
+    assert held.total - r["model_bytes"] == 4 * 8 * 128 * 4096
+    assert r["measured_bytes"] < 0.9 * held.total
+
+
+def test_gpt2_small_numbers_the_docstring_gives():
+    G = 2**30
+    p = step_peak(12, 12, 768, 1024, 50304, 12, "bfloat16", device_type="cuda")
+    assert p.loss_grads + 4 * 1024 * 12 * 50304 == 12 * 12 * 1024 * 50304  # 12 s b v with the saved log-probs
+    assert round((p.loss_grads + 4 * 1024 * 12 * 50304) / G, 1) == 6.9
+    layers = p.activations - 4 * 1024 * 12 * 50304  # Korthikanti's fp32 logits term taken out
+    assert 3.8 < layers / G < 4.3  # "about 4 GiB in bf16"
+    assert p.total == p.at_loss and 12.0 < p.total / G < 12.8
+    held = step_peak(12, 12, 768, 1024, 50304, 12, "bfloat16", device_type="cuda", logits_held=True)
+    assert round((held.total - p.total) / G, 2) == 1.15  # lesson 04: "1.15 GiB less here"
+    # lesson 04: the H100 run of issue 21 (preset vocabulary 50257, a step that kept its logits)
+    h100 = step_peak(12, 12, 768, 1024, 50257, 12, "bfloat16", device_type="cuda", logits_held=True)
+    assert round(h100.total / G, 1) == 13.5 and round(12.46 * G / h100.total, 2) == 0.92
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_model_of_the_peak_on_a_gpu():
+    cfg = GPTConfig(n_layer=4, n_head=8, n_embd=512, block_size=512, vocab_size=50304)
+    r = measure_step_peak(cfg, 8, "bfloat16", device="cuda")
+    assert r["ratio"] == pytest.approx(1.0, abs=0.10), r
