@@ -1,0 +1,138 @@
+"""python benchmarks/gpu_speed.py --nanogpt DIR [--write]   (issue 21 item 7; one CUDA GPU)
+
+GPT-2 small (12 layers, 12 heads, 768 dims, 1024 tokens, vocabulary 50304, bf16, torch.compile)
+trained by the course's step against upstream nanoGPT's ``bench.py``, side by side in one run on
+one GPU: tokens per second, ms per optimizer step, and MFU against the GPU's bf16 peak
+(course_lib.hardware; PaLM's definition, Chowdhery et al. 2022, App. B).
+
+``DIR`` is a checkout of https://github.com/karpathy/nanoGPT; its ``bench.py`` runs as it is, with
+``--real_data=False`` (random tokens, like ours) and ``--compile=True``, and we read its "time per
+iteration" line (12 x 1024 tokens per iteration). Its MFU line assumes an A100's 312 TFLOP/s, so we
+recompute MFU from its time. Then every variant below runs the course's step
+(:func:`course_lib.parallel.step.train_step`: fused AdamW, SDPA attention, gradient clipping, no
+host sync per step); ``before`` is what ``course check-gpu`` measures, each later row changes one
+thing more. The goal of issue 21 is at least 1.25x upstream's tokens per second (~45 % MFU on an
+H100). ``--write`` appends the table to benchmarks/RESULTS.md. ``--smoke`` runs a tiny model on
+the CPU, without upstream, to check that the script works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from course_lib.gpt.model import GPT, GPTConfig, make_adamw
+from course_lib.hardware import detect
+from course_lib.parallel.step import Precision, train_step
+from course_lib.parallel.strategy import build_strategy
+
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+UPSTREAM_TOKENS = 12 * 1024  # bench.py: batch_size 12 x block_size 1024 per iteration
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    micro_batch: int = 12
+    accum: int = 1
+    bias: bool = True
+    compile_mode: str | None = "default"  # None: eager
+
+
+VARIANTS = (
+    Variant("before: the course's step as check-gpu runs it (micro-batch 12, biases)"),
+    Variant("no biases (as bench.py)", bias=False),
+    Variant("micro-batch 24 x 2 accumulated", micro_batch=24, accum=2, bias=False),
+    Variant("+ compile max-autotune-no-cudagraphs", micro_batch=24, accum=2, bias=False,
+            compile_mode="max-autotune-no-cudagraphs"),
+)
+
+
+def run_upstream(nanogpt: Path, timeout: int = 900) -> dict:
+    """bench.py in ``nanogpt``; its ms per 12 x 1024-token iteration."""
+    cmd = [sys.executable, "bench.py", "--real_data=False", "--compile=True"]
+    proc = subprocess.run(cmd, cwd=nanogpt, capture_output=True, text=True, timeout=timeout, check=False)
+    found = re.search(r"time per iteration: ([0-9.]+)ms", proc.stdout)
+    if proc.returncode != 0 or not found:
+        raise RuntimeError(f"nanoGPT's bench.py failed ({proc.returncode}):\n{(proc.stderr or proc.stdout)[-2000:]}")
+    ms = float(found.group(1))
+    return {"ms_per_step": ms, "tokens_per_s": UPSTREAM_TOKENS / (ms / 1e3), "tokens_per_step": UPSTREAM_TOKENS}
+
+
+def run_variant(v: Variant, cfg: GPTConfig, device: str, steps: int, warmup: int) -> dict:
+    """The course's step on ``v``: ms per optimizer step (accum micro-batches) and tokens/s."""
+    torch.manual_seed(1337)
+    model = GPT(replace(cfg, bias=v.bias)).to(device)
+    single = build_strategy("single", model, lambda m: make_adamw(m, lr=1e-4, weight_decay=1e-2))
+    if v.compile_mode:
+        single.model = torch.compile(model, mode=v.compile_mode)  # forward runs compiled; the optimizer holds model's
+    cuda = device.startswith("cuda")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+    precision = Precision(autocast)
+    x = torch.randint(cfg.vocab_size, (v.accum, v.micro_batch, cfg.block_size), device=device)  # (accum, B, T)
+    y = torch.randint(cfg.vocab_size, x.shape, device=device)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(warmup):  # the first ones compile
+        train_step(single, x, y, precision=precision)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        train_step(single, x, y, precision=precision)
+    sync()
+    s = (time.perf_counter() - t0) / steps
+    tokens = v.accum * v.micro_batch * cfg.block_size
+    return {"ms_per_step": s * 1e3, "tokens_per_s": tokens / s, "tokens_per_step": tokens,
+            "flops_per_token": model.flops_per_token()}
+
+
+def table(rows: dict[str, dict], peak: float | None, upstream: dict | None) -> str:
+    lines = ["| run | tokens/step | ms/step | tokens/s | MFU | x upstream |", "|---|---:|---:|---:|---:|---:|"]
+    for name, r in rows.items():
+        mfu = r["flops_per_token"] * r["tokens_per_s"] / peak if peak and "flops_per_token" in r else float("nan")
+        vs = r["tokens_per_s"] / upstream["tokens_per_s"] if upstream else float("nan")
+        lines.append(f"| {name} | {r['tokens_per_step']:,} | {r['ms_per_step']:.2f} | {r['tokens_per_s']:,.0f} | "
+                     f"{mfu:.1%} | {vs:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python benchmarks/gpu_speed.py", description=__doc__.split("\n\n")[1])
+    p.add_argument("--nanogpt", type=Path, help="a checkout of karpathy/nanoGPT (its bench.py runs there)")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--write", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, no upstream: does it run")
+    args = p.parse_args(argv)
+    if args.smoke:
+        cfg, device = GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=256), "cpu"
+        variants = [replace(v, micro_batch=2 * v.accum, compile_mode=None) for v in VARIANTS]
+    else:
+        if not torch.cuda.is_available():
+            p.error("needs a CUDA GPU (or --smoke)")
+        if args.nanogpt is None or not (args.nanogpt / "bench.py").is_file():
+            p.error("give --nanogpt DIR, a checkout of karpathy/nanoGPT with its bench.py")
+        cfg, device, variants = GPTConfig(block_size=1024, vocab_size=50304), "cuda", VARIANTS
+    hw = detect(device)
+    upstream = None if args.smoke else run_upstream(args.nanogpt)
+    rows = {"upstream nanoGPT bench.py": upstream} if upstream else {}
+    for v in variants:
+        rows[v.name] = run_variant(v, cfg, device, args.steps, args.warmup)
+        print(table(rows, hw.peak("bfloat16"), upstream).splitlines()[-1], flush=True)
+    text = table(rows, hw.peak("bfloat16"), upstream)
+    print(text)
+    if args.write and not args.smoke:
+        with RESULTS.open("a") as f:
+            f.write(f"\n### GPU speed against upstream nanoGPT (`benchmarks/gpu_speed.py`), {hw.name}, "
+                    f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}\n\n{text}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
