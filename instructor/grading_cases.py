@@ -5,7 +5,8 @@
 MISTAKES[exercise][question] = (text in the solution, the mistaken replacement, words that the
 failure message must contain): each is graded as a submission of its own, the solution with that
 one mistake; it must lose its question and keep every other. 01 q1 deadlocks; 04 q1 loops forever
-(HUNG: they must score zero); the submission of TAMPERED (exercise, question) also replaces the
+(HUNG: they must score zero; the loop sleeps, so it costs wall time only: tests/test_exercise_grading.py
+stops busy loops); the submission of TAMPERED (exercise, question) also replaces the
 grading helpers. HARD_CODED[exercise]: patches that answer exactly what the public tests check
 (their cases, or the values the solutions print) and nothing else: at most a quarter of the points.
 """
@@ -44,7 +45,8 @@ MISTAKES = {
     "04_pram": {
         "q1_erew_prefix_sum": (
             "        d = 2 ** (s // 2)\n",
-            "        d = 2 ** (s // 2)\n        while pid == 0:  # an endless loop\n            pass\n",
+            ("        d = 2 ** (s // 2)\n        while pid == 0:  # an endless loop (asleep: the gradings beside it get the CPU)\n"
+             "            __import__('time').sleep(0.1)\n"),
             "ran longer than"),
         "q2_weakest_model": (
             "            if all(not program.verify(pram.run(program, model, trace=False, seed=s)) for s in seeds):\n",

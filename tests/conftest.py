@@ -1,7 +1,8 @@
-"""Shared by the browser tests: the lessons executed once in smoke mode.
+"""Shared by the browser tests: the lessons executed once in smoke mode, one JupyterLab server
+and one Chromium for the session (tests/browser_lab.py).
 
-Test order: the notebook executions (tests/test_notebooks.py) run before the tests that reuse
-their executed copies (test_browser.py's reopened notebooks, test_book.py's website), so one
+Test order: the notebook executions (tests/test_colab_wheel.py) run before the tests that reuse
+their executed copies (test_browser_saved.py's reopened notebooks, test_book.py's website), so one
 `make test` executes each notebook once.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-LAST = ("test_browser.py", "test_book.py")
+LAST = ("test_browser.py", "test_browser_saved.py", "test_book.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -28,3 +29,26 @@ def smoke_executed():
     for path in sorted((root / "notebooks").glob("*.ipynb")):
         book.execute(path, folder, smoke=True)
     return folder
+
+
+@pytest.fixture(scope="session")
+def lab(tmp_path_factory):
+    """(base URL, token, served folder) of the one JupyterLab of the browser tests."""
+    from browser_lab import running_lab
+
+    with running_lab(tmp_path_factory.mktemp("lab")) as served:
+        yield served
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """The one headless Chromium of the browser tests (Playwright, Debian's build)."""
+    from browser_lab import CHROMIUM, CHROMIUM_ARGS
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            yield b
+        finally:
+            b.close()

@@ -21,10 +21,9 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 import pytest
+from browser_lab import CHROMIUM, RAW_REPRS
 
 from course_lib.utils import free_port, repo_root
-
-from test_browser import CHROMIUM, CHROMIUM_ARGS, RAW_REPRS
 
 ROOT = repo_root()
 ARTIFACTS = ROOT / "test-artifacts" / "book"
@@ -139,40 +138,36 @@ JS_PAGE = """(raw) => ({
 
 
 @pytest.mark.timeout(600)
-def test_course_website(site):
-    from playwright.sync_api import sync_playwright
-
+def test_course_website(site, browser):  # the session's Chromium (conftest.py)
     html, base = site
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     assert broken_links(html) == []
     problems, figures, diagrams = [], {}, 0
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1300, "height": 900})
-            for stem in ["index", *(f"notebooks/{s}" for s in LESSONS)]:
-                response = page.goto(f"{base}/{stem}.html", wait_until="load")
-                assert response is not None and response.ok, f"{stem}.html: HTTP {response and response.status}"
-                info = page.evaluate(JS_PAGE, list(RAW_REPRS))
-                page.screenshot(path=str(ARTIFACTS / f"{stem.replace('/', '-')}.png"), full_page=True)
-                figures[stem] = len(info["images"])
-                diagrams += sum(i["alt"].startswith("diagram: ") for i in info["images"])
-                problems += [f"{stem}: raw widget text {r!r}" for r in info["raw"]]
-                problems += [f"{stem}: figure did not render {i['src']}" for i in info["images"] if not i["ok"]]
-                if not info["search"]:
-                    problems.append(f"{stem}: no search box")
-                if stem == "index":  # the README's course table, every lesson linked
-                    for s in LESSONS:
-                        assert page.locator(f'a[href="notebooks/{s}.html"]').count() >= 1, f"index: no link to {s}"
-                else:
-                    number = int(Path(stem).name[:2])
-                    assert re.match(rf"{number}\. ", info["title"]), f"{stem}: title {info['title']!r}"
-            page.goto(f"{base}/search.html?q=all-reduce", wait_until="load")
-            page.wait_for_selector("#search-results li, .search li", timeout=30_000)
-            hits = page.locator("#search-results li, .search li").count()
-            page.screenshot(path=str(ARTIFACTS / "search.png"))
-        finally:
-            browser.close()
+    page = browser.new_page(viewport={"width": 1300, "height": 900})
+    try:
+        for stem in ["index", *(f"notebooks/{s}" for s in LESSONS)]:
+            response = page.goto(f"{base}/{stem}.html", wait_until="load")
+            assert response is not None and response.ok, f"{stem}.html: HTTP {response and response.status}"
+            info = page.evaluate(JS_PAGE, list(RAW_REPRS))
+            page.screenshot(path=str(ARTIFACTS / f"{stem.replace('/', '-')}.png"), full_page=True)
+            figures[stem] = len(info["images"])
+            diagrams += sum(i["alt"].startswith("diagram: ") for i in info["images"])
+            problems += [f"{stem}: raw widget text {r!r}" for r in info["raw"]]
+            problems += [f"{stem}: figure did not render {i['src']}" for i in info["images"] if not i["ok"]]
+            if not info["search"]:
+                problems.append(f"{stem}: no search box")
+            if stem == "index":  # the README's course table, every lesson linked
+                for s in LESSONS:
+                    assert page.locator(f'a[href="notebooks/{s}.html"]').count() >= 1, f"index: no link to {s}"
+            else:
+                number = int(Path(stem).name[:2])
+                assert re.match(rf"{number}\. ", info["title"]), f"{stem}: title {info['title']!r}"
+        page.goto(f"{base}/search.html?q=all-reduce", wait_until="load")
+        page.wait_for_selector("#search-results li, .search li", timeout=30_000)
+        hits = page.locator("#search-results li, .search li").count()
+        page.screenshot(path=str(ARTIFACTS / "search.png"))
+    finally:
+        page.close()
     assert not problems, "\n".join(problems)
     assert hits >= 2, "the search box found fewer than 2 pages about all-reduce"
     assert sum(figures.values()) >= 2 * len(LESSONS), f"too few figures on the pages: {figures}"

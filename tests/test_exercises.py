@@ -491,7 +491,8 @@ print(json.dumps(scores))
 @pytest.fixture(scope="module")
 def graded(built, tmp_path_factory):
     """Grade every solution, blank release, mistaken, hard-coded and unstoppable submission once,
-    four at a time (the hanging ones mostly wait), with the console script and the Gradescope runner alongside."""
+    six at a time, with the console script and the Gradescope runner alongside: the two hanging
+    answers start first and wait (asleep) in two of the six, while four grade the rest."""
     tmp = tmp_path_factory.mktemp("grading")
     guard_dir, guard_log = tmp / "guard", tmp / "guard.log"
     guard_dir.mkdir()
@@ -526,9 +527,9 @@ def graded(built, tmp_path_factory):
     cli = subprocess.Popen([course, "grade", str(cli_sub), "--autograder", str(built[CLI_GRADED].autograder_zip),
                             "--csv", str(tmp / "grades.csv"), "--feedback", str(tmp / "feedback")],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp, env=full_env)
-    stuck = _patched(built["03_zero"].student_notebook, {}, tmp / "stuck", first_cell=(
-        "import signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)  # the cell limit, switched off\n"
-        "while True:\n    try:\n        pass\n    except BaseException:\n        pass"))
+    stuck = _patched(built["03_zero"].student_notebook, {}, tmp / "stuck", first_cell=(  # asleep: no CPU
+        "import signal, time\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)  # the cell limit, switched off\n"
+        "while True:\n    try:\n        time.sleep(0.1)\n    except BaseException:\n        pass"))
     stopper = subprocess.Popen([course, "grade", str(stuck), "--autograder", str(built["03_zero"].autograder_zip),
                                 "--time-limit", "20", "--json"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp, env=full_env)
@@ -546,7 +547,7 @@ def graded(built, tmp_path_factory):
     os.environ.update(env)
     procs = (cli, stopper, gradescope, student)
     try:
-        reports = exercises.grade_many([j[1] for j in jobs], [j[2] for j in jobs], jobs=4, time_limit=300)
+        reports = exercises.grade_many([j[1] for j in jobs], [j[2] for j in jobs], jobs=6, time_limit=300)
         outputs = [p.communicate(timeout=600) for p in procs]
     finally:
         for p in procs:
