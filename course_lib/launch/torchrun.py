@@ -223,8 +223,16 @@ def loopback_store_class():
                     raise RuntimeError(f"cannot listen on 127.0.0.1:{port}: {e}") from e
                 port = sock.getsockname()[1]
                 master_listen_fd = sock.detach()  # the store's server owns the socket now
-            super().__init__(host_name, port, world_size, is_master, timeout, wait_for_workers,
-                             multi_tenant, master_listen_fd, use_libuv)
+            try:
+                super().__init__(host_name, port, world_size, is_master, timeout, wait_for_workers,
+                                 multi_tenant, master_listen_fd, use_libuv)
+            except NotImplementedError:
+                if master_listen_fd is None or not use_libuv:
+                    raise
+                # Older torch (2.6): the libuv server cannot take a listening socket, the legacy
+                # one can; the fd is still ours (refused before it was used).
+                super().__init__(host_name, port, world_size, is_master, timeout, wait_for_workers,
+                                 multi_tenant, master_listen_fd, False)
 
     LoopbackTCPStore.__name__ = LoopbackTCPStore.__qualname__ = "LoopbackTCPStore"
     return base, LoopbackTCPStore
