@@ -9,6 +9,7 @@ import socket
 import sys
 import tempfile
 from collections.abc import Callable, Mapping
+from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
@@ -118,7 +119,27 @@ def init_process_group(backend: str, *, timeout_s: float | None = None, device=N
     if backend == "nccl" and device is not None and \
             "device_id" in inspect.signature(dist.init_process_group).parameters:
         kwargs["device_id"] = torch.device(device)
-    dist.init_process_group(backend, **kwargs)
+    with _stdout_to_stderr():
+        dist.init_process_group(backend, **kwargs)
+
+
+@contextmanager
+def _stdout_to_stderr():
+    """File descriptor 1 goes to stderr inside: gloo in torch 2.8 and 2.9 prints "[Gloo] Rank r is
+    connected to k peer ranks ..." on every rank's stdout as the group connects (seen here), which
+    would mix into what the program prints (a rank's output, a notebook cell's)."""
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError):  # no file descriptor 1 here: nothing to protect
+        yield
+        return
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 # -- where the course is published -----------------------------------------------------------------
