@@ -28,9 +28,10 @@ from pathlib import Path
 
 import torch
 
+from course_lib.experiments.gpu_check_steps import time_steps
 from course_lib.gpt.model import GPT, GPTConfig, make_adamw
 from course_lib.hardware import detect
-from course_lib.parallel.step import Precision, train_step
+from course_lib.parallel.step import Precision
 from course_lib.parallel.strategy import build_strategy
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
@@ -78,15 +79,7 @@ def run_variant(v: Variant, cfg: GPTConfig, device: str, steps: int, warmup: int
     precision = Precision(autocast)
     x = torch.randint(cfg.vocab_size, (v.accum, v.micro_batch, cfg.block_size), device=device)  # (accum, B, T)
     y = torch.randint(cfg.vocab_size, x.shape, device=device)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    for _ in range(warmup):  # the first ones compile
-        train_step(single, x, y, precision=precision)
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        train_step(single, x, y, precision=precision)
-    sync()
-    s = (time.perf_counter() - t0) / steps
+    s = time_steps(single, x, y, precision, steps, warmup, device)
     tokens = v.accum * v.micro_batch * cfg.block_size
     return {"ms_per_step": s * 1e3, "tokens_per_s": tokens / s, "tokens_per_step": tokens,
             "flops_per_token": model.flops_per_token()}

@@ -1,5 +1,6 @@
-"""Shared by the browser tests: the lessons executed once in smoke mode, one JupyterLab server
-and one Chromium for the session (tests/browser_lab.py).
+"""Shared by the tests: the one rule that skips the tests marked gpu on a machine without one; for
+the browser tests, the lessons executed once in smoke mode, one JupyterLab server and one
+Chromium for the session (tests/browser_lab.py).
 
 Test order: the notebook executions (tests/test_colab_wheel.py) run before the tests that reuse
 their executed copies (test_browser_saved.py's reopened notebooks, test_book.py's website), so one
@@ -15,6 +16,16 @@ LAST = ("test_browser.py", "test_browser_saved.py", "test_book.py")
 
 def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: item.path.name in LAST)  # stable: the order within each group stays
+    # The one rule for the tests marked gpu (pyproject.toml's markers): skipped, with the reason,
+    # where no CUDA device is visible; `make test-gpu` runs them on a GPU (pytest -m gpu).
+    gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu_tests:
+        from course_lib.hardware import gpu_count  # asks NVML: no CUDA context in the test process
+
+        if gpu_count() == 0:
+            skip = pytest.mark.skip(reason="marked gpu: needs a CUDA GPU, and this machine has none")
+            for item in gpu_tests:
+                item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ from course_lib.analysis.comm_cost import busbw_factor, bytes_per_rank
 from course_lib.experiments import comm_bench
 from course_lib.experiments.comm_bench import parse_size, parse_sizes, run_benchmark
 from course_lib.experiments.comm_bench_workers import OPS, expected, make_row, plan
+from course_lib.hardware import gpu_count
 
 
 def test_sizes():
@@ -136,16 +137,10 @@ def test_plot_comm_bench_lines():
     assert list(ax.get_lines()[0].get_xdata()) == [1024, 2048, 4096]
 
 
-def _gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
 
 @pytest.mark.gpu
 @pytest.mark.timeout(180)
-@pytest.mark.skipif(_gpus() == 0, reason="NCCL needs a CUDA GPU; this machine has none")
 def test_nccl_ranks_on_gpus():
-    p = min(2, _gpus())
+    p = min(2, gpu_count())
     rows = run_benchmark("nccl", p, sizes=[4096, 2**20], iters=3, warmup=1, timeout_s=120)
     check_rows(rows, "nccl", p, [4096, 2**20])

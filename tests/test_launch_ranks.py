@@ -207,7 +207,6 @@ def test_a_fresh_copy_of_the_grading_module_travels_by_name(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.timeout(300)
 def test_after_a_cuda_backward_in_the_parent_every_front_end_runs():
     """On an H100 forked ranks died here: "Unable to handle autograd's threading in combination

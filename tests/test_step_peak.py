@@ -69,7 +69,6 @@ def test_gpt2_small_numbers_the_docstring_gives():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_model_of_the_peak_on_a_gpu():
     cfg = GPTConfig(n_layer=4, n_head=8, n_embd=512, block_size=512, vocab_size=50304)
     r = measure_step_peak(cfg, 8, "bfloat16", device="cuda")

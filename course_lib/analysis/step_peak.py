@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from course_lib.analysis.memory import ModelShape
 from course_lib.analysis.precision import trainer_activation_bytes
 
 LOGITS_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -92,8 +93,7 @@ def step_peak(n_layer: int, n_head: int, n_embd: int, block_size: int, vocab_siz
             raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
     s, b, h, v = block_size, batch_size, n_embd, vocab_size
     if num_params is None:
-        ln = 2 if bias else 1
-        num_params = (v + s) * h + n_layer * (12 * h * h + (9 * h if bias else 0) + 2 * ln * h) + ln * h
+        num_params = ModelShape("", n_layer, n_head, h, s, v, b, bias).num_params()
     acts = trainer_activation_bytes(n_layer, s, b, h, n_head, v, dtype, recompute, dropout, bias, device_type)
     sbv = s * b * v
     return StepPeak(weights=4.0 * num_params, optimizer=8.0 * num_params, activations=float(acts),

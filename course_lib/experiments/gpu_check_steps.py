@@ -128,10 +128,6 @@ def _batch(shape: ModelShape, batch_size: int, device: str):
     return x, torch.roll(x, -1, dims=1)
 
 
-def _one_step(strategy, x: torch.Tensor, y: torch.Tensor, precision: Precision) -> None:
-    train_step(strategy, x[None], y[None], precision=precision)  # the trainer's step, one micro-batch
-
-
 def _setup(shape: ModelShape, device: str, dtype: str):
     """The GPT on ``device`` in the single-process strategy (fused AdamW on a GPU), and its autocast."""
     torch.manual_seed(0)
@@ -185,14 +181,17 @@ def memory_step(out: Path, preset: str = "gpt2", batch_size: int = 12, device: s
             "library_workspace_bytes": workspace}
 
 
-def _time_steps(strategy, x, y, precision: Precision, steps: int, warmup: int, device: str) -> float:
+def time_steps(strategy, x: torch.Tensor, y: torch.Tensor, precision: Precision, steps: int, warmup: int,
+               device: str) -> float:
+    """Seconds per step of the trainer's step on x, y (accum, B, T) after ``warmup`` steps (with
+    torch.compile the first ones compile); on a GPU synchronised before and after the clock."""
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    for _ in range(warmup):  # with torch.compile the first one compiles
-        _one_step(strategy, x, y, precision)
+    for _ in range(warmup):
+        train_step(strategy, x, y, precision=precision)
     sync()
     t0 = time.perf_counter()
     for _ in range(steps):
-        _one_step(strategy, x, y, precision)
+        train_step(strategy, x, y, precision=precision)
     sync()
     return (time.perf_counter() - t0) / steps
 
@@ -213,7 +212,7 @@ def mfu_step(out: Path, preset: str | ModelShape = "gpt2", batch_size: int = 12,
             single.model = torch.compile(model)  # what forward is called on; the optimizer keeps model's
         x, y = _batch(shape, batch_size, device)
         t0 = time.perf_counter()
-        s = _time_steps(single, x, y, precision, steps, warmup, device)
+        s = time_steps(single, x[None], y[None], precision, steps, warmup, device)  # one micro-batch
         tokens_per_s = batch_size * shape.block_size / s
         result["compiled" if compiled else "eager"] = {
             "ms_per_step": s * 1e3, "tokens_per_s": tokens_per_s, "mfu": model.estimate_mfu(tokens_per_s, peak),
