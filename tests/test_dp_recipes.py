@@ -3,7 +3,7 @@
 Sources:
 - Goyal et al. 2017 (arXiv:1706.02677), Sec. 2.1 and 5.1: linear scaling, lr = 0.1 x kn/256 for
   ResNet-50; at a minibatch of 8192 the learning rate is 3.2.
-- Krizhevsky 2014 (arXiv:1404.5997), Sec. 5: in theory, multiplying the batch by k, multiply the
+- Krizhevsky 2014 (arXiv:1404.5997), its discussion of larger batches: in theory, multiplying the batch by k, multiply the
   learning rate by sqrt(k) to keep the variance of the gradient step (his experiments found the
   linear rule best in practice); Hoffer et al. 2017 (arXiv:1705.08741).
 """

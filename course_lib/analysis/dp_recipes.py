@@ -13,10 +13,11 @@ comparable (``scale_lr``):
   so one step should go as far as k small steps would; they set lr = 0.1 x B / 256 for ResNet-50
   up to B = 8192 (lr 3.2), with a gradual warmup over the first 5 epochs (Sec. 2.2).
 * sqrt: lr = sqrt(k) lr0. Krizhevsky 2014, "One weird trick for parallelizing convolutional
-  neural networks" (arXiv:1404.5997), Sec. 5, gives the theory: multiplying the batch by k
-  divides the variance of the gradient estimate by k, and sqrt(k) keeps the variance of the step
-  constant. His own experiments there found the linear rule worked best in practice, so he
-  credits sqrt(k) to theory and lr x k to experience. Hoffer, Hubara and Soudry 2017, "Train
+  neural networks" (arXiv:1404.5997), gives the theory in its discussion of the learning rate
+  for larger batches: multiplying the batch by k divides the variance of the gradient estimate
+  by k, and sqrt(k) keeps the variance of the step constant. His own experiments there found
+  the linear rule worked best in practice, so he credits sqrt(k) to theory and lr x k to
+  experience. Hoffer, Hubara and Soudry 2017, "Train
   longer, generalize better" (arXiv:1705.08741), Sec. 4, use sqrt(k) to close part of the gap
   in generalisation of large batches.
 
