@@ -1,5 +1,6 @@
 """The architecture in the folders (issue 10): no import cycle, a small top level, package docstrings
-that name their modules, no file over 300 lines, and entry points that start without torch.
+that name their modules, and entry points that start without torch. (A file's size follows its
+idea: the hard 300-line cap of issue 10 was dropped in issue 30.)
 
 The import graph is read with ``ast`` from the source, so it sees every import, also those inside
 functions and under ``if TYPE_CHECKING``: ``import course_lib.a.b`` and ``from course_lib.a import b``
@@ -22,7 +23,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "course_lib"
-MAX_LINES = 300
 MAX_TOP_LEVEL_MODULES = 5
 
 
@@ -193,14 +193,6 @@ def test_package_docstring_names_its_modules(package):
     members += [p.parent.name for p in package.glob("*/__init__.py")]
     missing = sorted(m for m in members if m not in words)
     assert not missing, f"the docstring of {module_name(package / '__init__.py')} does not name {missing}"
-
-
-def test_no_file_over_300_lines():
-    files = [*PACKAGE.rglob("*.py"), *(ROOT / "tools").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")]
-    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in files}
-    long = {p: n for p, n in sorted(sizes.items()) if n > MAX_LINES}
-    print("\n".join(f"{n:5d} {p}" for p, n in long.items()) or "no file over 300 lines")
-    assert not long, f"files over {MAX_LINES} lines: {long}"
 
 
 def test_runnable_modules_start_with_their_command():

@@ -58,8 +58,8 @@ def figures_worker(rank: int, world_size: int) -> dict:
         states = one_step(strategy, *toy_batch(8, seed=10 + rank, d_in=16))
         out[name] = {"states": states, "volume": dict(strategy.comms.volume),
                      "sent": strategy.comms.sent_bytes,
-                     "psi": sum(p.numel() for p in strategy.module.parameters()),
-                     "psi_root": sum(p.numel() for p in strategy.module.head.parameters())}
+                     "psi": sum(p.numel() for p in toy().parameters()),  # the module shows shards (ZeRO-3)
+                     "psi_root": sum(p.numel() for p in toy().head.parameters())}
     # a parameter used by two ZeRO-3 units cannot be freed by one of them: a clear error
     shared = toy()
     shared.layers[2].weight = shared.layers[1].weight

@@ -91,6 +91,59 @@ def test_our_fsdp_mixed_precision_equals_pytorchs_fsdp2():
         assert r["summoned_diff"] == 0  # the gathered bf16 parameters are the masters, rounded
 
 
+def grad_convention_worker(rank: int, world_size: int) -> dict:
+    """After backward, whose parameters carry the gradients: ours and FSDP2's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from course_lib.parallel.comms import Comms
+    from course_lib.parallel.sharding import gather_full
+    from course_lib.parallel.zero3 import FullyShardedDataParallel
+
+    x, y = toy_batch(B * world_size, seed=7)
+    reference = toy()  # one process, the whole batch
+    reference(x, y)[1].backward()
+    want = {n: p.grad for n, p in reference.named_parameters()}
+    out = {}
+    for label, kwargs in (("fp32", {}), ("bf16, biases replicated",
+                                           {"compute_dtype": torch.bfloat16, "replicate": lambda p: p.dim() < 2})):
+        ours = FullyShardedDataParallel(toy(), **kwargs)
+        ours(my_slice(x, rank, world_size), my_slice(y, rank, world_size))[1].backward()
+        ours.finish_gradient_synchronization()
+        shown = list(ours.module.named_parameters())
+        full = {n: gather_full(Comms(None), *ours.layout_of.get(w, (None, 0)), ours.masters[w].grad)
+                for w, n in ours.names.items()}
+        out[label] = {
+            "shards are the module's parameters": [p for _, p in shown] == list(ours.parameters()),
+            "dtypes": {(p.dtype, p.grad.dtype) for _, p in shown},
+            "grad shapes": all(p.grad.shape == p.shape for _, p in shown),
+            "diff": max((full[n].float() - want[n]).abs().max().item() for n in want)}
+    theirs = toy()
+    mesh = init_device_mesh("cpu", (world_size,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in theirs.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(theirs, mesh=mesh, mp_policy=policy)
+    theirs(my_slice(x, rank, world_size), my_slice(y, rank, world_size))[1].backward()
+    out["FSDP2 dtypes"] = {(p.dtype, p.grad.dtype) for p in theirs.parameters()}
+    out["FSDP2 shards"] = all(hasattr(p, "to_local") and hasattr(p.grad, "to_local") for p in theirs.parameters())
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_the_modules_parameters_are_the_shards_and_carry_the_gradients_as_in_fsdp2():
+    # FSDP2's convention (and the common assignment's): after backward the module's own
+    # parameters are this rank's shards, and their .grad is the reduced gradient in the master dtype
+    for r in run_ranks(grad_convention_worker, 2):
+        assert r["FSDP2 shards"] and r["FSDP2 dtypes"] == {(torch.float32, torch.float32)}
+        for label in ("fp32", "bf16, biases replicated"):
+            got = r[label]
+            assert got["shards are the module's parameters"], label
+            assert got["dtypes"] == {(torch.float32, torch.float32)} and got["grad shapes"], label
+        assert r["fp32"]["diff"] <= 1e-6, r["fp32"]  # equal to one process
+        assert r["bf16, biases replicated"]["diff"] <= 2e-2, r  # bf16 compute, fp32 reduction
+
+
 def sharded_optimizer_bf16_worker(rank: int, world_size: int) -> dict:
     """ZeRO-1 and -2 on a bf16 model against data parallelism with an fp32 master copy by hand."""
     from course_lib.parallel.zero import ShardedOptimizer

@@ -77,7 +77,7 @@ class PeakTracker:
         self.handles = [m.register_forward_pre_hook(lambda m, a: self.sample())
                         for m in model.modules()]
         self.handles += [p.register_post_accumulate_grad_hook(lambda p: self.sample())
-                         for p in model.parameters() if p.requires_grad and not hasattr(p, "to_local")]
+                         for p in strategy.compute_parameters() if p.requires_grad and not hasattr(p, "to_local")]
 
     def sample(self) -> None:
         states = measure_model_states(self.strategy)
@@ -201,6 +201,7 @@ def measure_strategies(names: list[str], gpt_kwargs: dict, batch_size: int, step
     for name in names:
         torch.manual_seed(seed)
         model = GPT(cfg)
+        num_params = model.num_params()  # before wrapping: a ZeRO-3 module shows this rank's shards
         extra = {"bucket_cap_mb": bucket_cap_mb} if name in ("ddp", "zero1", "zero2") else {}
         strategy = build_strategy(
             name, model, lambda m: torch.optim.AdamW(m.parameters(), lr=lr, foreach=True), **extra)
@@ -225,7 +226,7 @@ def measure_strategies(names: list[str], gpt_kwargs: dict, batch_size: int, step
                 tracker.remove()
                 states = seen["states"]
                 kept = {"params": states.params, "grads": seen["grads"], "optimizer": states.optimizer}
-                results[name] = {"num_params": model.num_params(), "losses": losses, "kept": kept,
+                results[name] = {"num_params": num_params, "losses": losses, "kept": kept,
                                  "peak": dict(tracker.peak), "volume": dict(counter.volume),
                                  "calls": dict(counter.calls), "step_s": step_s}
     return results

@@ -162,6 +162,7 @@ def grad_comm_worker(rank: int, world_size: int, strategies=("ddp", "torch_ddp")
         for dtype in dtypes:
             torch.manual_seed(seed)
             model = GPT(cfg)
+            num_params = model.num_params()  # before wrapping: a ZeRO-3 module shows this rank's shards
             comm = None if dtype == "float32" else getattr(torch, dtype)
             strategy = build_strategy(name, model, lambda m: torch.optim.AdamW(m.parameters(), lr=lr),
                                       grad_comm_dtype=comm)
@@ -182,7 +183,7 @@ def grad_comm_worker(rank: int, world_size: int, strategies=("ddp", "torch_ddp")
                 dist.all_reduce(mean)
                 losses.append(mean.item() / world_size)
             out[(name, dtype)] = {"losses": losses, "volume": volume, "on_grid": on_grid,
-                                  "num_params": model.num_params()}
+                                  "num_params": num_params}
     return out
 
 

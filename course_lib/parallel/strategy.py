@@ -82,6 +82,11 @@ class Strategy:
     def no_sync(self):
         return contextlib.nullcontext()
 
+    def compute_parameters(self) -> list[nn.Parameter]:
+        """The tensors forward and backward compute with, whose ``.grad`` backward accumulates:
+        the module's parameters (ZeRO-3 overrides it: between uses its module shows the shards)."""
+        return list(self.module.parameters())
+
     def finish_grads(self) -> None:
         pass
 

@@ -7,7 +7,9 @@ A parameter belongs to the innermost unit that contains it; a parameter used by 
 freed under the other's feet, so that is an error (tie weights inside one unit, e.g. the root).
 
 A :class:`Unit` is "free" (its parameters' storage resized to zero bytes), "gathering" (an
-asynchronous all-gather of the ranks' shards in flight) or "gathered" (whole).
+asynchronous all-gather of the ranks' shards in flight) or "gathered" (whole). As in FSDP2, the
+module shows its fp32 shards as its parameters while the unit is free (they carry ``.grad`` after
+backward), and the whole compute-dtype tensors only while it is gathered (``Unit.slots``).
 """
 
 from __future__ import annotations
@@ -72,6 +74,16 @@ class Unit:
         self.row: torch.Tensor | None = None  # this rank's fp32 master shards, one flat buffer
         self.gather = None  # (work, packed output, input row) while gathering
         self.ready: set[nn.Parameter] = set()  # parameters whose gradient is accumulated
+        # (module, attribute, whole tensor, fp32 shard) for every place a parameter is registered
+        # (a tied weight: two); set by the wrapper once the shards exist
+        self.slots: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []
+
+    def show(self, whole: bool) -> None:
+        """Register the whole tensors (gathered) or the shards (free) as the modules' parameters:
+        FSDP2 swaps them the same way, so a module's ``parameters()`` outside forward and backward
+        are the shards, with their gradients."""
+        for module, attr, p, shard in self.slots:
+            module._parameters[attr] = p if whole else shard
 
     @torch.no_grad()
     def start_gather(self, comms) -> None:
@@ -96,6 +108,7 @@ class Unit:
             p.untyped_storage().resize_(p.numel() * p.element_size())
         self.layout.unpack_into(packed, [p.data for p in self.params])
         self.gather, self.state = None, "gathered"
+        self.show(whole=True)
 
     def reshard(self, comms) -> None:
         """Free the parameters' storage (after any all-gather in flight finished)."""
@@ -105,3 +118,4 @@ class Unit:
         for p in self.params:
             p.untyped_storage().resize_(0)
         self.state = "free"
+        self.show(whole=False)

@@ -8,6 +8,10 @@
 Mirrors PyTorch's ``FullyShardedDataParallel`` (FSDP1, ``use_orig_params=True``) and FSDP2's
 ``fully_shard`` with a ``MixedPrecisionPolicy``: ``named_parameters()`` are the local fp32 shards
 under the module's names, ``summon_full_params()`` gathers the model, ``state_dict()`` is full.
+FSDP2's convention holds for the wrapped module too: outside forward and backward its own
+parameters are these fp32 shards (flat: this rank's slice of each parameter), and after backward
+and ``finish_gradient_synchronization()`` they carry their reduced gradients, in fp32. The whole
+compute-dtype tensors stand in their place only while their unit is gathered.
 
 Between steps a rank holds 1/N of every parameter, gradient and optimizer state: (4 + 4 + 8) Psi
 / N bytes for Adam in fp32. The model is cut into units (:mod:`course_lib.parallel.units`):
@@ -87,7 +91,8 @@ class FullyShardedDataParallel(nn.Module):
         self.root = next((u for u in self.units if u.module is module), None)
         self.unit_of = {p: u for u in self.units for p in u.params}
         self.layout_of: dict[nn.Parameter, tuple[ShardLayout, int]] = {}
-        self.masters: dict[nn.Parameter, nn.Parameter] = {}  # module parameter -> fp32 master
+        self.masters: dict[nn.Parameter, nn.Parameter] = {}  # whole parameter -> fp32 master
+        registered = [(m, attr, p) for m in module.modules() for attr, p in m._parameters.items() if p is not None]
         with torch.no_grad():
             for unit in self.units:
                 unit.row = unit.layout.pack([p.data for p in unit.params], torch.float32)[rank].clone()
@@ -95,7 +100,9 @@ class FullyShardedDataParallel(nn.Module):
                     self.layout_of[p] = (unit.layout, i)
                     self.masters[p] = nn.Parameter(unit.layout.in_row(i, unit.row))
                     p.data = torch.empty(p.shape, dtype=compute_dtype or p.dtype, device=p.device)
-                unit.reshard(self.comms)
+                mine = {id(q) for q in unit.params}
+                unit.slots = [(m, attr, q, self.masters[q]) for m, attr, q in registered if id(q) in mine]
+                unit.reshard(self.comms)  # the module now shows the shards
             self.copies: list[nn.Parameter] = []  # replicated, computed in another dtype than the master
             for p in keep:
                 if p.dtype == torch.float32 and compute_dtype in (None, torch.float32):
@@ -105,6 +112,9 @@ class FullyShardedDataParallel(nn.Module):
                     p.data = p.data.to(compute_dtype or p.dtype)
                     self.copies.append(p)
         self.replicated = [p for p in keep if p.requires_grad]
+        copied = {id(p) for p in self.copies}  # whole in compute dtype: shown from forward to the end of backward
+        self.copy_slots = [(m, attr, p, self.masters[p]) for m, attr, p in registered if id(p) in copied]
+        self._show_copies(whole=False)
         self.order: list[Unit] | None = None  # non-root units in forward order, after one forward
         self._recording: list[Unit] = []
         self.pending: list[tuple] = []  # (unit, work, grad row, packed input kept alive)
@@ -114,6 +124,12 @@ class FullyShardedDataParallel(nn.Module):
                 unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
         for p in sharded:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _show_copies(self, whole: bool) -> None:
+        """Replicated parameters computed in another dtype: the 16-bit copy while in use, else the
+        fp32 master (as :meth:`course_lib.parallel.units.Unit.show` does for the sharded ones)."""
+        for module, attr, p, master in self.copy_slots:
+            module._parameters[attr] = p if whole else master
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         """The fp32 master shards (and replicated masters) under the module's parameter names."""
@@ -126,6 +142,7 @@ class FullyShardedDataParallel(nn.Module):
         with torch.no_grad():
             for p in self.copies:  # refresh 16-bit copies of replicated masters (after a step)
                 p.copy_(self.masters[p])
+        self._show_copies(whole=True)
         if self.compute_dtype is not None:  # floating inputs in compute dtype (FSDP2's cast_forward_inputs)
             args = tuple(cast_floating(a, self.compute_dtype) for a in args)
             kwargs = {k: cast_floating(v, self.compute_dtype) for k, v in kwargs.items()}
@@ -142,6 +159,7 @@ class FullyShardedDataParallel(nn.Module):
         if not torch.is_grad_enabled():  # evaluation or generation: no backward follows
             for unit in self.units:
                 unit.reshard(self.comms)
+            self._show_copies(whole=False)
         return out
 
     def _pre_forward(self, unit: Unit, module, args) -> None:
@@ -217,6 +235,7 @@ class FullyShardedDataParallel(nn.Module):
                 p.grad = None
                 if present:
                     self.masters[p].grad = layout.in_row(i, flat).view_as(p).to(torch.float32).clone()
+        self._show_copies(whole=False)  # backward is over: the module shows its fp32 parameters
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         sharded = [self.masters[p].grad for p in self.unit_of if self.masters[p].grad is not None]
@@ -230,29 +249,32 @@ class FullyShardedDataParallel(nn.Module):
         """Every parameter whole (in compute dtype) inside the block, freed after; read-only."""
         for unit in self.units:
             unit.wait_gather(self.comms)
+        self._show_copies(whole=True)
         try:
             yield self.module
         finally:
             for unit in self.units:
                 unit.reshard(self.comms)
+            self._show_copies(whole=False)
 
     @torch.no_grad()
     def state_dict(self, *args, **kwargs) -> dict:
         """The full fp32 model state, keyed like the wrapped module's (a collective)."""
-        full = {id(p): gather_full(self.state_comms, *self.layout_of.get(p, (None, 0)),
-                                   self.masters[p]).clone() for p in self.names}
+        full = {}
+        for p in self.names:  # keyed by the whole tensor and by the shard: either may be shown
+            full[id(p)] = full[id(self.masters[p])] = gather_full(
+                self.state_comms, *self.layout_of.get(p, (None, 0)), self.masters[p]).clone()
         return {name: full[id(t)] if id(t) in full else t.detach().clone()
                 for name, t in self.module.state_dict(keep_vars=True).items()}
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False):
         """Load a full state (any strategy's): keep this rank's shards."""
-        name_of = {id(t): name for name, t in self.module.state_dict(keep_vars=True).items()}
         for name, buf in self.module.named_buffers():
             if name in state_dict:
                 buf.copy_(state_dict[name])
-        for p in self.names:
-            value = state_dict[name_of[id(p)]]
+        for p, name in self.names.items():
+            value = state_dict[name]
             layout, i = self.layout_of.get(p, (None, 0))
             self.masters[p].copy_(value if layout is None else layout.owned(i, value))
             if any(p is c for c in self.copies):
@@ -277,6 +299,9 @@ class Zero3(CommsStrategy):
     def pending(self) -> list:  # collectives in flight (course_lib.experiments.memory_measure)
         return self.model.pending
 
+    def compute_parameters(self) -> list[nn.Parameter]:
+        return list(self.model.names)  # the whole tensors (storage freed while their unit is)
+
     def finish_grads(self) -> None:
         self.model.finish_gradient_synchronization()
 
@@ -284,8 +309,8 @@ class Zero3(CommsStrategy):
         return self.model.clip_grad_norm_(max_norm)
 
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        for p in self.module.parameters():
+        self.optimizer.zero_grad(set_to_none=True)  # the fp32 shards: the module's parameters
+        for p in self.model.names:  # the whole tensors (their gradients are dropped once reduced)
             p.grad = None
 
     def state_dict(self) -> dict:

@@ -67,7 +67,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
     run = meter = None
     try:
         run = setup_run(cfg, rt)
-        meter = RunMeter(cfg, rt, run.strategy, run.strategy_name, run.model, run.start_iter, progress)
+        meter = RunMeter(cfg, rt, run.strategy, run.strategy_name, run.num_params, run.flops_per_token,
+                         run.start_iter, progress)
         return train_loop(run, meter)
     finally:
         if rt.distributed and dist.is_initialized():

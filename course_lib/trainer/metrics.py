@@ -166,18 +166,19 @@ class RunMeter:
     at the end. Files are written and lines printed on rank 0 only; every rank keeps the numbers.
     """
 
-    def __init__(self, cfg, rt, strategy, strategy_name: str, model, start_iter: int, progress: bool):
+    def __init__(self, cfg, rt, strategy, strategy_name: str, num_params: int, flops_per_token: float,
+                 start_iter: int, progress: bool):
         self.cfg, self.world_size, self.strategy = cfg, rt.world_size, strategy
         self.master = rt.rank == 0
         dp = rt.world_size // cfg.model_parallel_size  # ranks holding different samples
         self.tokens_per_iter = cfg.batch_size * cfg.gradient_accumulation_steps * dp * cfg.block_size
         self.layout = cfg.model_parallel_size > 1  # tp/pp/cp: per-rank memory, bytes and bubble
-        self.flops_per_token = model.flops_per_token()
+        self.flops_per_token = flops_per_token  # the whole model's (the trainer counts it before wrapping)
         profile = detect(rt.device)
         peak = profile.peak(rt.dtype if rt.dtype != "float32" else ("tf32" if rt.device_type == "cuda" else "float32"))
         self.peak_total = peak * rt.devices if peak else None  # ranks sharing a GPU share its peak
         self.info = {"strategy": strategy_name, "world_size": rt.world_size, "device": rt.device, "dtype": rt.dtype,
-                     "threads_per_worker": rt.threads, "n_params": model.num_params(),
+                     "threads_per_worker": rt.threads, "n_params": num_params,
                      "tokens_per_iter": self.tokens_per_iter, "devices": rt.devices,
                      "global_batch": cfg.batch_size * cfg.gradient_accumulation_steps * dp,
                      "layout": {"dp": dp, "tp": cfg.tp, "pp": cfg.pp, "cp": cfg.cp,

@@ -47,7 +47,7 @@ def strategy_options(cfg: TrainConfig, strategy_name: str) -> dict:
 class Run:
     cfg: TrainConfig
     rt: Runtime
-    model: GPT  # the plain model (parameter names, FLOPs); the strategy wraps it
+    model: GPT  # the plain model (parameter names); the strategy wraps it
     strategy: Strategy
     strategy_name: str
     batches: TrainBatches
@@ -57,6 +57,8 @@ class Run:
     start_iter: int = 0
     best_val: float = math.inf
     act_model_bytes: float = 0.0  # activations of one micro-batch, modelled (metrics.csv act_model_mb)
+    num_params: int = 0  # the whole model's, counted before a strategy wraps it (ZeRO-3 shows shards)
+    flops_per_token: float = 0.0  # training FLOPs per token of the whole model (for MFU)
 
 
 def setup_run(cfg: TrainConfig, rt: Runtime) -> Run:
@@ -70,6 +72,7 @@ def setup_run(cfg: TrainConfig, rt: Runtime) -> Run:
     if cfg.compile:
         model.compile()  # in place: parameter names (and checkpoints) stay those of the plain model
     strategy_name = cfg.resolved_strategy(rt.world_size)
+    num_params, flops_per_token = model.num_params(), model.flops_per_token()  # before any wrapper
     dp_rank, dp_world_size = rt.rank, rt.world_size
     if cfg.model_parallel_size > 1:  # the dp x pp x cp x tp grid; the strategy is the dp flavour
         strategy, dp_rank, dp_world_size = _model_parallel(cfg, rt, model, strategy_name)
@@ -85,7 +88,8 @@ def setup_run(cfg: TrainConfig, rt: Runtime) -> Run:
     random.seed(cfg.seed + rt.rank)
     run = Run(cfg, rt, model, strategy, strategy_name, batches, eval_sets, Precision.for_dtype(rt.device_type, rt.dtype), meta,
               act_model_bytes=math.nan if cfg.model_parallel_size > 1  # per stage: peak_activation_bytes
-              else modelled_bytes(cfg, gptconf.vocab_size, rt.dtype, rt.device_type))
+              else modelled_bytes(cfg, gptconf.vocab_size, rt.dtype, rt.device_type),
+              num_params=num_params, flops_per_token=flops_per_token)
     if cfg.init_from == "resume":
         _resume(run)
     return run
