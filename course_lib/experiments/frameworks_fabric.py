@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -36,11 +37,12 @@ from course_lib.parallel.units import default_units
 
 # Fabric's names for what this module builds; "fsdp2" is ModelParallelStrategy with fully_shard.
 FABRIC_STRATEGIES = ("single", "ddp", "fsdp2")
+LIGHTNING_NAMED = ("dp", "fsdp", "deepspeed")  # what the labs ran, by Lightning's names
 MISSING = ("Lightning is not installed: pip install 'course-lib[frameworks]' "
            "(lightning and transformers, the optional extra of this lesson)")
 
 
-def _lightning():
+def fabric_package():
     try:  # here, not at the top: lightning is the optional extra (module docstring)
         import lightning.fabric as fabric_pkg
     except ImportError as e:
@@ -63,28 +65,34 @@ def fsdp2_parallelize(units: Callable | None = None) -> Callable:
     return parallelize
 
 
-def make_fabric(strategy: str, *, accelerator: str = "cpu", launch: bool = True, **ddp_kwargs):
+def make_fabric(strategy: str, *, accelerator: str = "cpu", devices: int | None = None, launch: bool = True,
+                **ddp_kwargs):
     """A Fabric on the ranks this process belongs to (one rank alone: ``"single"``).
 
     ``strategy``: "single" (one process, Fabric's SingleDeviceStrategy), "ddp" (DDPStrategy,
-    gloo, with an optional DDP communication hook) or "fsdp2" (ModelParallelStrategy, FSDP2 over
-    all ranks, tensor_parallel_size 1).
+    the group's backend; ``ddp_kwargs`` such as ``bucket_cap_mb`` go to DistributedDataParallel,
+    as in Lightning) or "fsdp2" (ModelParallelStrategy, FSDP2 over all ranks, tensor_parallel_size
+    1). Lightning's own names "dp", "fsdp" and "deepspeed" are passed to Fabric as they are, for
+    a GPU machine (:func:`refusals` says what a CPU machine answers); "dp" is one process driving
+    ``devices`` GPUs, so it runs on one rank.
     """
-    fabric_pkg = _lightning()
+    fabric_pkg = fabric_package()
     from lightning.fabric.plugins.environments import LightningEnvironment
     from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
 
-    if strategy not in FABRIC_STRATEGIES:
-        raise ValueError(f"strategy must be one of {FABRIC_STRATEGIES}, got {strategy!r}")
+    if strategy not in FABRIC_STRATEGIES + LIGHTNING_NAMED:
+        raise ValueError(f"strategy must be one of {FABRIC_STRATEGIES + LIGHTNING_NAMED}, got {strategy!r}")
     world = dist.get_world_size() if dist.is_initialized() else 1
     if strategy == "single":
         chosen, devices = "auto", 1
     elif strategy == "ddp":
         chosen, devices = DDPStrategy(process_group_backend=dist.get_backend() if world > 1 else None,
                                       cluster_environment=LightningEnvironment(), **ddp_kwargs), world
-    else:
+    elif strategy == "fsdp2":
         chosen, devices = ModelParallelStrategy(fsdp2_parallelize(), data_parallel_size=world,
                                                 tensor_parallel_size=1), world
+    else:
+        chosen, devices = strategy, devices or world
     plugins = [] if strategy == "ddp" else [LightningEnvironment()]
     fabric = fabric_pkg.Fabric(accelerator=accelerator, devices=devices, num_nodes=1, strategy=chosen,
                                plugins=plugins or None)
@@ -106,11 +114,13 @@ def wrapped(module) -> torch.nn.Module:
     return module._forward_module
 
 
-def fabric_step(fabric, model, optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def fabric_step(fabric, model, optimizer, *inputs, **named) -> torch.Tensor:
     """Lightning Fabric's training step, written as its documentation writes it: the forward, then
     ``fabric.backward`` (DDP's reducer or FSDP2's hooks do the communication inside it), then the
-    optimizer. Returns this rank's loss (detached)."""
-    _, loss = model(x, y)
+    optimizer. The model returns (logits, loss) like the course GPT (``x, y``) or an output with
+    ``.loss`` like a Hugging Face model (keyword inputs). Returns this rank's loss (detached)."""
+    out = model(*inputs, **named)
+    loss = out.loss if hasattr(out, "loss") else out[1]
     fabric.backward(loss)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -184,15 +194,26 @@ def ddp_counting_hook(counter: CollectiveCounter, bucket):
     return allreduce_hook(None, bucket)
 
 
-def refusals(names=("dp", "fsdp", "deepspeed"), accelerator: str = "cpu", devices: int = 2) -> dict[str, str]:
-    """What Fabric says when asked for each strategy on this machine: "" where it builds the
-    Fabric (then it runs), else the framework's own error message, word for word."""
-    fabric_pkg = _lightning()
+def refusals(rank: int, world: int, names=("dp", "fsdp", "deepspeed"), accelerator: str = "cpu") -> dict[str, str]:
+    """On every rank (``run_ranks(refusals, 2)``): what Fabric says when asked for each strategy by
+    its name on this machine, set up as far as its launch. "" where it builds and launches what
+    was asked (then it runs); "refused: " and the framework's error; or "replaced: " and its
+    warning where it builds another strategy instead (``dp`` on a CPU becomes ``ddp``), word for word."""
+    fabric_pkg = fabric_package()
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
     out = {}
     for name in names:
-        try:
-            fabric_pkg.Fabric(accelerator=accelerator, devices=devices, strategy=name)
-            out[name] = ""
-        except (ValueError, RuntimeError, ImportError, TypeError, ModuleNotFoundError) as e:
-            out[name] = f"{type(e).__name__}: {e}"
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            try:
+                fabric = fabric_pkg.Fabric(accelerator=accelerator, devices=world, strategy=name,
+                                           plugins=[LightningEnvironment()])
+                fabric.launch()
+            except (ValueError, RuntimeError, ImportError, TypeError) as e:
+                out[name] = f"refused: {type(e).__name__}: {e}"
+                continue
+        built = type(fabric.strategy).__name__
+        replaced = [str(w.message) for w in said if f"'{name}'" in str(w.message)]
+        out[name] = (f"replaced: {replaced[0]} (Fabric built {built})" if replaced else "")
     return out

@@ -19,13 +19,14 @@ Every run starts from the same weights (one seed on every rank: FSDP2 does not b
 AdamW without clipping, so each loss curve must equal the reference up to float rounding.
 
 Memory is the model states one rank holds after a step (:func:`course_lib.parallel.footprint.measure_model_states`,
-live tensors) beside :func:`course_lib.analysis.memory.model_state_bytes` (fp32: 4 + 4 + 8 bytes per
-parameter, sharded by ZeRO stage); communication is each rank's volume in one step (ZeRO paper
+live tensors; the gradients are freed by then) beside :func:`course_lib.analysis.memory.model_state_bytes`
+(fp32: 4 bytes of parameter and 8 of Adam per parameter, sharded by ZeRO stage); communication is each rank's volume in one step (ZeRO paper
 accounting) beside :func:`course_lib.analysis.comm_cost.zero_comm_volume` (2 Psi for DP, 3 Psi for ZeRO-3).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from types import SimpleNamespace
 
@@ -58,7 +59,7 @@ SMALL = {"block_size": 32, "vocab_size": 65, "n_layer": 2, "n_head": 2, "n_embd"
 DATASET = "shakespeare_char"
 
 
-def _adamw(lr: float):
+def adamw(lr: float):
     return lambda m: torch.optim.AdamW(m.parameters(), lr=lr, foreach=True)
 
 
@@ -73,7 +74,7 @@ def one_process(data_dir, gpt: dict, steps: int, batch: int, world: int, lr: flo
     """The reference: one process, the whole global batch (world x batch rows) per step."""
     cfg = GPTConfig(**gpt)
     torch.manual_seed(seed)
-    single = build_strategy("single", GPT(cfg), _adamw(lr))
+    single = build_strategy("single", GPT(cfg), adamw(lr))
     return [train_step(single, x[None], y[None]).loss.item()
             for x, y in batches(data_dir, cfg, steps, batch * world, 0, 1, seed)]
 
@@ -85,7 +86,7 @@ def _global_mean(loss: torch.Tensor, world: int) -> float:
 
 
 def _course_run(name, cfg, data, lr, world):
-    strategy = build_strategy(name, GPT(cfg), _adamw(lr))
+    strategy = build_strategy(name, GPT(cfg), adamw(lr))
     counter = CollectiveCounter()
     if name == "torch_ddp":  # PyTorch's reducer all-reduces in C++: count its buckets with a hook
         strategy.model.register_comm_hook(counter, ddp_counting_hook)
@@ -107,18 +108,20 @@ def _course_run(name, cfg, data, lr, world):
 def _fabric_run(name, cfg, data, lr, world):
     counter = CollectiveCounter()
     fabric = make_fabric(name)
-    model, opt = setup(fabric, GPT(cfg), _adamw(lr))
+    model, opt = setup(fabric, GPT(cfg), adamw(lr))
     if name == "ddp":  # the DistributedDataParallel Fabric built: count its buckets with a hook
         wrapped(model).register_comm_hook(counter, ddp_counting_hook)
     losses, seconds = [], []
-    with counter.watching():  # FSDP2's collectives go through torch.distributed's Python functions
-        for i, (x, y) in enumerate(data):
-            if i == len(data) - 1:
-                counter.__init__()
-            t0 = time.perf_counter()
+    for i, (x, y) in enumerate(data):
+        if i == len(data) - 1:
+            counter.__init__()
+        t0 = time.perf_counter()
+        # FSDP2's collectives go through torch.distributed's Python functions; DDP's are counted
+        # by the hook alone (its default all-reduce would otherwise be counted twice)
+        with counter.watching() if name == "fsdp2" else contextlib.nullcontext():
             loss = fabric_step(fabric, model, opt, x, y)
-            seconds.append(time.perf_counter() - t0)
-            losses.append(_global_mean(loss, world))
+        seconds.append(time.perf_counter() - t0)
+        losses.append(_global_mean(loss, world))
     held = measure_model_states(SimpleNamespace(module=model, optimizer=inner_optimizer(opt)))
     volume = counter.volume_bytes
     return losses, seconds, held, volume
@@ -145,10 +148,16 @@ def compare_runs(rank: int, world: int, data_dir, runs=tuple(RUNS), gpt: dict | 
         psi = sum(p.numel() for p in GPT(cfg).parameters())
         out["num_params"] = psi
         out[label] = {"losses": losses, "step_ms": 1e3 * sum(seconds[1:] or seconds) / len(seconds[1:] or seconds),
-                      "held": held.total, "held_model": model_state_bytes(psi, world, stage, dtype="fp32").total,
+                      "held": held.total, "held_model": _after_step(model_state_bytes(psi, world, stage, dtype="fp32")),
                       "comm": volume,
                       "comm_model": sum(zero_comm_volume(psi, stage, world, bytes_per_elem=4, exact=False).values())}
     return out
+
+
+def _after_step(states) -> float:
+    """What the model says one rank holds after a step: parameters and Adam's states (the
+    gradients were freed by ``zero_grad(set_to_none=True)``, in every run alike)."""
+    return states.params + states.optimizer
 
 
 def rows(result: dict) -> list[dict]:

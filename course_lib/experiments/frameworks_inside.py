@@ -36,7 +36,7 @@ from course_lib.experiments.frameworks_fabric import (
     setup,
     wrapped,
 )
-from course_lib.experiments.frameworks_gpt import SMALL, _adamw
+from course_lib.experiments.frameworks_gpt import SMALL, adamw
 from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.parallel.buckets import MB, bucket_indices
 from course_lib.parallel.units import default_units
@@ -57,7 +57,7 @@ def ddp_inside(rank: int, world: int, bucket_cap_mb: float = 0.05, gpt: dict | N
     cfg = GPTConfig(**{**SMALL, **(gpt or {})})
     torch.manual_seed(0)
     fabric = make_fabric("ddp", bucket_cap_mb=bucket_cap_mb)
-    model, opt = setup(fabric, GPT(cfg), _adamw(1e-3))
+    model, opt = setup(fabric, GPT(cfg), adamw(1e-3))
     ddp = wrapped(model)
     names = {id(p): n for n, p in ddp.module.named_parameters()}
     clock = {"t0": 0.0}
@@ -102,7 +102,7 @@ def fsdp2_inside(rank: int, world: int, gpt: dict | None = None) -> dict:
     cfg = GPTConfig(**{**SMALL, **(gpt or {})})
     torch.manual_seed(0)
     fabric = make_fabric("fsdp2")
-    model, opt = setup(fabric, GPT(cfg), _adamw(1e-3))
+    model, opt = setup(fabric, GPT(cfg), adamw(1e-3))
     root = wrapped(model)
     shards = []
     for name, p in root.named_parameters():
