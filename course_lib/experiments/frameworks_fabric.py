@@ -66,15 +66,16 @@ def fsdp2_parallelize(units: Callable | None = None) -> Callable:
 
 
 def make_fabric(strategy: str, *, accelerator: str = "cpu", devices: int | None = None, launch: bool = True,
-                **ddp_kwargs):
+                parallelize: Callable | None = None, **ddp_kwargs):
     """A Fabric on the ranks this process belongs to (one rank alone: ``"single"``).
 
     ``strategy``: "single" (one process, Fabric's SingleDeviceStrategy), "ddp" (DDPStrategy,
     the group's backend; ``ddp_kwargs`` such as ``bucket_cap_mb`` go to DistributedDataParallel,
     as in Lightning) or "fsdp2" (ModelParallelStrategy, FSDP2 over all ranks, tensor_parallel_size
-    1). Lightning's own names "dp", "fsdp" and "deepspeed" are passed to Fabric as they are, for
-    a GPU machine (:func:`refusals` says what a CPU machine answers); "dp" is one process driving
-    ``devices`` GPUs, so it runs on one rank.
+    1; ``parallelize`` replaces :func:`fsdp2_parallelize` as its ``parallelize_fn``). Lightning's
+    own names "dp", "fsdp" and "deepspeed" are passed to Fabric as they are, for a GPU machine
+    (:func:`refusals` says what a CPU machine answers); "dp" is one process driving ``devices``
+    GPUs, so it runs on one rank.
     """
     fabric_pkg = fabric_package()
     from lightning.fabric.plugins.environments import LightningEnvironment
@@ -89,7 +90,7 @@ def make_fabric(strategy: str, *, accelerator: str = "cpu", devices: int | None 
         chosen, devices = DDPStrategy(process_group_backend=dist.get_backend() if world > 1 else None,
                                       cluster_environment=LightningEnvironment(), **ddp_kwargs), world
     elif strategy == "fsdp2":
-        chosen, devices = ModelParallelStrategy(fsdp2_parallelize(), data_parallel_size=world,
+        chosen, devices = ModelParallelStrategy(parallelize or fsdp2_parallelize(), data_parallel_size=world,
                                                 tensor_parallel_size=1), world
     else:
         chosen, devices = strategy, devices or world
