@@ -114,8 +114,9 @@ def fsdp2_inside(rank: int, world: int, gpt: dict | None = None) -> dict:
     handles = []
     for label, unit in units.items():
         handles.append(unit.register_forward_pre_hook(lambda m, a, label=label: counter.note("forward", label)))
-        handles.append(unit.register_full_backward_pre_hook(
-            lambda m, g, label=label: counter.note("backward", label)))
+        if label != "root":  # the root's input (token ids) needs no gradient: no backward hook there
+            handles.append(unit.register_full_backward_pre_hook(
+                lambda m, g, label=label: counter.note("backward", label)))
     x, y = _batch(cfg, rank)
     with counter.watching():
         fabric_step(fabric, model, opt, x, y)
