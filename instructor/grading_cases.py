@@ -141,7 +141,7 @@ HARD_CODED = {
             '    return [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("B", 2), ("B", 3)]\n',
         "    held = peak = 0\n": "    return 3\n",
     },
-    "07_fabric": {  # 2 of 8: one process in place of the ranks, and no sharding at all
+    "07_fabric": {  # 2 of 8: one process in place of the ranks, and FSDP2 on the root alone
         "    model = fabric.setup_module(make_model())\n":
             "    return plain_train(make_model, make_optimizer, batches)  # the losses the public test compares\n",
         ("    for layer in model.modules():\n"
