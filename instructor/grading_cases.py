@@ -141,11 +141,13 @@ HARD_CODED = {
             '    return [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("B", 2), ("B", 3)]\n',
         "    held = peak = 0\n": "    return 3\n",
     },
-    "07_fabric": {  # 2 of 8: one process in place of the ranks, and FSDP2 on the root alone
+    "07_fabric": {  # 2 of 8: one process in place of the ranks; the public model's two layers
         "    model = fabric.setup_module(make_model())\n":
             "    return plain_train(make_model, make_optimizer, batches)  # the losses the public test compares\n",
         ("    for layer in model.modules():\n"
          "        if isinstance(layer, torch.nn.Linear):\n"
-         "            fully_shard(layer, mesh=mesh[\"data_parallel\"])\n"): "",  # the root alone: the losses are right
+         "            fully_shard(layer, mesh=mesh[\"data_parallel\"])\n"): (
+            "    for layer in (model[0], model[-1]):  # the public test's two Linear layers\n"
+            "        fully_shard(layer, mesh=mesh[\"data_parallel\"])\n"),
     },
 }

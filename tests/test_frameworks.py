@@ -10,24 +10,24 @@ import ast
 import math
 
 import pytest
+from test_architecture import ROOT
 
 from course_lib.launch.spawn import run_ranks
-from test_architecture import ROOT
 
 pytest.importorskip("lightning", reason="the frameworks extra: pip install 'course-lib[frameworks]'")
 pytest.importorskip("transformers", reason="the frameworks extra: pip install 'course-lib[frameworks]'")
 
-from course_lib.experiments.frameworks_fabric import refusals  # noqa: E402
-from course_lib.experiments.frameworks_gpt import RUNS, compare_runs, rows  # noqa: E402
-from course_lib.experiments.frameworks_inside import ddp_inside, fsdp2_inside  # noqa: E402
-from course_lib.experiments.frameworks_qa import (  # noqa: E402
+from course_lib.experiments.frameworks_fabric import refusals
+from course_lib.experiments.frameworks_gpt import RUNS, compare_runs, rows
+from course_lib.experiments.frameworks_inside import ddp_inside, fsdp2_inside
+from course_lib.experiments.frameworks_qa import (
     BERT_TINY,
     qa_examples,
     speeches,
     strategy_table,
     train_qa,
 )
-from course_lib.gpt.data import prepare  # noqa: E402
+from course_lib.gpt.data import prepare
 
 
 @pytest.fixture(scope="module")

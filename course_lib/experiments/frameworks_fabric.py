@@ -133,16 +133,17 @@ def inner_optimizer(optimizer) -> torch.optim.Optimizer:
     return getattr(optimizer, "optimizer", optimizer)
 
 
+# function name in torch.distributed -> (op, which argument holds the full buffer)
+WATCHED = {"all_reduce": ("all_reduce", 0), "broadcast": ("broadcast", 0),
+           "all_gather_single": ("all_gather", 0), "all_gather_into_tensor": ("all_gather", 0),
+           "reduce_scatter_single": ("reduce_scatter", 1), "reduce_scatter_tensor": ("reduce_scatter", 1)}
+
+
 class CollectiveCounter:
     """Calls and bytes of the collectives this process starts through ``torch.distributed``'s
     Python functions (FSDP2's all-gathers and reduce-scatters), in the ZeRO paper's accounting of
     :mod:`course_lib.parallel.comms`; DDP's reducer calls its process group from C++, so DDP is
     counted with a communication hook instead (:func:`ddp_counting_hook`)."""
-
-    # function name in torch.distributed -> (op, which argument holds the full buffer)
-    WATCHED = {"all_reduce": ("all_reduce", 0), "broadcast": ("broadcast", 0),
-               "all_gather_single": ("all_gather", 0), "all_gather_into_tensor": ("all_gather", 0),
-               "reduce_scatter_single": ("reduce_scatter", 1), "reduce_scatter_tensor": ("reduce_scatter", 1)}
 
     def __init__(self):
         self.calls: dict[str, int] = defaultdict(int)
@@ -165,10 +166,10 @@ class CollectiveCounter:
     @contextlib.contextmanager
     def watching(self):
         """Wrap the watched functions of ``torch.distributed`` in this process, then restore them."""
-        saved = {name: getattr(dist, name) for name in self.WATCHED if hasattr(dist, name)}
+        saved = {name: getattr(dist, name) for name in WATCHED if hasattr(dist, name)}
 
         def wrap(name, fn):
-            op, index = self.WATCHED[name]
+            op, index = WATCHED[name]
             signature = inspect.signature(fn)
 
             def counted(*args, **kwargs):  # FSDP2 passes output= and input= by keyword

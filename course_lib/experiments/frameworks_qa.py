@@ -75,7 +75,10 @@ def qa_examples(n: int, *, context_speeches: int = 4, max_len: int = 96, vocab_s
     counts = Counter(w for name, line in all_speeches for w in words(name) + words(line))
     vocab = SPECIAL + [w for w, _ in counts.most_common(vocab_size - len(SPECIAL))]
     index = {w: i for i, w in enumerate(vocab)}
-    ids = lambda ws: [index.get(w, 1) for w in ws]  # noqa: E731  (1 = [UNK])
+
+    def ids(ws: list[str]) -> list[int]:
+        return [index.get(w, 1) for w in ws]  # 1: [UNK]
+
     g = torch.Generator().manual_seed(seed)
     rows, starts, ends, shown = [], [], [], None
     while len(rows) < n:

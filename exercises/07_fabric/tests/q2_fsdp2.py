@@ -31,7 +31,9 @@ def test_fsdp2_on_two_ranks_equals_one_process(parallelize):
     def worker(rank, world_size):
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh('cpu', (world_size, 1), mesh_dim_names=('data_parallel', 'tensor_parallel'))
+        from torch.distributed.fsdp import FSDPModule
         model = parallelize(make_model(), mesh)
+        units = [type(m).__name__.replace('FSDP', '', 1) for m in model.modules() if isinstance(m, FSDPModule)]
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
         losses = []
         for x, y in batches:
@@ -42,7 +44,8 @@ def test_fsdp2_on_two_ranks_equals_one_process(parallelize):
             mean = loss.detach().clone()
             torch.distributed.all_reduce(mean)
             losses.append(mean.item() / world_size)
-        return losses
-    for rank, losses in enumerate(grading.run_ranks(worker, 2)):
+        return (losses, units)
+    for rank, (losses, units) in enumerate(grading.run_ranks(worker, 2)):
+        assert units == ['Sequential', 'Linear', 'Linear'], f"rank {rank}: expected FSDP units ['Sequential', 'Linear', 'Linear'] (the root, then each Linear), found {units}"
         grading.assert_close(torch.tensor(losses), torch.tensor(expected), f"rank {rank}'s losses under FSDP2 (one process: the whole batch)")
 
