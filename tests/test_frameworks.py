@@ -63,8 +63,16 @@ def test_bytes_held_and_moved_match_the_models(gpt_runs):
     assert all(row["max |loss - one process|"] < 1e-4 for row in table)
 
 
-def test_ddp_buckets_are_the_course_rule_after_the_rebuild():
-    r = run_ranks(ddp_inside, 2, args=(0.05,), timeout=120)[0]
+@pytest.fixture(scope="module")
+def inside():
+    """DDP and FSDP2 taken apart, and Fabric's answers, in one start of 2 ranks (Lightning imports once)."""
+    def three(rank, world):
+        return ddp_inside(rank, world, 0.05), fsdp2_inside(rank, world), refusals(rank, world)
+    return run_ranks(three, 2, timeout=180)[0]
+
+
+def test_ddp_buckets_are_the_course_rule_after_the_rebuild(inside):
+    r = inside[0]
     first, second = r["buckets_by_step"]
     # the first step: DDP's initial buckets (parameter order, the first capped at 1 MiB)
     assert sum(b["bytes"] for b in first) == sum(b["bytes"] for b in second)
@@ -75,8 +83,8 @@ def test_ddp_buckets_are_the_course_rule_after_the_rebuild():
     assert r["bucket_cap_bytes"] == int(0.05 * 2**20)
 
 
-def test_fsdp2_shards_every_parameter_and_gathers_around_each_unit():
-    r = run_ranks(fsdp2_inside, 2, timeout=120)[0]
+def test_fsdp2_shards_every_parameter_and_gathers_around_each_unit(inside):
+    r = inside[1]
     for s in r["shards"]:
         assert s["placement"] == "(Shard(dim=0),)"
         assert s["local shape"][0] == math.ceil(s["full shape"][0] / 2)
@@ -99,9 +107,11 @@ def test_the_qa_answer_is_the_speakers_name():
 
 
 def test_bert_on_two_ranks_is_the_one_rank_program():
+    def both(rank, world):  # one start of 2 ranks for both strategies
+        return train_qa(rank, world, "ddp", BERT_TINY, 3), train_qa(rank, world, "fsdp2", BERT_TINY, 3)
+
     one = run_ranks(train_qa, 1, args=("single", BERT_TINY, 3), timeout=200)
-    two = run_ranks(train_qa, 2, args=("ddp", BERT_TINY, 3), timeout=200)
-    fsdp = run_ranks(train_qa, 2, args=("fsdp2", BERT_TINY, 3), timeout=200)
+    two, fsdp = map(list, zip(*run_ranks(both, 2, timeout=200)))
     for run in (two, fsdp):
         assert run[0]["losses"] == pytest.approx(one[0]["losses"], rel=1e-5)
     assert fsdp[0]["model_state_bytes"] == pytest.approx(one[0]["model_state_bytes"] / 2, rel=0.01)
@@ -111,8 +121,8 @@ def test_bert_on_two_ranks_is_the_one_rank_program():
     assert table[-1]["strategy"] == "fsdp" and table[-1]["seconds"] is None
 
 
-def test_what_fabric_refuses_on_a_cpu():
-    said = run_ranks(refusals, 2, timeout=120)[0]
+def test_what_fabric_refuses_on_a_cpu(inside):
+    said = inside[2]
     assert said["dp"].startswith("replaced: 'dp' is not supported on CPUs") and "DDPStrategy" in said["dp"]
     assert said["fsdp"].startswith("refused:") and "only available on GPU" in said["fsdp"]
     # without DeepSpeed: Fabric's ImportError; with it (CPU accelerator): only supported on CUDA GPUs
