@@ -5,6 +5,7 @@ installs, Colab links and badges), which lessons and exercises share."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -158,6 +159,16 @@ def install_spec(repo: str = GITHUB_REPO, branch: str = GITHUB_BRANCH) -> str:
     and libmpi of the PyPI MPICH wheel) and ``grading`` (otter-grader, for the exercises).
     """
     return f"course-lib[colab] @ git+https://github.com/{repo}@{branch}"
+
+
+def with_extra(spec: str, extra: str) -> str:
+    """A pip requirement with one more extra: ``course-lib[colab] @ URL`` -> ``course-lib[colab,frameworks] @ URL``
+    (the lessons that need an optional extra install it on Colab from the same source)."""
+    m = re.match(r"\s*([A-Za-z0-9._-]+)(?:\s*\[([^\]]*)\])?(.*)$", spec, re.DOTALL)
+    if not m:
+        raise ValueError(f"not a pip requirement: {spec!r}")
+    extras = [e.strip() for e in (m.group(2) or "").split(",") if e.strip()]
+    return f"{m.group(1)}[{','.join(extras + ([] if extra in extras else [extra]))}]{m.group(3)}"
 
 
 def colab_url(notebook: str, repo: str = GITHUB_REPO, branch: str = GITHUB_BRANCH) -> str:

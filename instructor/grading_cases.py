@@ -71,6 +71,16 @@ MISTAKES = {
         "q2_one_f_one_b": ("    warmup = min(p - r - 1, m)\n", "    warmup = min(p - r, m)  # one warm-up forward too many\n",
                            "warm-up forwards"),
     },
+    "07_fabric": {
+        "q1_fabric_loop": ('        losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())\n',
+                           "        losses.append(loss.item())  # this rank's loss, not the global batch's\n",
+                           "the global batch's mean"),
+        "q2_fsdp2": (("    for layer in model.modules():\n"
+                      "        if isinstance(layer, torch.nn.Linear):\n"
+                      "            fully_shard(layer, mesh=mesh[\"data_parallel\"])\n"),
+                     "",  # the root alone: one unit, the whole model gathered at once
+                     "Linear units"),
+    },
 }
 HUNG = {("01_collectives", "q1_ring_all_reduce"), ("04_pram", "q1_erew_prefix_sum")}
 TAMPERED = ("02_data_parallel", "q1_average_gradients")
@@ -130,5 +140,14 @@ HARD_CODED = {
         "    warmup = min(p - r - 1, m)\n":
             '    return [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("B", 2), ("B", 3)]\n',
         "    held = peak = 0\n": "    return 3\n",
+    },
+    "07_fabric": {  # 2 of 8: one process in place of the ranks; the public model's two layers
+        "    model = fabric.setup_module(make_model())\n":
+            "    return plain_train(make_model, make_optimizer, batches)  # the losses the public test compares\n",
+        ("    for layer in model.modules():\n"
+         "        if isinstance(layer, torch.nn.Linear):\n"
+         "            fully_shard(layer, mesh=mesh[\"data_parallel\"])\n"): (
+            "    for layer in (model[0], model[-1]):  # the public test's two Linear layers\n"
+            "        fully_shard(layer, mesh=mesh[\"data_parallel\"])\n"),
     },
 }

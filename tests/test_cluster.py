@@ -188,3 +188,21 @@ def test_course_submit_is_registered():
                            "--nodes", "2", "--gpus-per-node", "1", "--dry-run"],
                           capture_output=True, text=True, check=True)
     assert done.stdout.startswith("#!/bin/bash\n#PBS -N course-train\n")
+
+
+def test_srun_launcher_starts_every_rank_itself(capsys):
+    """--launcher srun (the labs' Fabric jobs): one task per rank, no torchrun, no rendezvous of ours."""
+    text = cluster.slurm_script(2, 4, ["--out_dir=x"], target=["-m", "course_lib.experiments.frameworks_job"],
+                                cpus_per_node=32, port=29501, launcher="srun", activate=None)
+    assert "#SBATCH --ntasks-per-node=4" in text and "#SBATCH --cpus-per-task=8" in text
+    assert "torchrun" not in text and "head_node" not in text and "export MASTER_PORT=29501" in text
+    assert text.rstrip().splitlines()[-1] == ("srun --kill-on-bad-exit=1 --cpus-per-task=8 python -m "
+                                              "course_lib.experiments.frameworks_job --out_dir=x")
+    with pytest.raises(ValueError, match="launcher must be one of"):
+        cluster.slurm_script(1, 1, launcher="mpirun", activate=None)
+    base = ["--scheduler", "slurm", "--nodes", "1", "--gpus-per-node", "0", "--dry-run", "--launcher", "srun"]
+    assert cluster.cli(base) == 2 and "--module" in capsys.readouterr().err  # the trainer expects torchrun
+    assert cluster.cli(["--scheduler", "pbs", *base[2:], "--module", "m"]) == 2
+    assert "SLURM's" in capsys.readouterr().err
+    assert cluster.cli([*base, "--module", "course_lib.experiments.frameworks_job", "--", "--out_dir=y"]) == 0
+    assert "python -m course_lib.experiments.frameworks_job --out_dir=y" in capsys.readouterr().out

@@ -135,3 +135,44 @@ def test_daemons_left_by_a_killed_starter_are_stopped(tmp_path):
     assert not any(slurm_local._alive(pid) for pid in pids)
     (root / "pids").write_text(f"pytest {os.getpid()}\n")  # a pid that is no longer a daemon of this cluster
     assert slurm_local.stop_leftovers(root) == []
+
+
+@pytest.fixture(scope="module")
+def fabric_runs(slurm, tmp_path_factory):
+    """The labs' job: `course submit --launcher srun` runs Lightning Fabric, one srun task per rank."""
+    pytest.importorskip("lightning", reason="the frameworks extra: pip install 'course-lib[frameworks]'")
+    root = tmp_path_factory.mktemp("fabric")
+    data = prepare("shakespeare_char", root / "data", quiet=True).parent
+    jobs = {}
+    for name, (nodes, nproc) in LAYOUTS.items():
+        done = _submit(slurm, root, ["--nodes", str(nodes), "--gpus-per-node", "0", "--nproc-per-node", str(nproc),
+                                     "--launcher", "srun", "--module", "course_lib.experiments.frameworks_job",
+                                     "--port", str(free_port()), "--time", "00:05:00", "--job-name", f"fabric{name}",
+                                     "--output", str(root / f"{name}.sbatch"), "--",
+                                     f"--data_dir={data}", f"--out_dir={root / name}", "--max_iters=4"])
+        assert done.returncode == 0, done.stderr
+        jobs[name] = re.search(r"Submitted batch job (\d+)", done.stdout).group(1)
+    states = {name: slurm.wait_job(job, timeout=180) for name, job in jobs.items()}
+    return root, data, jobs, states
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fabric_job_under_srun_finds_its_ranks_and_trains_like_one_process(fabric_runs, layout):
+    from course_lib.experiments.frameworks_gpt import SMALL, one_process
+
+    root, data, jobs, states = fabric_runs
+    nodes, nproc = LAYOUTS[layout]
+    job = jobs[layout]
+    log = (root / f"fabric{layout}-{job}.out").read_text()
+    assert states[layout] == ("COMPLETED", "0:0"), log[-3000:]
+    script = (root / f"{layout}.sbatch").read_text()
+    assert f"#SBATCH --ntasks-per-node={nproc}" in script and "torchrun" not in script
+    assert re.search(r"^srun .*python -m course_lib.experiments.frameworks_job", script, re.MULTILINE)
+    report = json.loads((root / layout / "fabric_run.json").read_text())
+    assert report["cluster_environment"] == "SLURMEnvironment"  # Fabric read SLURM's variables
+    assert report["slurm_job_id"] == job and report["world_size"] == 2 and report["num_nodes"] == nodes
+    assert [r["slurm_procid"] for r in report["ranks"]] == ["0", "1"]
+    assert sorted({r["slurm_nodeid"] for r in report["ranks"]}) == [str(n) for n in range(nodes)]
+    ref = one_process(data, SMALL, 4, 4, 2, 1e-3, 0)  # 4 steps, 4 rows per rank, 2 ranks
+    assert report["losses"] == pytest.approx(ref, rel=1e-5)

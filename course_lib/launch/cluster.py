@@ -24,6 +24,7 @@ from pathlib import Path
 
 SCHEDULERS = ("slurm", "pbs")
 DEFAULT_MODULE = "course_lib.trainer.loop"
+LAUNCHERS = ("torchrun", "srun")  # srun alone: one task per rank (SLURM only), for Lightning Fabric
 
 
 def _port_lines(port: int | None, job_number: str) -> list[str]:
@@ -99,22 +100,34 @@ def slurm_script(nodes: int, gpus_per_node: int, train_args: Sequence[str] = (),
                  account: str | None = None, cpus_per_node: int | None = None,
                  nproc_per_node: int | None = None, port: int | None = None,
                  join_timeout: int = 300, nccl_debug: str | None = None,
-                 activate: str | None = "auto") -> str:
-    """An sbatch script: one srun task per node, each running torchrun with G workers."""
+                 activate: str | None = "auto", launcher: str = "torchrun") -> str:
+    """An sbatch script: one srun task per node, each running torchrun with G workers; or, with
+    ``launcher="srun"``, one srun task per rank, which finds its rank in SLURM's variables
+    (Lightning's SLURMEnvironment: the labs' ``srun python train.py``)."""
     nproc = _validate(nodes, gpus_per_node, nproc_per_node, job_name=job_name,
                       partition=partition, account=account)
     _check_time(time_limit)
-    d = [f"--job-name={job_name}", f"--nodes={nodes}", "--ntasks-per-node=1",
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
+    tasks = nproc if launcher == "srun" else 1
+    d = [f"--job-name={job_name}", f"--nodes={nodes}", f"--ntasks-per-node={tasks}",
          f"--time={time_limit}", "--output=%x-%j.out"]
     if gpus_per_node:
         d.insert(3, f"--gpus-per-node={gpus_per_node}")
     if cpus_per_node:
-        d.append(f"--cpus-per-task={cpus_per_node}")
+        d.append(f"--cpus-per-task={cpus_per_node // tasks or 1}")
     d += [f"--partition={partition}"] if partition else []
     d += [f"--account={account}"] if account else []
     lines = ["#!/bin/bash", *(f"#SBATCH {x}" for x in d),
              *_env_lines(nproc, cpus_per_node, nccl_debug, _activate(activate)),
-             "set -euo pipefail", "",
+             "set -euo pipefail", ""]
+    if launcher == "srun":  # every task a rank; the framework reads SLURM_PROCID, SLURM_NTASKS, ...
+        lines += ([f"export MASTER_PORT={port}"] if port else []) + [
+            "srun --kill-on-bad-exit=1 " + (f"--cpus-per-task={cpus_per_node // tasks or 1} "
+                                            if cpus_per_node else "")
+            + " ".join(["python", *map(shlex.quote, target), *map(shlex.quote, train_args)])]
+        return "\n".join(lines) + "\n"
+    lines += [
              "# The first node of the allocation hosts the rendezvous store.",
              # sed reads every line: `head -n 1` would close the pipe early, and scontrol's
              # SIGPIPE would fail the script under pipefail
@@ -192,25 +205,36 @@ def cli(argv: list[str]) -> int:
     p.add_argument("--port", type=int, help="rendezvous port on the first node (default: 29500 + job id %% 10000)")
     p.add_argument("--nccl-debug", choices=["VERSION", "WARN", "INFO", "TRACE"])
     p.add_argument("--script", help="run this Python file instead of -m course_lib.trainer.loop")
+    p.add_argument("--module", help="run python -m MODULE instead (e.g. course_lib.experiments.frameworks_job)")
+    p.add_argument("--launcher", choices=LAUNCHERS, default="torchrun",
+                   help="SLURM: srun starts torchrun per node (default), or every rank itself (srun)")
     p.add_argument("--output", help="where to write the batch script (default runs/submit/)")
     p.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then the trainer's arguments")
     a = p.parse_args(argv)
     train_args = a.train_args[1:] if a.train_args[:1] == ["--"] else a.train_args
-    target = [a.script] if a.script else ["-m", DEFAULT_MODULE]
+    target = [a.script] if a.script else ["-m", a.module or DEFAULT_MODULE]
     make = slurm_script if a.scheduler == "slurm" else pbs_script
     try:
+        if a.script and a.module:
+            raise ValueError("give --script or --module, not both")
+        if a.launcher == "srun" and a.scheduler != "slurm":
+            raise ValueError("--launcher srun is SLURM's; PBS jobs start torchrun with mpiexec")
+        if a.launcher == "srun" and not (a.script or a.module):
+            raise ValueError("--launcher srun starts every rank itself: name what each runs with --module "
+                             "or --script (the course trainer expects torchrun)")
         if a.script and not Path(a.script).is_file():
             raise ValueError(f"--script {a.script!r} does not exist")
         submit = "sbatch" if a.scheduler == "slurm" else "qsub"
         exe = None if a.dry_run else shutil.which(submit)
-        if not a.script:
+        if not (a.script or a.module):
             world = a.nodes * (a.nproc_per_node or a.gpus_per_node or 2)  # _validate's default ranks per node
             _check_train_args(train_args, data=exe is not None, world_size=world)
         text = make(a.nodes, a.gpus_per_node, train_args, target=target, job_name=a.job_name,
                     time_limit=a.time, partition=a.partition, account=a.account,
                     cpus_per_node=a.cpus_per_node, nproc_per_node=a.nproc_per_node,
-                    port=a.port, nccl_debug=a.nccl_debug)
+                    port=a.port, nccl_debug=a.nccl_debug,
+                    **({"launcher": a.launcher} if a.scheduler == "slurm" else {}))
     except ValueError as e:
         print(f"course submit: {e}", file=sys.stderr)
         return 2

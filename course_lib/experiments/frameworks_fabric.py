@@ -1,0 +1,221 @@
+"""Lightning Fabric inside the course's ranks: its strategies on the process group already running,
+its training step, the bytes its collectives move, and what it refuses on this machine (notebook 11).
+
+    from course_lib.experiments.frameworks_fabric import make_fabric, fabric_step, refusals
+    fabric = make_fabric("ddp")                        # on every rank started by run_ranks / launch
+    model, opt = setup(fabric, GPT(cfg), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3))
+    loss = fabric_step(fabric, model, opt, x, y)       # x, y: this rank's (B, T) slice
+    refusals(["dp", "fsdp", "deepspeed"])              # {name: what Fabric says on this machine}
+
+How Fabric finds its ranks (read in Lightning's source, ``lightning/fabric/connector.py`` and
+``plugins/environments/``): it asks each cluster environment in turn (SLURM, torchelastic,
+Kubeflow, LSF, MPI) whether it is running under it; otherwise ``LightningEnvironment``, which
+counts the processes as started from outside when ``LOCAL_RANK`` is set, and then does not spawn
+any. The course's rank runner sets ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE`` and has already
+joined the gloo group; Fabric's ``_init_dist_connection`` returns at once when a group exists, so
+Fabric trains on the course's own group. :func:`make_fabric` names ``LightningEnvironment``
+explicitly, so that a notebook running inside a SLURM allocation does not take the job's srun
+variables for its own (under ``srun`` itself, :mod:`frameworks_job` lets Fabric find SLURM).
+
+Everything here imports ``lightning`` inside functions: the package is the optional extra
+``course-lib[frameworks]``, and nothing else in course_lib needs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import warnings
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from course_lib.parallel.comms import VOLUME_FACTOR
+from course_lib.parallel.units import default_units
+
+# Fabric's names for what this module builds; "fsdp2" is ModelParallelStrategy with fully_shard.
+FABRIC_STRATEGIES = ("single", "ddp", "fsdp2")
+LIGHTNING_NAMED = ("dp", "fsdp", "deepspeed")  # what the labs ran, by Lightning's names
+MISSING = ("Lightning is not installed: pip install 'course-lib[frameworks]' "
+           "(lightning and transformers, the optional extra of this lesson)")
+
+
+def fabric_package():
+    try:  # here, not at the top: lightning is the optional extra (module docstring)
+        import lightning.fabric as fabric_pkg
+    except ImportError as e:
+        raise ImportError(MISSING) from e
+    return fabric_pkg
+
+
+def fsdp2_parallelize(units: Callable | None = None) -> Callable:
+    """A ``parallelize_fn`` for Fabric's ``ModelParallelStrategy``: FSDP2's ``fully_shard`` on the
+    same units as the course's ZeRO-3 (:func:`course_lib.parallel.units.default_units`: each
+    transformer block), then on the whole model, over the mesh's data-parallel dimension."""
+    def parallelize(model: torch.nn.Module, mesh) -> torch.nn.Module:
+        from torch.distributed.fsdp import fully_shard
+
+        dp_mesh = mesh["data_parallel"]
+        for unit in (units or default_units)(model):
+            fully_shard(unit, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
+        return model
+    return parallelize
+
+
+def make_fabric(strategy: str, *, accelerator: str = "cpu", devices: int | None = None, launch: bool = True,
+                parallelize: Callable | None = None, **ddp_kwargs):
+    """A Fabric on the ranks this process belongs to (one rank alone: ``"single"``).
+
+    ``strategy``: "single" (one process, Fabric's SingleDeviceStrategy), "ddp" (DDPStrategy,
+    the group's backend; ``ddp_kwargs`` such as ``bucket_cap_mb`` go to DistributedDataParallel,
+    as in Lightning) or "fsdp2" (ModelParallelStrategy, FSDP2 over all ranks, tensor_parallel_size
+    1; ``parallelize`` replaces :func:`fsdp2_parallelize` as its ``parallelize_fn``). Lightning's
+    own names "dp", "fsdp" and "deepspeed" are passed to Fabric as they are, for a GPU machine
+    (:func:`refusals` says what a CPU machine answers); "dp" is one process driving ``devices``
+    GPUs, so it runs on one rank.
+    """
+    fabric_pkg = fabric_package()
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
+
+    if strategy not in FABRIC_STRATEGIES + LIGHTNING_NAMED:
+        raise ValueError(f"strategy must be one of {FABRIC_STRATEGIES + LIGHTNING_NAMED}, got {strategy!r}")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if strategy == "single":
+        chosen, devices = "auto", 1
+    elif strategy == "ddp":
+        chosen, devices = DDPStrategy(process_group_backend=dist.get_backend() if world > 1 else None,
+                                      cluster_environment=LightningEnvironment(), **ddp_kwargs), world
+    elif strategy == "fsdp2":
+        chosen, devices = ModelParallelStrategy(parallelize or fsdp2_parallelize(), data_parallel_size=world,
+                                                tensor_parallel_size=1), world
+    else:
+        chosen, devices = strategy, devices or world
+    plugins = [] if strategy == "ddp" else [LightningEnvironment()]
+    fabric = fabric_pkg.Fabric(accelerator=accelerator, devices=devices, num_nodes=1, strategy=chosen,
+                               plugins=plugins or None)
+    if launch:
+        fabric.launch()
+    return fabric
+
+
+def setup(fabric, model: torch.nn.Module, make_optimizer: Callable):
+    """Fabric's order for sharded strategies: the module first, then an optimizer of its (now
+    sharded) parameters. Returns (fabric module, fabric optimizer)."""
+    module = fabric.setup_module(model)
+    return module, fabric.setup_optimizers(make_optimizer(module))
+
+
+def wrapped(module) -> torch.nn.Module:
+    """What Fabric wrapped the model in: DistributedDataParallel under "ddp", the FSDP2 module
+    itself under "fsdp2" (``_FabricModule._forward_module``, Lightning's own attribute)."""
+    return module._forward_module
+
+
+def fabric_step(fabric, model, optimizer, *inputs, **named) -> torch.Tensor:
+    """Lightning Fabric's training step, written as its documentation writes it: the forward, then
+    ``fabric.backward`` (DDP's reducer or FSDP2's hooks do the communication inside it), then the
+    optimizer. The model returns (logits, loss) like the course GPT (``x, y``) or an output with
+    ``.loss`` like a Hugging Face model (keyword inputs). Returns this rank's loss (detached)."""
+    out = model(*inputs, **named)
+    loss = out.loss if hasattr(out, "loss") else out[1]
+    fabric.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def inner_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer behind Fabric's wrapper (the one that holds the states)."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+# function name in torch.distributed -> (op, which argument holds the full buffer)
+WATCHED = {"all_reduce": ("all_reduce", 0), "broadcast": ("broadcast", 0),
+           "all_gather_single": ("all_gather", 0), "all_gather_into_tensor": ("all_gather", 0),
+           "reduce_scatter_single": ("reduce_scatter", 1), "reduce_scatter_tensor": ("reduce_scatter", 1)}
+
+
+class CollectiveCounter:
+    """Calls and bytes of the collectives this process starts through ``torch.distributed``'s
+    Python functions (FSDP2's all-gathers and reduce-scatters), in the ZeRO paper's accounting of
+    :mod:`course_lib.parallel.comms`; DDP's reducer calls its process group from C++, so DDP is
+    counted with a communication hook instead (:func:`ddp_counting_hook`)."""
+
+    def __init__(self):
+        self.calls: dict[str, int] = defaultdict(int)
+        self.volume: dict[str, int] = defaultdict(int)
+        self.events: list[tuple[str, str, int]] = []  # (kind, what, bytes) in the order they happened
+
+    @property
+    def volume_bytes(self) -> int:
+        return sum(self.volume.values())
+
+    def count(self, op: str, nbytes: int) -> None:
+        self.calls[op] += 1
+        self.volume[op] += VOLUME_FACTOR[op] * nbytes
+        self.events.append(("collective", op, nbytes))
+
+    def note(self, kind: str, what: str) -> None:
+        """Put something else that happened (a module's forward, say) in line with the collectives."""
+        self.events.append((kind, what, 0))
+
+    @contextlib.contextmanager
+    def watching(self):
+        """Wrap the watched functions of ``torch.distributed`` in this process, then restore them."""
+        saved = {name: getattr(dist, name) for name in WATCHED if hasattr(dist, name)}
+
+        def wrap(name, fn):
+            op, index = WATCHED[name]
+            signature = inspect.signature(fn)
+
+            def counted(*args, **kwargs):  # FSDP2 passes output= and input= by keyword
+                t = list(signature.bind(*args, **kwargs).arguments.values())[index]
+                self.count(op, t.numel() * t.element_size())
+                return fn(*args, **kwargs)
+            return counted
+        try:
+            for name, fn in saved.items():
+                setattr(dist, name, wrap(name, fn))
+            yield self
+        finally:
+            for name, fn in saved.items():
+                setattr(dist, name, fn)
+
+
+def ddp_counting_hook(counter: CollectiveCounter, bucket):
+    """A DDP communication hook (``state`` = a :class:`CollectiveCounter`): count the bucket, then
+    all-reduce it as DDP does by default (sum, divided by the world size)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    buf = bucket.buffer()
+    counter.count("all_reduce", buf.numel() * buf.element_size())
+    return allreduce_hook(None, bucket)
+
+
+def refusals(rank: int, world: int, names=("dp", "fsdp", "deepspeed"), accelerator: str = "cpu") -> dict[str, str]:
+    """On every rank (``run_ranks(refusals, 2)``): what Fabric says when asked for each strategy by
+    its name on this machine, set up as far as its launch. "" where it builds and launches what
+    was asked (then it runs); "refused: " and the framework's error; or "replaced: " and its
+    warning where it builds another strategy instead (``dp`` on a CPU becomes ``ddp``), word for word."""
+    fabric_pkg = fabric_package()
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    out = {}
+    for name in names:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            try:
+                fabric = fabric_pkg.Fabric(accelerator=accelerator, devices=world, strategy=name,
+                                           plugins=[LightningEnvironment()])
+                fabric.launch()
+            except (ValueError, RuntimeError, ImportError, TypeError) as e:
+                out[name] = f"refused: {type(e).__name__}: {e}"
+                continue
+        built = type(fabric.strategy).__name__
+        replaced = [str(w.message) for w in said if f"'{name}'" in str(w.message)]
+        out[name] = (f"replaced: {replaced[0]} (Fabric built {built})" if replaced else "")
+    return out
