@@ -44,7 +44,8 @@ def measure_model_states(strategy) -> ModelStates:
 
     # the module's parameters and, where they differ (ZeRO-3: whole tensors while gathered), those
     # forward and backward compute with
-    params = list(strategy.module.parameters()) + list(strategy.compute_parameters())
+    compute = getattr(strategy, "compute_parameters", None)  # a Strategy; else anything with module, optimizer
+    params = list(strategy.module.parameters()) + (list(compute()) if compute else [])
     for opt in _optimizers(strategy):
         params += [p for g in opt.param_groups for p in g["params"]]
     states = [v for opt in _optimizers(strategy) for s in opt.state.values() for v in s.values()]
