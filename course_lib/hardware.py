@@ -19,9 +19,12 @@ from dataclasses import asdict, dataclass, field, replace
 
 import psutil
 
+# The units, one home: every module that counts bytes imports them from here.
 TFLOP = 1e12
-GB = 1e9
-GiB = 2**30
+MB = 1e6
+GB = 1e9  # the ZeRO paper's gigabyte
+MiB = 2**20  # torch's bucket_cap_mb is in MiB
+GiB = 2**30  # what nvidia-smi and torch.cuda report
 
 
 @dataclass(frozen=True)

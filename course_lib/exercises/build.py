@@ -141,7 +141,7 @@ def _manifest(ex: Exercise, release: Path) -> dict:
     }
 
 
-def build(ex: Exercise, run_tests: bool = False, quiet: bool = True, wheel: Path | None = None) -> Path:
+def build_exercise(ex: Exercise, run_tests: bool = False, quiet: bool = True, wheel: Path | None = None) -> Path:
     """Run ``otter assign`` on ``ex``: the student release replaces ``ex.release``, the autograder
     release ``ex.build``. ``wheel``: the course_lib wheel for the Gradescope zip (built here
     when not given). ``run_tests`` makes otter run the tests against the solution while
@@ -181,7 +181,7 @@ def build(ex: Exercise, run_tests: bool = False, quiet: bool = True, wheel: Path
     return ex.release
 
 
-def check(ex: Exercise) -> list[str]:
+def check_exercise(ex: Exercise) -> list[str]:
     """Reasons ``ex.release`` does not match its source (empty list: up to date). Without the
     private source (a public clone) only the release itself is checked: built by this format and
     otter version, and every file as the build wrote it."""

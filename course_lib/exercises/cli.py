@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from course_lib.exercises.build import build, check
+from course_lib.exercises.build import build_exercise, check_exercise
 from course_lib.exercises.colab import setup_cell_problems, sync_setup_cell
 from course_lib.exercises.grade import (
     CELL_TIMEOUT_ENV,
@@ -80,7 +80,7 @@ def cli(argv: list[str] | None = None) -> int:
         return 2
     if args.cmd == "list":
         for ex in exercises:
-            state = "up to date" if not check(ex) else "needs build"
+            state = "up to date" if not check_exercise(ex) else "needs build"
             print(f"{ex.name:<24} {state}")
         return 0
     if args.cmd == "sync":
@@ -100,7 +100,7 @@ def cli(argv: list[str] | None = None) -> int:
         print(f"wrote {len(written)} files of {len(exercises)} exercises into {args.out}")
         return 0
     if args.cmd == "check":
-        stale = {ex.name: check(ex) + (setup_cell_problems(ex) if ex.source.is_file() else []) for ex in exercises}
+        stale = {ex.name: check_exercise(ex) + (setup_cell_problems(ex) if ex.source.is_file() else []) for ex in exercises}
         problems = [msg for msgs in stale.values() for msg in msgs]
         for msg in problems:
             print(msg, file=sys.stderr)
@@ -117,7 +117,7 @@ def cli(argv: list[str] | None = None) -> int:
         wheel = course_wheel(Path(tmp))  # once for all the autograder zips
         for ex in tqdm(exercises, desc="otter assign", unit="exercise", disable=len(exercises) < 2):
             try:
-                build(ex, quiet=not args.verbose, wheel=wheel)
+                build_exercise(ex, quiet=not args.verbose, wheel=wheel)
             except Exception as e:  # noqa: BLE001 - otter's errors vary; report which exercise failed
                 print(f"course exercises: building {ex.name} failed: {e}", file=sys.stderr)
                 return 1

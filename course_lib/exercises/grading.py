@@ -32,7 +32,7 @@ from typing import Any
 
 from course_lib.launch import ranks as _ranks  # the one local rank runner
 
-DEFAULT_TIMEOUT_S = 60.0
+RUN_TIMEOUT_S = 60.0
 TIMEOUT_ENV = "COURSE_GRADING_TIMEOUT"
 MAX_RANKS = 8
 
@@ -50,13 +50,14 @@ def fresh_copy(name: str = "course_lib.exercises.grading"):
 
 _spawn = fresh_copy("course_lib.launch.spawn")  # run_ranks, as its file says
 RankError, RanksTimeoutError = _spawn.RankError, _spawn.RanksTimeoutError
+# convention "grader's copy" (tests/test_one_home.py): the name students know, from a fresh copy of its module
 p2p_only = fresh_copy("course_lib.exercises.p2p").p2p_only  # point-to-point only, bytes counted
 
 
 def default_timeout() -> float:
     value = os.environ.get(TIMEOUT_ENV)
     if not value:
-        return DEFAULT_TIMEOUT_S
+        return RUN_TIMEOUT_S
     try:
         seconds = float(value)
     except ValueError:
@@ -66,6 +67,8 @@ def default_timeout() -> float:
     return seconds
 
 
+# convention "grader's copy" (tests/test_one_home.py): launch.spawn.run_ranks under the name the lessons
+# teach, run from a fresh copy of spawn, with the grader's arguments and time limit
 def run_ranks(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float | None = None) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``nproc`` gloo ranks (started clean, ``fn`` sent by
     value) and return their values (:func:`course_lib.launch.spawn.run_ranks`).

@@ -167,7 +167,7 @@ def lessons_step(out: Path, notebooks: Sequence[Path] | None = None, smoke: bool
 
 # -- verdicts ---------------------------------------------------------------------------------------
 
-def judge(planned: set[str], need) -> list[tuple[str, bool, str]]:
+def judge_course(planned: set[str], need) -> list[tuple[str, bool, str]]:
     """(check, passed, detail) for each of this module's steps in ``planned``; ``need(step,
     check)`` returns the step's figures, or records an error verdict and returns None."""
     out = []

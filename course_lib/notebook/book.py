@@ -178,7 +178,7 @@ def write_sources(executed: dict, src: Path, root: Path) -> None:
         nbformat.write(nb, src / "notebooks" / name)
 
 
-def build(smoke: bool = False, force: bool = False, out: Path | None = None,
+def build_book(smoke: bool = False, force: bool = False, out: Path | None = None,
           executed_dir: Path | None = None, quiet: bool = False) -> Path:
     """Execute (or reuse) every lesson and build the site; returns the folder with index.html."""
     import nbformat
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         out = args.out or repo_root() / "build" / "book"
         print(times_table(out / "executed" / ("smoke" if args.smoke else "full")))
         return 0
-    html = build(args.smoke, args.force, args.out)
+    html = build_book(args.smoke, args.force, args.out)
     print(f"site: {html / 'index.html'}  (publish the folder {html} as static files)")
     return 0
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+from course_lib.hardware import MB
 from course_lib.notebook.plots import _axes
 
-MB = 1e6
 _ROLE_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868",
                 "activations": "#c44e52"}
 
