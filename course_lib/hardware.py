@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import re
+import warnings
 from dataclasses import asdict, dataclass, field, replace
 
 import psutil
@@ -187,8 +188,6 @@ def pick_dtype(profile: HardwareProfile, override: str | None = None) -> str:
 def cpu_autocast_dtypes() -> tuple[str, ...]:
     """The 16-bit dtypes ``torch.autocast("cpu", ...)`` accepts in this torch: bfloat16 always,
     float16 in recent releases (older ones warn and disable autocast: we ask the context itself)."""
-    import warnings
-
     import torch  # here, not at the top: `course --help` does not import torch
 
     ok = []

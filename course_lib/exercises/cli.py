@@ -6,9 +6,12 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
-from course_lib.exercises.build import build_exercise, check_exercise
+from tqdm import tqdm
+
+from course_lib.exercises.build import build_exercise, check_exercise, course_wheel
 from course_lib.exercises.colab import setup_cell_problems, sync_setup_cell
 from course_lib.exercises.grade import (
     CELL_TIMEOUT_ENV,
@@ -18,7 +21,8 @@ from course_lib.exercises.grade import (
     points_text,
 )
 from course_lib.exercises.gradebook import write_csv, write_feedback
-from course_lib.exercises.layout import discover_releases, select
+from course_lib.exercises.layout import default_root, discover_releases, select
+from course_lib.exercises.publish import new_exercise, publish
 
 
 def cli(argv: list[str] | None = None) -> int:
@@ -53,9 +57,6 @@ def cli(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     if args.cmd == "new":
-        from course_lib.exercises.layout import default_root
-        from course_lib.exercises.publish import new_exercise
-
         try:
             path = new_exercise(args.name, args.root if args.root is not None else default_root())
         except (ValueError, FileExistsError, FileNotFoundError) as e:
@@ -89,8 +90,6 @@ def cli(argv: list[str] | None = None) -> int:
                 print(f"rewrote the setup cell of {ex.source}; now run `course exercises build {ex.name}`")
         return 0
     if args.cmd == "publish":
-        from course_lib.exercises.publish import publish
-
         data = args.data if args.data is not None else exercises[0].dir.parent.parent / "data" if exercises else None
         try:
             written = publish(exercises, args.out, data)
@@ -106,12 +105,6 @@ def cli(argv: list[str] | None = None) -> int:
             print(msg, file=sys.stderr)
         print(f"{sum(not m for m in stale.values())}/{len(exercises)} exercises up to date")
         return 1 if problems else 0
-
-    import tempfile
-
-    from tqdm import tqdm
-
-    from course_lib.exercises.build import course_wheel
 
     with tempfile.TemporaryDirectory(prefix="course_wheel_") as tmp:
         wheel = course_wheel(Path(tmp))  # once for all the autograder zips

@@ -70,6 +70,7 @@ def _first(nb, cell_type: str):
 def setup_cell_problems(ex: Exercise) -> list[str]:
     """The first markdown cell of a source must start with the Colab badge and its first code
     cell must be :func:`exercise_setup_cell`, both for the repository in course_lib.utils.GITHUB_REPO."""
+    # nbformat (0.15 s) only where a notebook is read: importing course_lib.exercises stays light
     import nbformat
 
     nb = nbformat.read(ex.source, as_version=4)
@@ -85,6 +86,7 @@ def setup_cell_problems(ex: Exercise) -> list[str]:
 
 def sync_setup_cell(ex: Exercise) -> bool:
     """Rewrite the badge line and the setup cell of ``ex``'s source; True if anything changed."""
+    # nbformat (0.15 s) only where a notebook is read: importing course_lib.exercises stays light
     import nbformat
 
     nb = nbformat.read(ex.source, as_version=4)

@@ -25,6 +25,7 @@ happened. A rank that raises stops the run with :class:`RankError`. :func:`p2p_o
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import traceback
 from collections.abc import Callable, Iterable
@@ -40,8 +41,6 @@ MAX_RANKS = 8
 def fresh_copy(name: str = "course_lib.exercises.grading"):
     """A new module object for ``name``, executed from its file: not the one in ``sys.modules``
     that a notebook cell may have patched. (Tests inline these lines rather than call this.)"""
-    import importlib.util
-
     spec = importlib.util.find_spec(name)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -212,6 +211,7 @@ def assert_close(actual, expected, what: str = "result", atol: float = 1e-6, rto
     """Assert two tensors (or equally long lists of tensors) match; the message gives the first
     element that differs (expected and found) and, with ``factors`` ({"the world size": 3}),
     the factor by which the whole result is off."""
+    # torch only to compare tensors: importing the grading helpers loads no torch
     import torch
 
     if isinstance(expected, torch.Tensor):

@@ -10,6 +10,7 @@ so an instructor who keeps private sources can publish this tree anywhere.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -23,8 +24,6 @@ NAME = re.compile(r"\d\d_[a-z][a-z0-9_]*")
 
 def published_files(ex: Exercise) -> list[Path]:
     """The files of ``ex``'s student release that its manifest lists, and the manifest."""
-    import json
-
     manifest = json.loads((ex.release / MANIFEST).read_text(encoding="utf-8"))
     return [ex.release / rel for rel in sorted(manifest["files"])] + [ex.release / MANIFEST]
 
@@ -59,6 +58,7 @@ def publish(exercises: list[Exercise], out: str | Path, data: Path | None = None
 
 
 def _template(name: str) -> list:
+    # nbformat (0.15 s) only where a notebook is read: importing course_lib.exercises stays light
     import nbformat
 
     md, code, raw = nbformat.v4.new_markdown_cell, nbformat.v4.new_code_cell, nbformat.v4.new_raw_cell
@@ -106,6 +106,7 @@ def _template(name: str) -> list:
 def new_exercise(name: str, root: str | Path) -> Path:
     """Write ``root/NAME/NAME.ipynb``: a source in the course's format (badge, assignment
     config, setup cell, one question with its solution, a public and a hidden test)."""
+    # nbformat (0.15 s) only where a notebook is read: importing course_lib.exercises stays light
     import nbformat
 
     if not NAME.fullmatch(name):

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from course_lib.experiments import gpu_check_course
 from course_lib.utils import atomic_write_bytes, repo_root
 
 NANOGPT_VAL_LOSS = 1.4697  # nanoGPT README, shakespeare_char, best val loss on one A100
@@ -118,8 +119,6 @@ def _verdict(check: str, ok: bool, detail: str) -> CheckVerdict:
 
 def judge(figures: dict, errors: dict[str, str], wall_s: float, plan=PLAN) -> list[CheckVerdict]:
     """The pass/fail of each check from the figures the steps returned (a pure function)."""
-    from course_lib.experiments import gpu_check_course
-
     out = []
 
     def need(step: str, check: str) -> dict | None:
@@ -204,10 +203,10 @@ def run_check(out: str | Path, steps: dict[str, Callable[[Path], dict]] | None =
     """Run each step of ``plan`` (``steps`` maps a name to its function; default the real ones),
     keep going past a failed step, save the JSON after each, then judge and write the report."""
     if steps is None:
-        from course_lib.experiments import gpu_check_course as c
         from course_lib.experiments import gpu_check_steps as m  # imports torch: only when measuring
 
-        steps = {s.name: getattr(c if s.name in COURSE_STEPS else m, f"{s.name}_step") for s in plan}
+        steps = {s.name: getattr(gpu_check_course if s.name in COURSE_STEPS else m, f"{s.name}_step")
+                 for s in plan}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "figures": {}, "errors": {},

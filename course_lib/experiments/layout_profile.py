@@ -20,19 +20,19 @@ import os
 import time
 from contextlib import nullcontext
 
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
 from course_lib.experiments.profiling import LABELS, _events, labelled
 from course_lib.experiments.step_intervals import STEP, classify_events
+from course_lib.gpt.model import GPT, GPTConfig
+from course_lib.launch.spawn import run_ranks
+from course_lib.parallel.model_parallel import ModelParallel
+from course_lib.parallel.process_groups import ProcessGroupGrid
+from course_lib.parallel.step import train_step
 
 
 def profile_layout_worker(rank: int, world_size: int, spec: dict) -> dict:
-    import torch
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    from course_lib.gpt.model import GPT, GPTConfig
-    from course_lib.parallel.model_parallel import ModelParallel
-    from course_lib.parallel.process_groups import ProcessGroupGrid
-    from course_lib.parallel.step import train_step
-
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's library is quiet
     lay = spec["layout"]
     grid = ProcessGroupGrid(dp=world_size // (lay["tp"] * lay["pp"] * lay["cp"]), tp=lay["tp"], pp=lay["pp"],
@@ -69,8 +69,6 @@ def profile_layout(world_size: int = 4, tp: int = 1, pp: int = 1, cp: int = 1, s
                    grad_accum: int = 4, warmup: int = 1) -> list[dict]:
     """Profile one step of the layout on ``world_size`` gloo ranks (dp = the rest); one dict per rank
     (what :func:`~course_lib.experiments.step_intervals.classify_events` returns, plus rank and wall_ms)."""
-    from course_lib.launch.spawn import run_ranks
-
     if world_size % (tp * pp * cp):
         raise ValueError(f"world_size {world_size} is not divisible by tp*pp*cp = {tp * pp * cp}")
     gpt = {"block_size": 64, "vocab_size": 65, "n_layer": 4, "n_head": 4, "n_embd": 128, "dropout": 0.0, **(gpt or {})}

@@ -128,6 +128,7 @@ def shard_table(reports: list[list[dict]]):
     """The reports pulled from the ranks as one table: a row per strategy, rank and phase, each byte
     count next to the model's (``measured/model``: 1 up to padding and Adam's step counters, but
     above 1 for ZeRO-2's gradients during backward, whose buckets in flight are still whole)."""
+    # pandas only for the notebook's table: every %ranks engine imports this module
     import pandas as pd
 
     frame = pd.DataFrame([row for rows in reports for row in rows]).set_index(["phase", "strategy", "rank"])
@@ -141,6 +142,7 @@ def shard_table(reports: list[list[dict]]):
 def differences(pulled: list[dict[str, dict[str, torch.Tensor]]], reference: dict[str, torch.Tensor]):
     """Largest |parameter - reference| of each strategy on each rank (``pulled``: one dict per rank,
     strategy -> full parameters, as :meth:`ZeroWalk.full_parameters` gives them)."""
+    # pandas only for the notebook's table: every %ranks engine imports this module
     import pandas as pd
 
     return pd.Series({(name, rank): max((params[k] - reference[k]).abs().max().item() for k in reference)

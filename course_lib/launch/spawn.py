@@ -52,6 +52,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), backend
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
     if backend == "nccl":
+        # torch only to count GPUs for NCCL: a gloo run needs no torch in the parent
         import torch
 
         gpus = torch.cuda.device_count()  # asks NVML: no CUDA context in the parent

@@ -29,6 +29,7 @@ from course_lib.analysis.memory import (
     resolve_gpu,
 )
 from course_lib.hardware import PROFILES
+from course_lib.notebook.static import snapshot_bundle
 
 CUSTOM = "custom"  # the model choice "give a parameter count" (model states only)
 DP_CHOICES = tuple(2**i for i in range(11))  # 1, 2, 4, ..., 1024 data-parallel ranks
@@ -257,8 +258,6 @@ class MemoryCalculator:
 
     def _repr_mimebundle_(self, **kwargs):
         """The widget, plus its controls, table and chart as static HTML (what a saved notebook shows)."""
-        from course_lib.notebook.static import snapshot_bundle
-
         return snapshot_bundle(self.widget)
 
 
