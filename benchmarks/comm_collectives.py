@@ -14,9 +14,9 @@ from pathlib import Path
 
 from course_lib.analysis.comm_cost import fit_alpha_beta
 from course_lib.experiments.comm_bench import (
-    BACKENDS,
+    BENCH_BACKENDS,
     OPS,
-    format_table,
+    format_bench_table,
     parse_sizes,
     plot_comm_bench,
     run_benchmark,
@@ -31,7 +31,7 @@ FIT_ALGORITHM = {"all_reduce": "ring", "reduce_scatter": "ring", "all_gather": "
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    p.add_argument("--backend", choices=BACKENDS, default="gloo")
+    p.add_argument("--backend", choices=BENCH_BACKENDS, default="gloo")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--sizes", default="1K:256M", help="MIN:MAX or a list (default 1K:256M)")
     p.add_argument("--factor", type=int, default=4, help="step of a MIN:MAX range (default 4)")
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
                              timeout_s=3600, jsonl_path=jsonl)
     except ValueError as e:
         p.error(str(e))
-    print(format_table(rows))
+    print(format_bench_table(rows))
     print(f"\nalpha-beta fit (course_lib.analysis.comm_cost), {args.nproc} ranks:")
     for op in dict.fromkeys(r["op"] for r in rows):
         rs = [r for r in rows if r["op"] == op]

@@ -15,13 +15,17 @@ import argparse
 import json
 import os
 import re
+import warnings
 from dataclasses import asdict, dataclass, field, replace
 
 import psutil
 
+# The units, one home: every module that counts bytes imports them from here.
 TFLOP = 1e12
-GB = 1e9
-GiB = 2**30
+MB = 1e6
+GB = 1e9  # the ZeRO paper's gigabyte
+MiB = 2**20  # torch's bucket_cap_mb is in MiB
+GiB = 2**30  # what nvidia-smi and torch.cuda report
 
 
 @dataclass(frozen=True)
@@ -184,8 +188,6 @@ def pick_dtype(profile: HardwareProfile, override: str | None = None) -> str:
 def cpu_autocast_dtypes() -> tuple[str, ...]:
     """The 16-bit dtypes ``torch.autocast("cpu", ...)`` accepts in this torch: bfloat16 always,
     float16 in recent releases (older ones warn and disable autocast: we ask the context itself)."""
-    import warnings
-
     import torch  # here, not at the top: `course --help` does not import torch
 
     ok = []

@@ -4,6 +4,7 @@ installs, Colab links and badges), which lessons and exercises share."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import socket
@@ -11,6 +12,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
@@ -108,9 +110,6 @@ def init_process_group(backend: str, *, timeout_s: float | None = None, device=N
     sets). ``timeout_s``: the collective timeout. ``device``: this rank's device; NCCL binds its
     communicator to it (``device_id``, where the installed torch takes it: feature-detected).
     """
-    import inspect
-    from datetime import timedelta
-
     import torch
     import torch.distributed as dist  # here: importing course_lib.utils must not import torch
 

@@ -113,7 +113,7 @@ def test_front_page_is_the_readme_course_table():
 def site(tmp_path_factory, smoke_executed):
     from course_lib.notebook import book
 
-    html = book.build(smoke=True, out=tmp_path_factory.mktemp("book"), executed_dir=smoke_executed, quiet=True)
+    html = book.build_book(smoke=True, out=tmp_path_factory.mktemp("book"), executed_dir=smoke_executed, quiet=True)
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(html))
     handler.log_message = lambda *args: None
     server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), handler)

@@ -10,10 +10,10 @@ import json
 
 import pytest
 
-from course_lib.analysis.comm_cost import busbw_factor, bytes_per_rank
+from course_lib.analysis.comm_cost import OPS, busbw_factor, bytes_per_rank
 from course_lib.experiments import comm_bench
 from course_lib.experiments.comm_bench import parse_size, parse_sizes, run_benchmark
-from course_lib.experiments.comm_bench_workers import OPS, expected, make_row, plan
+from course_lib.experiments.comm_bench_workers import bench_plan, expected, make_row
 from course_lib.hardware import gpu_count
 
 
@@ -32,10 +32,10 @@ def test_sizes():
 
 
 def test_sizes_are_rounded_to_whole_elements_per_rank():
-    assert plan(["all_reduce"], [1023, 1024], 3) == [("all_reduce", 1020), ("all_reduce", 1024)]
-    assert plan(["all_gather", "reduce_scatter"], [1024], 3) == [("all_gather", 1020),
-                                                                 ("reduce_scatter", 1020)]
-    assert plan(["broadcast", "all_gather"], [1], 3) == [("broadcast", 4), ("all_gather", 12)]
+    assert bench_plan(["all_reduce"], [1023, 1024], 3) == [("all_reduce", 1020), ("all_reduce", 1024)]
+    assert bench_plan(["all_gather", "reduce_scatter"], [1024], 3) == [("all_gather", 1020),
+                                                                       ("reduce_scatter", 1020)]
+    assert bench_plan(["broadcast", "all_gather"], [1], 3) == [("broadcast", 4), ("all_gather", 12)]
 
 
 def test_expected_results_and_row_arithmetic():
@@ -71,7 +71,7 @@ def test_bad_configurations_fail_before_starting_processes(monkeypatch):
 
 
 def check_rows(rows, backend, p, sizes):
-    assert [(r["op"], r["size_bytes"]) for r in rows] == plan(OPS, sizes, p)
+    assert [(r["op"], r["size_bytes"]) for r in rows] == bench_plan(OPS, sizes, p)
     for r in rows:
         op, size = r["op"], r["size_bytes"]
         assert r["backend"] == backend and r["nproc"] == p and r["correct"], r
@@ -121,7 +121,7 @@ def test_cli_json_csv_and_plot(tmp_path, capsys):
         table = list(csv.DictReader(f))
     assert [int(r["size_bytes"]) for r in table] == [r["size_bytes"] for r in rows]
     assert png.stat().st_size > 1000
-    assert "busbw GB/s" in comm_bench.format_table(rows)
+    assert "busbw GB/s" in comm_bench.format_bench_table(rows)
     with pytest.raises(SystemExit) as e:
         comm_bench.cli(["comm", "--backend", "gloo", "--sizes", "1M:1K"])
     assert e.value.code == 2 and "goes down" in capsys.readouterr().err

@@ -15,7 +15,7 @@ import math
 import pytest
 
 from course_lib.analysis.comm_cost import (
-    ALGORITHMS,
+    COLLECTIVE_ALGORITHMS,
     algbw,
     busbw,
     busbw_factor,
@@ -153,7 +153,7 @@ def test_bad_inputs():
         collective_time("all_reduce", 1, 0, bandwidth=1)
     with pytest.raises(ValueError, match="bandwidth must be > 0"):
         collective_time("all_reduce", 1, 2, bandwidth=0)
-    assert set(ALGORITHMS) == {"broadcast", "reduce", "all_reduce", "reduce_scatter", "all_gather"}
+    assert set(COLLECTIVE_ALGORITHMS) == {"broadcast", "reduce", "all_reduce", "reduce_scatter", "all_gather"}
 
 
 def test_fit_alpha_beta_recovers_the_link():

@@ -57,7 +57,7 @@ def test_at_least_five_releases_in_order():
 
 @pytest.mark.parametrize("ex", RELEASES, ids=IDS)
 def test_release_is_as_its_build_wrote_it(ex, tmp_path):
-    assert exercises.check(_public_view(ex, tmp_path)) == []
+    assert exercises.check_exercise(_public_view(ex, tmp_path)) == []
     files = {p.relative_to(ex.release).parts[0] for p in ex.release.rglob("*")
              if p.is_file() and "__pycache__" not in p.parts}
     assert files == {ex.student_notebook.name, "tests", exercises.MANIFEST}
@@ -68,12 +68,12 @@ def test_check_without_sources_finds_a_hand_edit(tmp_path):
     src = RELEASES[-1]
     shutil.copytree(src.release, tmp_path / exercises.RELEASES / src.name)
     (ex,) = [_public_view(e, tmp_path) for e in exercises.discover_releases(tmp_path)]
-    assert exercises.check(ex) == []
+    assert exercises.check_exercise(ex) == []
     test = next(ex.student_tests.glob("*.py"))
     test.write_text(test.read_text() + "\n# a comment\n")
-    assert any("edited by hand" in m for m in exercises.check(ex))
+    assert any("edited by hand" in m for m in exercises.check_exercise(ex))
     (ex.release / "notes.txt").write_text("extra")
-    assert any("not written by the build" in m for m in exercises.check(ex))
+    assert any("not written by the build" in m for m in exercises.check_exercise(ex))
 
 
 @pytest.mark.parametrize("ex", RELEASES, ids=IDS)

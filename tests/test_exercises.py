@@ -131,7 +131,7 @@ def built_and_wheel(tmp_path_factory):
     wheel = course_wheel(tmp / "wheel")
     copies = exercises.discover(tmp / exercises.SOURCES)
     for copy in copies:
-        exercises.build(copy, wheel=wheel)
+        exercises.build_exercise(copy, wheel=wheel)
     return {ex.name: ex for ex in copies}, wheel
 
 
@@ -157,7 +157,7 @@ def test_every_source_has_its_release_and_every_release_its_source():
 def test_source_is_clean_and_release_is_fresh(ex):
     assert exercises.source_problems(ex) == []  # committed without outputs
     assert exercises.setup_cell_problems(ex) == []  # installs on Colab only, current repository
-    assert exercises.check(ex) == []  # the release was built from this source and not edited since
+    assert exercises.check_exercise(ex) == []  # the release was built from this source and not edited since
 
 
 @pytest.mark.timeout(300)
@@ -180,24 +180,24 @@ def test_check_reports_stale_and_hand_edited_release(tmp_path):
     shutil.copytree(src.dir, tmp_path / exercises.SOURCES / src.name)
     shutil.copytree(src.release, tmp_path / exercises.RELEASES / src.name)
     ex = exercises.discover(tmp_path / exercises.SOURCES)[0]
-    assert exercises.check(ex) == []
+    assert exercises.check_exercise(ex) == []
 
     student = ex.student_notebook
     student.write_text(student.read_text().replace("grader.check", "grader.check "), encoding="utf-8")
-    assert any("edited by hand" in m for m in exercises.check(ex))
+    assert any("edited by hand" in m for m in exercises.check_exercise(ex))
     shutil.copy2(src.student_notebook, student)
 
     (ex.release / "notes.txt").write_text("extra")
-    assert any("not written by the build" in m for m in exercises.check(ex))
+    assert any("not written by the build" in m for m in exercises.check_exercise(ex))
     (ex.release / "notes.txt").unlink()
 
     nb = nbformat.read(ex.source, as_version=4)
     nb.cells.append(nbformat.v4.new_markdown_cell("One more paragraph."))
     nbformat.write(nb, ex.source)
-    assert any("changed since its release was built" in m for m in exercises.check(ex))
+    assert any("changed since its release was built" in m for m in exercises.check_exercise(ex))
 
     (ex.release / exercises.MANIFEST).unlink()
-    assert any("run `course exercises build" in m for m in exercises.check(ex))
+    assert any("run `course exercises build" in m for m in exercises.check_exercise(ex))
 
 
 def test_sync_rewrites_badge_and_setup_cell(tmp_path):
@@ -231,7 +231,7 @@ def test_build_refuses_a_source_with_outputs(tmp_path):
     nbformat.write(nb, tmp_path / src.name / src.source.name)
     ex = exercises.discover(tmp_path)[0]
     with pytest.raises(ValueError, match="has outputs"):
-        exercises.build(ex)
+        exercises.build_exercise(ex)
     assert not ex.release.exists() and not ex.build.exists()
 
 

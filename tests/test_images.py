@@ -34,7 +34,7 @@ def test_issue_diagrams_exist():
 
 
 def test_committed_renderings_are_up_to_date_and_valid():
-    assert diagrams_build.check() == [], "run `make images` and commit images/diagrams/rendered/"
+    assert diagrams_build.check_diagrams() == [], "run `make images` and commit images/diagrams/rendered/"
     rendered = ROOT / diagrams.RENDERED
     manifest = json.loads((rendered / "manifest.json").read_text())
     assert set(manifest["diagrams"]) == set(diagrams.names())
@@ -56,7 +56,7 @@ def test_validators_reject_broken_files():
 @pytest.fixture
 def tmp_repo(tmp_path):
     """A copy of images/diagrams with two diagrams, their renderings and a trimmed manifest."""
-    src, dst = ROOT / diagrams.SOURCES, tmp_path / diagrams.SOURCES
+    src, dst = ROOT / diagrams.DIAGRAM_SOURCES, tmp_path / diagrams.DIAGRAM_SOURCES
     (dst / "rendered").mkdir(parents=True)
     shutil.copy(src / diagrams.CONFIG, dst / diagrams.CONFIG)
     manifest = json.loads((ROOT / diagrams.RENDERED / "manifest.json").read_text())
@@ -71,21 +71,21 @@ def tmp_repo(tmp_path):
 
 
 def test_check_notices_every_kind_of_staleness(tmp_repo):
-    d = tmp_repo / diagrams.SOURCES
-    assert diagrams_build.check(tmp_repo) == []
+    d = tmp_repo / diagrams.DIAGRAM_SOURCES
+    assert diagrams_build.check_diagrams(tmp_repo) == []
     # CRLF line endings (a Windows checkout) are not a change
     (d / "broadcast.mmd").write_bytes((d / "broadcast.mmd").read_bytes().replace(b"\n", b"\r\n"))
-    assert diagrams_build.check(tmp_repo) == []
+    assert diagrams_build.check_diagrams(tmp_repo) == []
     (d / "broadcast.mmd").write_text((d / "broadcast.mmd").read_text() + "    r3 --> r1\n")
     (d / "rendered" / "dp_step.png").write_bytes(b"not a png")
     (d / "new_one.mmd").write_text("flowchart LR\n a --> b\n")
-    problems = "\n".join(diagrams_build.check(tmp_repo))
+    problems = "\n".join(diagrams_build.check_diagrams(tmp_repo))
     assert "broadcast: broadcast.mmd changed since it was rendered" in problems
     assert "dp_step.png is not a valid PNG" in problems
     assert "new_one: never rendered" in problems
     (d / "dp_step.mmd").unlink()
     (d / diagrams.CONFIG).write_text('{"theme": "dark"}')
-    problems = "\n".join(diagrams_build.check(tmp_repo))
+    problems = "\n".join(diagrams_build.check_diagrams(tmp_repo))
     assert "dp_step: rendered, but dp_step.mmd no longer exists" in problems
     assert "mermaid-config.json changed" in problems
 
@@ -93,7 +93,7 @@ def test_check_notices_every_kind_of_staleness(tmp_repo):
 def test_check_notices_a_hand_edited_rendering(tmp_repo):
     svg = tmp_repo / diagrams.RENDERED / "dp_step.svg"
     svg.write_text(svg.read_text().replace("</svg>", "<!-- touched up by hand --></svg>"))
-    assert [p for p in diagrams_build.check(tmp_repo) if "differs from the recorded rendering" in p]
+    assert [p for p in diagrams_build.check_diagrams(tmp_repo) if "differs from the recorded rendering" in p]
 
 
 FAKE_MMDC = '''#!{python}
@@ -118,27 +118,27 @@ def test_build_renders_only_stale_diagrams_and_records_hashes(tmp_repo, tmp_path
     mmdc.chmod(0o755)
     monkeypatch.setenv("COURSE_MMDC", str(mmdc))
     monkeypatch.setenv("COURSE_CHROMIUM", sys.executable)  # any existing file: the stand-in ignores it
-    d = tmp_repo / diagrams.SOURCES
+    d = tmp_repo / diagrams.DIAGRAM_SOURCES
     # a new renderer version re-renders everything
-    assert diagrams_build.build(root=tmp_repo) == ["broadcast", "dp_step"]
-    assert diagrams_build.check(tmp_repo) == []
-    assert diagrams_build.build(root=tmp_repo) == []  # nothing stale
+    assert diagrams_build.build_diagrams(root=tmp_repo) == ["broadcast", "dp_step"]
+    assert diagrams_build.check_diagrams(tmp_repo) == []
+    assert diagrams_build.build_diagrams(root=tmp_repo) == []  # nothing stale
     (d / "broadcast.mmd").write_text("flowchart LR\n a --> b\n")
     (d / "dp_step.mmd").unlink()
-    assert diagrams_build.build(root=tmp_repo) == ["broadcast"]
+    assert diagrams_build.build_diagrams(root=tmp_repo) == ["broadcast"]
     manifest = diagrams_build.load_manifest(tmp_repo)
     assert manifest["renderer"] == "@mermaid-js/mermaid-cli 0.0-test"
     assert set(manifest["diagrams"]) == {"broadcast"}
     assert not (d / "rendered" / "dp_step.svg").exists()
     assert "broadcast.mmd" in (d / "rendered" / "broadcast.svg").read_text()
-    assert diagrams_build.check(tmp_repo) == []
+    assert diagrams_build.check_diagrams(tmp_repo) == []
     # a failing render raises with mmdc's message and leaves the last good rendering in place
     (d / "broadcast.mmd").write_text("flowchart LR\n syntax error\n")
     with pytest.raises(RuntimeError, match="Parse error on line 2"):
-        diagrams_build.build(root=tmp_repo)
+        diagrams_build.build_diagrams(root=tmp_repo)
     assert "broadcast.mmd" in (d / "rendered" / "broadcast.svg").read_text()
     with pytest.raises(ValueError, match="no diagram named 'nope'"):
-        diagrams_build.build(["nope"], root=tmp_repo)
+        diagrams_build.build_diagrams(["nope"], root=tmp_repo)
 
 
 def test_build_says_how_to_get_mermaid_cli(monkeypatch, capsys):
@@ -308,12 +308,12 @@ def test_service_errors_and_timeouts_fall_back(fake_ink):
 def test_without_a_clone_the_packaged_copy_is_shown(monkeypatch, tmp_path):
     """An installed wheel (Colab) has no images/: the package's _diagrams, a link to images/diagrams
     here and a copy in the wheel (tests/test_colab_wheel.py checks the wheel's bytes)."""
-    assert diagrams.PACKAGED.resolve() == (ROOT / diagrams.SOURCES).resolve()
+    assert diagrams.PACKAGED.resolve() == (ROOT / diagrams.DIAGRAM_SOURCES).resolve()
     monkeypatch.setattr(diagrams, "repo_root", lambda: None)
     fig = diagrams.diagram("dp_step")
     assert fig.how == "committed" and fig.svg == (ROOT / diagrams.RENDERED / "dp_step.svg").read_text()
-    assert diagrams.mermaid_source("broadcast") == (ROOT / diagrams.SOURCES / "broadcast.mmd").read_text()
-    assert diagrams.names() == sorted(p.stem for p in (ROOT / diagrams.SOURCES).glob("*.mmd"))
+    assert diagrams.mermaid_source("broadcast") == (ROOT / diagrams.DIAGRAM_SOURCES / "broadcast.mmd").read_text()
+    assert diagrams.names() == sorted(p.stem for p in (ROOT / diagrams.DIAGRAM_SOURCES).glob("*.mmd"))
     monkeypatch.setenv("MERMAID_INK_SERVER", f"http://127.0.0.1:{free_port()}")
     fig = diagrams.diagram("dp_step", source="flowchart LR\n a --> b", live=True)
     assert fig.how == "source" and fig.source == "flowchart LR\n a --> b"

@@ -28,7 +28,6 @@ from course_lib.analysis.activations import (
 from course_lib.analysis.memory import (
     GB,
     PRESETS,
-    GiB,
     ModelShape,
     breakdown,
     fits,
@@ -37,6 +36,7 @@ from course_lib.analysis.memory import (
     shard_numel,
     zero_stages,
 )
+from course_lib.hardware import GiB
 
 # ZeRO paper, Table 1 ("Per-device memory consumption of different optimizations in ZeRO-DP as a
 # function of DP degree"), as printed: GB per device for P_os, P_os+g, P_os+g+p.

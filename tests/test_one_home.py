@@ -37,3 +37,85 @@ def test_one_writer_of_config_json():
                if '"config.json"' in p.read_text() and ("atomic_write" in p.read_text() or "write_text" in p.read_text())]
     assert writers == ["gpt/config.py"], f"config.json written outside TrainConfig.save: {writers}"
     assert set(_calls("save")) >= {"trainer/metrics.py", "launch/training.py"}  # the two moments it is written
+
+
+# ------------------------------------------------------------------ each public name defined once
+
+# The public names defined in more than one module on purpose (at most 5): name -> its modules. Each
+# definition outside the first module says "convention" in a comment on its line or just above it.
+CONVENTIONS = {
+    # grader's copy: exercises.grading gives the exercises' tests the names the lessons taught, from
+    # fresh copies of their modules (a cell that patched the original cannot change a grade)
+    "run_ranks": ("launch/spawn.py", "exercises/grading.py"),
+    "p2p_only": ("exercises/p2p.py", "exercises/grading.py"),
+}
+ENTRY_NAMES = {"main", "cli", "register", "__all__"}  # each command's module has its own
+
+
+def public_definitions(package: Path = PACKAGE) -> dict[str, list[tuple[str, int]]]:
+    """name -> [(module path, line)] for every public top-level def, class or assignment (an import,
+    re-export included, is no definition). The generated copies under ``_course`` are skipped."""
+    found: dict[str, list[tuple[str, int]]] = {}
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package).as_posix()
+        if rel.startswith("_"):
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names = [node.name]
+            elif isinstance(node, ast.Assign):
+                names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names = [node.target.id]
+            else:
+                continue
+            lineno = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+            for name in names:
+                if not name.startswith("_") and name not in ENTRY_NAMES:
+                    found.setdefault(name, []).append((rel, lineno))
+    return found
+
+
+def second_definitions(package: Path = PACKAGE, conventions: dict = CONVENTIONS) -> list[str]:
+    problems = []
+    for name, where in sorted(public_definitions(package).items()):
+        modules = tuple(rel for rel, _ in where)
+        if len(modules) < 2:
+            continue
+        if set(modules) != set(conventions.get(name, ())):
+            problems.append(f"{name} is defined in {', '.join(modules)}: keep one home and import it, "
+                            "or give each thing its own name")
+            continue
+        for rel, lineno in where:
+            if rel == conventions[name][0]:  # the home
+                continue
+            lines = (package / rel).read_text().splitlines()
+            above = lines[max(0, lineno - 3):lineno]
+            if not any("convention" in line for line in above):
+                problems.append(f"{rel}:{lineno} defines {name} again without a comment naming its convention")
+    return problems
+
+
+def test_each_public_name_is_defined_once():
+    assert len(CONVENTIONS) <= 5
+    problems = second_definitions()
+    assert not problems, "\n".join(problems)
+
+
+def test_the_check_sees_a_second_definition(tmp_path):
+    pkg = tmp_path / "course_lib"
+    (pkg / "gpt").mkdir(parents=True)
+    (pkg / "analysis").mkdir()
+    (pkg / "_course").mkdir()
+    (pkg / "analysis" / "memory.py").write_text("GB = 1e9\ndef main(): pass\n_x = 1\n")
+    (pkg / "gpt" / "model.py").write_text("from course_lib.analysis.memory import GB\ndef main(): pass\n_x = 2\n")
+    (pkg / "_course" / "copy.py").write_text("GB = 1e9\n")  # a generated copy: not counted
+    assert second_definitions(pkg) == []  # an import is no second definition, nor main, nor _x
+    (pkg / "gpt" / "model.py").write_text("GB: float = 1e9\n")
+    (problem,) = second_definitions(pkg)
+    assert problem.startswith("GB is defined in analysis/memory.py, gpt/model.py: keep one home")
+    conventions = {"GB": ("analysis/memory.py", "gpt/model.py")}
+    (problem,) = second_definitions(pkg, conventions)
+    assert problem == "gpt/model.py:1 defines GB again without a comment naming its convention"
+    (pkg / "gpt" / "model.py").write_text("# convention: the paper's unit, here too\nGB: float = 1e9\n")
+    assert second_definitions(pkg, conventions) == []

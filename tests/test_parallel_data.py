@@ -26,8 +26,9 @@ from torch import nn
 
 from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.launch.spawn import run_ranks
-from course_lib.parallel.strategy import STRATEGIES, build_strategy
+from course_lib.parallel.strategy import build_strategy
 from course_lib.parallel.toy import ToyMLP, adamw, toy_batch
+from course_lib.registry import STRATEGIES
 
 STEPS, ACCUM, MICRO_B, MAX_NORM = 10, 2, 2, 0.5
 TOL = 1e-6

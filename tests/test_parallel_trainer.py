@@ -18,7 +18,7 @@ import torch.distributed as dist
 from course_lib.gpt.config import STRATEGY_NAMES, make_config
 from course_lib.gpt.data import prepare
 from course_lib.launch.spawn import run_ranks
-from course_lib.parallel.strategy import STRATEGIES
+from course_lib.registry import STRATEGIES
 
 ITERS = 6
 TINY = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "batch_size": 4,

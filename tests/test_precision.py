@@ -15,7 +15,7 @@ from course_lib.analysis.memory import ModelShape, breakdown
 from course_lib.analysis.precision import (
     FORMATS,
     TORCH_DTYPES,
-    format_table,
+    number_format_rows,
     recompute_flops_factor,
     selective_overhead,
     trainer_activation_bytes,
@@ -49,7 +49,7 @@ def test_formats_match_their_published_ranges_and_torch_finfo():
         assert fi.smallest_normal == f.smallest_normal
     assert FORMATS["tf32"].bits == 19 and FORMATS["tf32"].eps == FORMATS["fp16"].eps
     assert FORMATS["tf32"].max == pytest.approx(FORMATS["fp32"].max, rel=1e-3)  # fp32's range
-    assert format_table()[0]["format"] == "fp32"
+    assert number_format_rows()[0]["format"] == "fp32"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])

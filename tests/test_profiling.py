@@ -12,8 +12,8 @@ import json
 
 import pytest
 
-from course_lib.experiments.profiling import merge_traces, profile_step
-from course_lib.experiments.step_intervals import classify, intersect, merge, subtract, total
+from course_lib.experiments.profiling import merge_traces, profile_training_step
+from course_lib.experiments.step_intervals import classify_events, intersect, merge, subtract, total
 from course_lib.notebook.plots import plot_step_timeline
 
 GPT = {"block_size": 32, "vocab_size": 65, "n_layer": 2, "n_head": 2, "n_embd": 64}
@@ -42,7 +42,7 @@ def test_classify_synthetic_step():
               _ev("backward", 1040, 1080), _ev("autograd::engine::evaluate_function: AddmmBackward0", 1040, 1080),
               _ev("c10d::allreduce_", 1060, 1062), _ev("gloo:all_reduce", 1060, 1090, thread=7),
               _ev("Optimizer.step#AdamW.step", 1090, 1095), _ev("gloo:all_reduce", 2000, 2100, thread=7)]
-    r = classify(events)
+    r = classify_events(events)
     assert r["step_ms"] == pytest.approx(0.100)
     assert r["compute_ms"] == pytest.approx(0.083)  # 0-95 minus the 2 us launch and the 10 us wait
     assert r["comm_ms"] == pytest.approx(0.030)  # the launch lies inside gloo's 60-90
@@ -51,11 +51,11 @@ def test_classify_synthetic_step():
     assert r["other_ms"] == pytest.approx(0.005)
     assert r["phases"] == {"forward": (0.0, 0.040), "backward": (0.040, 0.080)}
     with pytest.raises(ValueError, match="train_step"):
-        classify(events[1:])
+        classify_events(events[1:])
 
 
 def test_step_timeline_draws_what_classify_found():
-    r = classify([_ev("train_step", 0, 100), _ev("forward", 0, 40), _ev("aten::mm", 0, 80),
+    r = classify_events([_ev("train_step", 0, 100), _ev("forward", 0, 40), _ev("aten::mm", 0, 80),
                   _ev("gloo:all_reduce", 60, 90, thread=7)])
     fig = plot_step_timeline([dict(r, rank=0, strategy="ddp")])
     lanes = fig.axes[0].collections  # broken_barh: one per phase, then compute, then comm
@@ -73,16 +73,16 @@ def test_classify_gpu_kernels():
     events = [_ev("train_step", 0, 100), _ev("aten::mm", 0, 100),  # CPU side: launches only
               _ev("sm80_xmma_gemm", 10, 50, thread=0, device="cuda"),
               _ev("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 40, 70, thread=0, device="cuda")]
-    r = classify(events)
+    r = classify_events(events)
     assert (r["device"], r["compute_ms"], r["comm_ms"], r["overlap_ms"]) == ("cuda", 0.040, 0.030, 0.010)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_gloo_ranks(tmp_path):
-    naive = profile_step("ddp_naive", 2, gpt=GPT, batch_size=4)
-    bucketed = profile_step("ddp", 2, gpt=GPT, batch_size=4, trace_dir=tmp_path, bucket_cap_mb=0.02)
-    one = profile_step("single", 1, gpt=GPT, batch_size=4)
+    naive = profile_training_step("ddp_naive", 2, gpt=GPT, batch_size=4)
+    bucketed = profile_training_step("ddp", 2, gpt=GPT, batch_size=4, trace_dir=tmp_path, bucket_cap_mb=0.02)
+    one = profile_training_step("single", 1, gpt=GPT, batch_size=4)
     for r in naive + bucketed:
         assert r["comm_ms"] > 0 and r["compute_ms"] > 0
         # compute and communication cover most of the step; the rest is Python between ops
@@ -120,8 +120,8 @@ def test_merge_traces_aligns_bases(tmp_path):
 
 def test_bad_input():
     with pytest.raises(ValueError, match="unknown strategy"):
-        profile_step("zero9")
+        profile_training_step("zero9")
     with pytest.raises(ValueError, match="one rank"):
-        profile_step("single", 2)
+        profile_training_step("single", 2)
     with pytest.raises(ValueError, match="device"):
-        profile_step("ddp", device="tpu")
+        profile_training_step("ddp", device="tpu")

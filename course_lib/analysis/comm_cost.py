@@ -42,14 +42,14 @@ import numpy as np
 
 from course_lib.analysis.memory import model_state_bytes
 
-ALGORITHMS: dict[str, tuple[str, ...]] = {
+COLLECTIVE_ALGORITHMS: dict[str, tuple[str, ...]] = {
     "broadcast": ("binomial", "linear", "scatter_allgather"),
     "reduce": ("binomial", "linear", "rabenseifner"),
     "all_reduce": ("ring", "naive", "tree", "recursive_doubling", "rabenseifner"),
     "reduce_scatter": ("ring", "recursive_halving"),
     "all_gather": ("ring", "recursive_doubling", "bruck"),
 }
-OPS = tuple(ALGORITHMS)
+OPS = tuple(COLLECTIVE_ALGORITHMS)
 
 
 def _lg(p: int) -> int:
@@ -58,11 +58,11 @@ def _lg(p: int) -> int:
 
 def _check(op: str, nbytes: float, p: int, bandwidth: float, alpha: float, gamma: float,
            algorithm: str | None) -> str:
-    if op not in ALGORITHMS:
+    if op not in COLLECTIVE_ALGORITHMS:
         raise ValueError(f"collective must be one of {OPS}, got {op!r}")
-    algorithm = algorithm or ALGORITHMS[op][0]
-    if algorithm not in ALGORITHMS[op]:
-        raise ValueError(f"{op} algorithm must be one of {ALGORITHMS[op]}, got {algorithm!r}")
+    algorithm = algorithm or COLLECTIVE_ALGORITHMS[op][0]
+    if algorithm not in COLLECTIVE_ALGORITHMS[op]:
+        raise ValueError(f"{op} algorithm must be one of {COLLECTIVE_ALGORITHMS[op]}, got {algorithm!r}")
     if isinstance(p, bool) or not isinstance(p, int) or p < 1:
         raise ValueError(f"p (number of ranks) must be a whole number >= 1, got {p!r}")
     if not nbytes >= 0:
@@ -78,7 +78,7 @@ def collective_time(op: str, nbytes: float, p: int, *, bandwidth: float, alpha: 
                     gamma: float = 0.0, algorithm: str | None = None) -> float:
     """Seconds for collective ``op`` on ``nbytes`` among ``p`` ranks (table in the module doc).
 
-    ``algorithm`` defaults to the first of ``ALGORITHMS[op]`` (ring for all_reduce).
+    ``algorithm`` defaults to the first of ``COLLECTIVE_ALGORITHMS[op]`` (ring for all_reduce).
     """
     algo = _check(op, nbytes, p, bandwidth, alpha, gamma, algorithm)
     if p == 1:

@@ -41,10 +41,7 @@ from dataclasses import dataclass
 
 from course_lib.analysis.activations import RECOMPUTE, activation_bytes
 from course_lib.analysis.precision import autocast_activation_bytes
-from course_lib.hardware import PROFILES
-
-GB = 1e9  # the ZeRO paper's gigabyte
-GiB = 2**30  # what nvidia-smi and torch.cuda report
+from course_lib.hardware import GB, PROFILES
 
 # dtype name -> (bytes per parameter, bytes per gradient, default K)
 DTYPES: dict[str, tuple[int, int, int]] = {

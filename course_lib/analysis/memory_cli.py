@@ -87,7 +87,7 @@ def report(args: argparse.Namespace) -> dict:
     }
 
 
-def format_table(rep: dict) -> str:
+def format_report(rep: dict) -> str:
     head = (f"Psi = {rep['num_params']:.4g} parameters, N_d = {rep['dp']}, K = {rep['k']:g}, "
             f"dtype {rep['dtype']}" + (f", tp {rep['tp']}" if rep["tp"] > 1 else ""))
     if rep["preset"]:
@@ -122,5 +122,5 @@ def cli(argv: list[str] | None = None) -> int:
         rep = report(args)
     except ValueError as e:
         parser.error(str(e))
-    print(json.dumps(rep, indent=2) if args.json else format_table(rep))
+    print(json.dumps(rep, indent=2) if args.json else format_report(rep))
     return 0

@@ -1,6 +1,6 @@
 """Number formats of mixed-precision training and where the bytes go: closed forms, no torch needed.
 
-    from course_lib.analysis.precision import FORMATS, format_table, state_bytes_per_param
+    from course_lib.analysis.precision import FORMATS, number_format_rows, state_bytes_per_param
 
 Formats (sign, exponent and mantissa bits; the range follows from them): IEEE 754 binary32 (fp32)
 and binary16 (fp16); NVIDIA's TensorFloat-32 (tf32: fp32's 8 exponent bits, fp16's 10 mantissa
@@ -95,7 +95,7 @@ TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16",
                 "fp8_e5m2": "float8_e5m2", "fp8_e4m3": "float8_e4m3fn"}
 
 
-def format_table() -> list[dict]:
+def number_format_rows() -> list[dict]:
     """One row per format, widest first: bits, max, smallest normal and subnormal, epsilon."""
     return [f.row() for f in FORMATS.values()]
 

@@ -29,7 +29,7 @@ from html import escape
 from course_lib.analysis.memory import GB, breakdown, get_preset, resolve_gpu
 
 # The guide's outcomes -> what to do. Not trainer strategies: ``"tp_pp"`` or ``"does_not_fit"`` name
-# an answer of the diagram, not a :data:`course_lib.parallel.strategy.STRATEGIES` entry.
+# an answer of the diagram, not a :data:`course_lib.registry.STRATEGIES` entry.
 RECOMMENDATIONS = {
     "single": "one GPU: mixed precision, gradient accumulation for a larger batch",
     "single_memory": "one GPU, with less memory: activation recomputation, a smaller micro-batch, "

@@ -21,24 +21,25 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from importlib.metadata import version
 from pathlib import Path
 
 from course_lib.exercises.colab import setup_cell_problems
 from course_lib.exercises.layout import MANIFEST, ZIP_NAME, Exercise, sha256
 from course_lib.exercises.layout import quiet as silenced
+from course_lib.utils import repo_root
 
 BUILD_FORMAT = 2  # bump when the post-processing below changes, so every release reads as stale
 ZIP_DATE = (1980, 1, 1, 0, 0, 0)  # the earliest date a zip entry can hold: no build time in a release
 
 
 def otter_version() -> str:
-    from importlib.metadata import version
-
     return version("otter-grader")
 
 
 def source_problems(ex: Exercise) -> list[str]:
     """What is wrong with an instructor source before we even run otter (outputs committed...)."""
+    # nbformat (0.15 s) only where a notebook is read: importing course_lib.exercises stays light
     import nbformat
 
     nb = nbformat.read(ex.source, as_version=4)
@@ -52,6 +53,7 @@ def source_problems(ex: Exercise) -> list[str]:
 
 def _normalise_notebook(path: Path, name: str) -> None:
     """Replace otter's random cell ids with ids derived from the cell's place and content."""
+    # nbformat (0.15 s) only where a notebook is read: importing course_lib.exercises stays light
     import nbformat
 
     nb = nbformat.read(path, as_version=4)
@@ -68,8 +70,6 @@ GRADING_REQUIREMENTS = ("torch==2.13.0", "numpy", "pandas", "psutil", "tqdm", "m
 def course_wheel(dest: Path) -> Path:
     """Build this package's wheel into ``dest``, from a clean copy of the clone's package (a
     build in the clone itself could pick up stale modules from an old ``build/lib``)."""
-    from course_lib.utils import repo_root
-
     root = repo_root()
     if root is None or not (root / "pyproject.toml").is_file():
         raise FileNotFoundError("building the autograder needs a clone of the course repository "
@@ -141,12 +141,13 @@ def _manifest(ex: Exercise, release: Path) -> dict:
     }
 
 
-def build(ex: Exercise, run_tests: bool = False, quiet: bool = True, wheel: Path | None = None) -> Path:
+def build_exercise(ex: Exercise, run_tests: bool = False, quiet: bool = True, wheel: Path | None = None) -> Path:
     """Run ``otter assign`` on ``ex``: the student release replaces ``ex.release``, the autograder
     release ``ex.build``. ``wheel``: the course_lib wheel for the Gradescope zip (built here
     when not given). ``run_tests`` makes otter run the tests against the solution while
     building (slow; ``course exercises build --verify`` and tests/test_exercises.py grade instead).
     """
+    # otter-grader is the optional `grading` extra: imported only where it grades or assigns
     from otter.assign import main as otter_assign
 
     problems = source_problems(ex) + setup_cell_problems(ex)
@@ -181,7 +182,7 @@ def build(ex: Exercise, run_tests: bool = False, quiet: bool = True, wheel: Path
     return ex.release
 
 
-def check(ex: Exercise) -> list[str]:
+def check_exercise(ex: Exercise) -> list[str]:
     """Reasons ``ex.release`` does not match its source (empty list: up to date). Without the
     private source (a public clone) only the release itself is checked: built by this format and
     otter version, and every file as the build wrote it."""

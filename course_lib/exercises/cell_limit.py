@@ -56,6 +56,7 @@ if hasattr(_course_signal, "SIGALRM"):
         return max(1, int(float(value)))
 
     def before_execution(self, submission):
+        # nbformat only inside otter's grading run, where a submission is read
         import nbformat
 
         if isinstance(submission, str):  # a .py submission: nothing to bound per cell

@@ -6,9 +6,12 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
-from course_lib.exercises.build import build, check
+from tqdm import tqdm
+
+from course_lib.exercises.build import build_exercise, check_exercise, course_wheel
 from course_lib.exercises.colab import setup_cell_problems, sync_setup_cell
 from course_lib.exercises.grade import (
     CELL_TIMEOUT_ENV,
@@ -18,7 +21,8 @@ from course_lib.exercises.grade import (
     points_text,
 )
 from course_lib.exercises.gradebook import write_csv, write_feedback
-from course_lib.exercises.layout import discover_releases, select
+from course_lib.exercises.layout import default_root, discover_releases, select
+from course_lib.exercises.publish import new_exercise, publish
 
 
 def cli(argv: list[str] | None = None) -> int:
@@ -53,9 +57,6 @@ def cli(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     if args.cmd == "new":
-        from course_lib.exercises.layout import default_root
-        from course_lib.exercises.publish import new_exercise
-
         try:
             path = new_exercise(args.name, args.root if args.root is not None else default_root())
         except (ValueError, FileExistsError, FileNotFoundError) as e:
@@ -80,7 +81,7 @@ def cli(argv: list[str] | None = None) -> int:
         return 2
     if args.cmd == "list":
         for ex in exercises:
-            state = "up to date" if not check(ex) else "needs build"
+            state = "up to date" if not check_exercise(ex) else "needs build"
             print(f"{ex.name:<24} {state}")
         return 0
     if args.cmd == "sync":
@@ -89,8 +90,6 @@ def cli(argv: list[str] | None = None) -> int:
                 print(f"rewrote the setup cell of {ex.source}; now run `course exercises build {ex.name}`")
         return 0
     if args.cmd == "publish":
-        from course_lib.exercises.publish import publish
-
         data = args.data if args.data is not None else exercises[0].dir.parent.parent / "data" if exercises else None
         try:
             written = publish(exercises, args.out, data)
@@ -100,24 +99,18 @@ def cli(argv: list[str] | None = None) -> int:
         print(f"wrote {len(written)} files of {len(exercises)} exercises into {args.out}")
         return 0
     if args.cmd == "check":
-        stale = {ex.name: check(ex) + (setup_cell_problems(ex) if ex.source.is_file() else []) for ex in exercises}
+        stale = {ex.name: check_exercise(ex) + (setup_cell_problems(ex) if ex.source.is_file() else []) for ex in exercises}
         problems = [msg for msgs in stale.values() for msg in msgs]
         for msg in problems:
             print(msg, file=sys.stderr)
         print(f"{sum(not m for m in stale.values())}/{len(exercises)} exercises up to date")
         return 1 if problems else 0
 
-    import tempfile
-
-    from tqdm import tqdm
-
-    from course_lib.exercises.build import course_wheel
-
     with tempfile.TemporaryDirectory(prefix="course_wheel_") as tmp:
         wheel = course_wheel(Path(tmp))  # once for all the autograder zips
         for ex in tqdm(exercises, desc="otter assign", unit="exercise", disable=len(exercises) < 2):
             try:
-                build(ex, quiet=not args.verbose, wheel=wheel)
+                build_exercise(ex, quiet=not args.verbose, wheel=wheel)
             except Exception as e:  # noqa: BLE001 - otter's errors vary; report which exercise failed
                 print(f"course exercises: building {ex.name} failed: {e}", file=sys.stderr)
                 return 1

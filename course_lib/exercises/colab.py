@@ -6,20 +6,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import urllib.request
 from pathlib import Path
 
-from course_lib import utils
 from course_lib.exercises.layout import MANIFEST, Exercise
-from course_lib.utils import INSTALL_SPEC_VAR, PACKAGE_DIR, colab_badge, colab_install_lines
+from course_lib.utils import GITHUB_BRANCH, GITHUB_REPO, INSTALL_SPEC_VAR, PACKAGE_DIR, colab_badge, colab_install_lines
 
 
-def install_spec() -> str:
-    """What pip installs on Colab: the lessons' spec (course_lib.utils.install_spec),
-    whose ``colab`` extra brings otter-grader."""
-    return utils.install_spec()
-
-
-def colab_setup_cell(name: str) -> str:
+def exercise_setup_cell(name: str) -> str:
     """Source of an exercise's first code cell. otter needs its public tests as files next to
     the notebook; Colab opens the notebook alone, so the cell fetches them there."""
     return (
@@ -39,13 +33,9 @@ def fetch_student_tests(name: str, dest: str | os.PathLike = "tests", base_url: 
     package (``course_lib/_course``, the public tests as package data: offline, and from the same
     fork or mirror as the package), else the repository's raw files on GitHub; any URL urllib
     opens works (``file:///path/to/clone`` for a local copy)."""
-    import urllib.request
-
     if base_url is None and (PACKAGE_DIR / "_course" / "exercises" / name).is_dir():
         base_url = (PACKAGE_DIR / "_course").as_uri()
     if base_url is None:
-        from course_lib.utils import GITHUB_BRANCH, GITHUB_REPO
-
         base_url = f"https://raw.githubusercontent.com/{GITHUB_REPO}/{GITHUB_BRANCH}"
     base = f"{base_url.rstrip('/')}/exercises/{name}"
     try:
@@ -79,7 +69,8 @@ def _first(nb, cell_type: str):
 
 def setup_cell_problems(ex: Exercise) -> list[str]:
     """The first markdown cell of a source must start with the Colab badge and its first code
-    cell must be :func:`colab_setup_cell`, both for the repository in course_lib.utils.GITHUB_REPO."""
+    cell must be :func:`exercise_setup_cell`, both for the repository in course_lib.utils.GITHUB_REPO."""
+    # nbformat (0.15 s) only where a notebook is read: importing course_lib.exercises stays light
     import nbformat
 
     nb = nbformat.read(ex.source, as_version=4)
@@ -88,13 +79,14 @@ def setup_cell_problems(ex: Exercise) -> list[str]:
     md, code = _first(nb, "markdown"), _first(nb, "code")
     if md is None or md.source.split("\n", 1)[0] != colab_badge_line(ex.name):
         problems.append(f"{ex.source}: the first markdown cell does not start with the Colab badge of {ex.name}; {fix}")
-    if code is None or code.source != colab_setup_cell(ex.name):
+    if code is None or code.source != exercise_setup_cell(ex.name):
         problems.append(f"{ex.source}: the first code cell is not the setup cell of {ex.name}; {fix}")
     return problems
 
 
 def sync_setup_cell(ex: Exercise) -> bool:
     """Rewrite the badge line and the setup cell of ``ex``'s source; True if anything changed."""
+    # nbformat (0.15 s) only where a notebook is read: importing course_lib.exercises stays light
     import nbformat
 
     nb = nbformat.read(ex.source, as_version=4)
@@ -105,8 +97,8 @@ def sync_setup_cell(ex: Exercise) -> bool:
     first, _, rest = md.source.partition("\n")
     new_md = md.source if first == badge else (
         badge + "\n" + rest if "colab.research.google.com" in first else badge + "\n\n" + md.source)
-    if new_md == md.source and code.source == colab_setup_cell(ex.name):
+    if new_md == md.source and code.source == exercise_setup_cell(ex.name):
         return False
-    md.source, code.source = new_md, colab_setup_cell(ex.name)
+    md.source, code.source = new_md, exercise_setup_cell(ex.name)
     ex.source.write_text(nbformat.writes(nb) + "\n", encoding="utf-8")
     return True

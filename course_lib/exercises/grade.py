@@ -105,6 +105,7 @@ def points_text(x: float) -> str:
 
 def questions_in(autograder_zip: Path) -> dict[str, float]:
     """Question name -> points, read from the tests in the autograder zip (hidden ones included)."""
+    # otter-grader is the optional `grading` extra: imported only where it grades or assigns
     from otter.test_files import ExceptionTestFile
 
     points = {}
@@ -117,6 +118,7 @@ def questions_in(autograder_zip: Path) -> dict[str, float]:
 
 
 def assignment_name(submission: Path) -> str | None:
+    # nbformat (0.15 s) only where a notebook is read: importing course_lib.exercises stays light
     import nbformat
 
     nb = nbformat.read(submission, as_version=4)
@@ -159,6 +161,7 @@ def grade(submission: str | os.PathLike, autograder: str | os.PathLike | None = 
         canonical = Path(tmp) / f"{assignment or submission.stem}.ipynb"
         shutil.copy2(submission, canonical)
         try:
+            # otter-grader is the optional `grading` extra: imported only where it grades or assigns
             from otter.api import grade_submission
 
             with silenced(quiet), seeded(seed):  # the kernel otter starts inherits the seed

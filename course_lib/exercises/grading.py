@@ -25,6 +25,7 @@ happened. A rank that raises stops the run with :class:`RankError`. :func:`p2p_o
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import traceback
 from collections.abc import Callable, Iterable
@@ -32,7 +33,7 @@ from typing import Any
 
 from course_lib.launch import ranks as _ranks  # the one local rank runner
 
-DEFAULT_TIMEOUT_S = 60.0
+RUN_TIMEOUT_S = 60.0
 TIMEOUT_ENV = "COURSE_GRADING_TIMEOUT"
 MAX_RANKS = 8
 
@@ -40,8 +41,6 @@ MAX_RANKS = 8
 def fresh_copy(name: str = "course_lib.exercises.grading"):
     """A new module object for ``name``, executed from its file: not the one in ``sys.modules``
     that a notebook cell may have patched. (Tests inline these lines rather than call this.)"""
-    import importlib.util
-
     spec = importlib.util.find_spec(name)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -50,13 +49,14 @@ def fresh_copy(name: str = "course_lib.exercises.grading"):
 
 _spawn = fresh_copy("course_lib.launch.spawn")  # run_ranks, as its file says
 RankError, RanksTimeoutError = _spawn.RankError, _spawn.RanksTimeoutError
+# convention "grader's copy" (tests/test_one_home.py): the name students know, from a fresh copy of its module
 p2p_only = fresh_copy("course_lib.exercises.p2p").p2p_only  # point-to-point only, bytes counted
 
 
 def default_timeout() -> float:
     value = os.environ.get(TIMEOUT_ENV)
     if not value:
-        return DEFAULT_TIMEOUT_S
+        return RUN_TIMEOUT_S
     try:
         seconds = float(value)
     except ValueError:
@@ -66,6 +66,8 @@ def default_timeout() -> float:
     return seconds
 
 
+# convention "grader's copy" (tests/test_one_home.py): launch.spawn.run_ranks under the name the lessons
+# teach, run from a fresh copy of spawn, with the grader's arguments and time limit
 def run_ranks(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float | None = None) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``nproc`` gloo ranks (started clean, ``fn`` sent by
     value) and return their values (:func:`course_lib.launch.spawn.run_ranks`).
@@ -209,6 +211,7 @@ def assert_close(actual, expected, what: str = "result", atol: float = 1e-6, rto
     """Assert two tensors (or equally long lists of tensors) match; the message gives the first
     element that differs (expected and found) and, with ``factors`` ({"the world size": 3}),
     the factor by which the whole result is off."""
+    # torch only to compare tensors: importing the grading helpers loads no torch
     import torch
 
     if isinstance(expected, torch.Tensor):

@@ -40,6 +40,7 @@ def p2p_only():
     raise, and ``send``/``isend`` (also through ``batch_isend_irecv``) are counted in the
     yielded :class:`Sent`. The course's own ring (lesson 02's :mod:`course_lib.parallel.ring`)
     raises too, however it was imported (its code is swapped). Restores everything on exit."""
+    # torch when the block runs: exercises.grading loads this module on import, torch-free
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 

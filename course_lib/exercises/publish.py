@@ -10,12 +10,13 @@ so an instructor who keeps private sources can publish this tree anywhere.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
 
-from course_lib.exercises.build import check
-from course_lib.exercises.colab import colab_badge_line, colab_setup_cell
+from course_lib.exercises.build import check_exercise
+from course_lib.exercises.colab import colab_badge_line, exercise_setup_cell
 from course_lib.exercises.layout import MANIFEST, Exercise
 
 NAME = re.compile(r"\d\d_[a-z][a-z0-9_]*")
@@ -23,8 +24,6 @@ NAME = re.compile(r"\d\d_[a-z][a-z0-9_]*")
 
 def published_files(ex: Exercise) -> list[Path]:
     """The files of ``ex``'s student release that its manifest lists, and the manifest."""
-    import json
-
     manifest = json.loads((ex.release / MANIFEST).read_text(encoding="utf-8"))
     return [ex.release / rel for rel in sorted(manifest["files"])] + [ex.release / MANIFEST]
 
@@ -36,7 +35,7 @@ def publish(exercises: list[Exercise], out: str | Path, data: Path | None = None
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} is not empty; publish into a new folder")
-    stale = [msg for ex in exercises for msg in check(ex)]
+    stale = [msg for ex in exercises for msg in check_exercise(ex)]
     if stale:
         raise ValueError("stale student releases; run `course exercises build` first:\n" + "\n".join(stale))
     written = []
@@ -59,6 +58,7 @@ def publish(exercises: list[Exercise], out: str | Path, data: Path | None = None
 
 
 def _template(name: str) -> list:
+    # nbformat (0.15 s) only where a notebook is read: importing course_lib.exercises stays light
     import nbformat
 
     md, code, raw = nbformat.v4.new_markdown_cell, nbformat.v4.new_code_cell, nbformat.v4.new_raw_cell
@@ -71,7 +71,7 @@ def _template(name: str) -> list:
             "check_all_cell: false\nrun_tests: false\ntests:\n  files: true\n  ok_format: false\n"
             "generate:\n  show_stdout: true\n  plugins:\n    - course_lib.exercises.CellTimeLimit:\n"
             "        cell_timeout: 60"),
-        code(colab_setup_cell(name)),
+        code(exercise_setup_cell(name)),
         raw("# BEGIN QUESTION\nname: q1_mean\npoints: [1, 3]"),
         md("## Question 1: the mean (4 points: 1 public, 3 hidden)\n\nWrite `mean(values)`: the "
            "arithmetic mean of a non-empty list of numbers."),
@@ -106,6 +106,7 @@ def _template(name: str) -> list:
 def new_exercise(name: str, root: str | Path) -> Path:
     """Write ``root/NAME/NAME.ipynb``: a source in the course's format (badge, assignment
     config, setup cell, one question with its solution, a public and a hidden test)."""
+    # nbformat (0.15 s) only where a notebook is read: importing course_lib.exercises stays light
     import nbformat
 
     if not NAME.fullmatch(name):

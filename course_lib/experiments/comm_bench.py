@@ -30,11 +30,12 @@ from pathlib import Path
 
 import psutil
 
-from course_lib.experiments.comm_bench_workers import ITEMSIZE, OPS, torch_worker
+from course_lib.analysis.comm_cost import OPS
+from course_lib.experiments.comm_bench_workers import ITEMSIZE, torch_worker
 from course_lib.launch.mpi import find_mpiexec, launcher_options
 from course_lib.utils import atomic_write_bytes, free_port
 
-BACKENDS = ("gloo", "nccl", "mpi")
+BENCH_BACKENDS = ("gloo", "nccl", "mpi")
 _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "M": 2**20, "MB": 2**20, "G": 2**30, "GB": 2**30}
 
 
@@ -65,8 +66,8 @@ def parse_sizes(text: str, factor: int = 2) -> list[int]:
 
 def _check_config(backend: str, nproc: int, ops, sizes, iters: int, warmup: int) -> None:
     """Everything that can be wrong, raised before any process starts."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend not in BENCH_BACKENDS:
+        raise ValueError(f"backend must be one of {BENCH_BACKENDS}, got {backend!r}")
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc must be a whole number >= 1, got {nproc!r}")
     bad = [op for op in ops if op not in OPS]
@@ -140,11 +141,11 @@ def run_benchmark(backend: str = "gloo", nproc: int = 2, sizes=("1K", "1M"), ops
         return _read_rows(out)[start:]
 
 
-COLUMNS = ("backend", "op", "nproc", "size_bytes", "count", "time_us", "algbw_GBps",
+BENCH_COLUMNS = ("backend", "op", "nproc", "size_bytes", "count", "time_us", "algbw_GBps",
            "busbw_GBps", "correct")
 
 
-def format_table(rows: list[dict]) -> str:
+def format_bench_table(rows: list[dict]) -> str:
     """The rows as an aligned text table in the style of nccl-tests' output."""
     head = f"{'backend':>7} {'op':>14} {'ranks':>5} {'size (B)':>11} {'count':>10} " \
            f"{'time (us)':>11} {'algbw GB/s':>10} {'busbw GB/s':>10} {'ok':>3}"
@@ -158,7 +159,7 @@ def format_table(rows: list[dict]) -> str:
 
 def to_csv(rows: list[dict]) -> str:
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else list(COLUMNS))
+    writer = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else list(BENCH_COLUMNS))
     writer.writeheader()
     writer.writerows(rows)
     return buf.getvalue()
@@ -207,7 +208,7 @@ def cli(argv: list[str] | None = None) -> int:
         "comm", help="collectives: time, algbw and busbw (nccl-tests definitions)",
         description="Time broadcast, reduce, all_reduce, reduce_scatter and all_gather on N local "
                     "ranks; report algorithm and bus bandwidth as nccl-tests defines them.")
-    p.add_argument("--backend", choices=BACKENDS, default="gloo")
+    p.add_argument("--backend", choices=BENCH_BACKENDS, default="gloo")
     p.add_argument("--nproc", type=int, default=2, help="number of ranks (default 2)")
     p.add_argument("--sizes", default="1K:256M",
                    help="MIN:MAX (steps of --factor) or a list, e.g. 1K,1M (default 1K:256M)")
@@ -229,7 +230,7 @@ def cli(argv: list[str] | None = None) -> int:
                              jsonl_path=args.jsonl)
     except ValueError as e:
         p.error(str(e))
-    print(json.dumps(rows, indent=1) if args.json else format_table(rows))
+    print(json.dumps(rows, indent=1) if args.json else format_bench_table(rows))
     if args.csv:
         atomic_write_bytes(args.csv, to_csv(rows).encode())
     if args.plot:

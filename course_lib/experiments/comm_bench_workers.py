@@ -25,14 +25,13 @@ import numpy as np
 from tqdm import tqdm
 
 from course_lib.analysis.comm_cost import algbw, busbw, bytes_per_rank
+from course_lib.hardware import GB
 from course_lib.utils import init_process_group
 
-OPS = ("all_reduce", "broadcast", "reduce", "reduce_scatter", "all_gather")
 ITEMSIZE = 4  # float32
-GB = 1e9
 
 
-def plan(ops, sizes, p: int) -> list[tuple[str, int]]:
+def bench_plan(ops, sizes, p: int) -> list[tuple[str, int]]:
     """(op, S in bytes) pairs actually measured: S rounded down to whole elements per rank."""
     out = []
     for op in ops:
@@ -89,7 +88,7 @@ def torch_worker(rank: int, cfg: dict, port: int, out_path: str) -> None:
             torch.cuda.synchronize(device)
 
     try:
-        for op, size in _progress(plan(cfg["ops"], cfg["sizes"], p), cfg["progress"] and rank == 0,
+        for op, size in _progress(bench_plan(cfg["ops"], cfg["sizes"], p), cfg["progress"] and rank == 0,
                                   f"{backend} x{p}"):
             count = size // ITEMSIZE
             n_in = count // p if op == "all_gather" else count
@@ -145,7 +144,7 @@ def mpi_main(cfg: dict, out_path: str) -> None:
     rank, p = comm.Get_rank(), comm.Get_size()
     if p != cfg["nproc"]:
         raise RuntimeError(f"started with {p} MPI ranks but the config asks for {cfg['nproc']}")
-    for op, size in _progress(plan(cfg["ops"], cfg["sizes"], p), cfg["progress"] and rank == 0,
+    for op, size in _progress(bench_plan(cfg["ops"], cfg["sizes"], p), cfg["progress"] and rank == 0,
                               f"mpi x{p}"):
         count = size // ITEMSIZE
         n_in = count // p if op == "all_gather" else count

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from course_lib.experiments import gpu_check_course
 from course_lib.utils import atomic_write_bytes, repo_root
 
 NANOGPT_VAL_LOSS = 1.4697  # nanoGPT README, shakespeare_char, best val loss on one A100
@@ -106,26 +107,24 @@ def plan_text(plan=PLAN) -> str:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class CheckVerdict:
     check: str
     status: str  # pass | fail | error (the step it needs did not run)
     detail: str
 
 
-def _verdict(check: str, ok: bool, detail: str) -> Verdict:
-    return Verdict(check, "pass" if ok else "fail", detail)
+def _verdict(check: str, ok: bool, detail: str) -> CheckVerdict:
+    return CheckVerdict(check, "pass" if ok else "fail", detail)
 
 
-def judge(figures: dict, errors: dict[str, str], wall_s: float, plan=PLAN) -> list[Verdict]:
+def judge(figures: dict, errors: dict[str, str], wall_s: float, plan=PLAN) -> list[CheckVerdict]:
     """The pass/fail of each check from the figures the steps returned (a pure function)."""
-    from course_lib.experiments import gpu_check_course
-
     out = []
 
     def need(step: str, check: str) -> dict | None:
         if step in figures:
             return figures[step]
-        out.append(Verdict(check, "error", errors.get(step, f"step {step!r} did not run").splitlines()[0]))
+        out.append(CheckVerdict(check, "error", errors.get(step, f"step {step!r} did not run").splitlines()[0]))
         return None
 
     if p := need("profile", "profile and dtype"):
@@ -169,13 +168,13 @@ def judge(figures: dict, errors: dict[str, str], wall_s: float, plan=PLAN) -> li
         parts = [f"{k} {f[k]['mfu']:.1%} ({f[k]['ms_per_step']:.1f} ms/step)" for k in modes]
         speed = f", torch.compile x{f['compile_speedup']:.2f} faster" if "compile_speedup" in f else ""
         out.append(_verdict("GPT-2 small MFU", ok, ", ".join(parts) + speed))
-    out += [_verdict(*v) for v in gpu_check_course.judge({s.name for s in plan}, need)]
+    out += [_verdict(*v) for v in gpu_check_course.judge_course({s.name for s in plan}, need)]
     limit = time_limit(plan)
     out.append(_verdict("within the time limit", wall_s <= limit, f"{wall_s:.0f} s of {limit:.0f} s"))
     return out
 
 
-def markdown(report: dict) -> str:
+def report_markdown(report: dict) -> str:
     """The report as a RESULTS.md section."""
     p = report["figures"].get("profile", {})
     head = (f"## GPU check (`course check-gpu`), {report['date']}, {p.get('device', '?')}\n\n"
@@ -192,7 +191,7 @@ def markdown(report: dict) -> str:
 def write_report(report: dict, out: Path, results_md: Path | None) -> None:
     """gpu_check.json and gpu_check.md in ``out``; the Markdown appended to ``results_md``."""
     atomic_write_bytes(out / "gpu_check.json", (json.dumps(report, indent=1, default=str) + "\n").encode())
-    text = markdown(report)
+    text = report_markdown(report)
     atomic_write_bytes(out / "gpu_check.md", text.encode())
     if results_md is not None:
         old = results_md.read_text() if results_md.exists() else "# Benchmark results\n"
@@ -204,10 +203,10 @@ def run_check(out: str | Path, steps: dict[str, Callable[[Path], dict]] | None =
     """Run each step of ``plan`` (``steps`` maps a name to its function; default the real ones),
     keep going past a failed step, save the JSON after each, then judge and write the report."""
     if steps is None:
-        from course_lib.experiments import gpu_check_course as c
         from course_lib.experiments import gpu_check_steps as m  # imports torch: only when measuring
 
-        steps = {s.name: getattr(c if s.name in COURSE_STEPS else m, f"{s.name}_step") for s in plan}
+        steps = {s.name: getattr(gpu_check_course if s.name in COURSE_STEPS else m, f"{s.name}_step")
+                 for s in plan}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "figures": {}, "errors": {},
@@ -258,7 +257,7 @@ def cli(argv: list[str] | None = None) -> int:
               "False); run it on a machine with an NVIDIA GPU, or --dry-run to see the plan", file=sys.stderr)
         return 2
     report = run_check(a.out, results_md=None if a.no_results else a.results, plan=plan)
-    print("\n" + markdown(report))
+    print("\n" + report_markdown(report))
     print(f"report: {Path(a.out) / 'gpu_check.json'}, {Path(a.out) / 'gpu_check.md'}"
           + (f"; appended to {a.results}" if a.results and not a.no_results else ""))
     return 0 if all(v["status"] == "pass" for v in report["verdicts"]) else 1

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -38,6 +39,7 @@ PROBE_TIMEOUT_S = 300.0
 # -- the probe: runs in a process of its own ------------------------------------------------------
 
 def _all_reduce_rank(rank: int, world_size: int, device: str) -> list[float]:
+    # torch in the rank only: planning and judging a check need no torch
     import torch
     import torch.distributed as dist
 
@@ -47,6 +49,7 @@ def _all_reduce_rank(rank: int, world_size: int, device: str) -> list[float]:
 
 
 def _launcher_rank() -> float:
+    # torch in the rank only: planning and judging a check need no torch
     import torch
     import torch.distributed as dist
 
@@ -58,6 +61,7 @@ def _launcher_rank() -> float:
 
 
 def _isolated_check() -> float:
+    # torch in the checked process only: planning and judging a check need no torch
     import torch
 
     w = torch.ones(2, requires_grad=True)
@@ -68,6 +72,7 @@ def _isolated_check() -> float:
 def probe(device: str = "cuda") -> dict:
     """Put this process in a notebook kernel's state (a backward on ``device``, a live thread), then
     call each in-kernel helper; return what each gave and how long it took."""
+    # the probe's own process loads torch and the helpers; `course check-gpu --dry-run` needs none
     import torch
 
     from course_lib.exercises import grading
@@ -111,6 +116,7 @@ def ranks_step(out: Path, device: str = "cuda", timeout_s: float = PROBE_TIMEOUT
 
 def share_step(out: Path, args: Sequence[str] = SHARE_RUN) -> dict:
     """``course train --nproc=2`` where there is one GPU: what each rank ran on, or the refusal."""
+    # gpu_check_steps imports torch: only when measuring
     from course_lib.experiments.gpu_check_steps import train_runs
 
     shutil.rmtree(out / "share", ignore_errors=True)  # a metrics.csv left here would read as "started"
@@ -128,8 +134,6 @@ def share_step(out: Path, args: Sequence[str] = SHARE_RUN) -> dict:
 
 def gpu_tests_step(out: Path, root: Path | None = None, marker: str = "gpu") -> dict:
     """``pytest -m gpu`` in the clone: counts of passed, failed and skipped tests."""
-    import xml.etree.ElementTree as ET
-
     root = root or repo_root()
     if root is None:
         raise RuntimeError("the tests are in a clone of the course, not in the wheel")
@@ -167,7 +171,7 @@ def lessons_step(out: Path, notebooks: Sequence[Path] | None = None, smoke: bool
 
 # -- verdicts ---------------------------------------------------------------------------------------
 
-def judge(planned: set[str], need) -> list[tuple[str, bool, str]]:
+def judge_course(planned: set[str], need) -> list[tuple[str, bool, str]]:
     """(check, passed, detail) for each of this module's steps in ``planned``; ``need(step,
     check)`` returns the step's figures, or records an error verdict and returns None."""
     out = []

@@ -27,12 +27,11 @@ from course_lib.experiments.step_memory import measure_step_peak
 from course_lib.gpt.checkpoint import load_checkpoint
 from course_lib.gpt.data import prepare
 from course_lib.gpt.model import GPT, GPTConfig
-from course_lib.hardware import PROFILES, detect, pick_dtype
+from course_lib.hardware import PROFILES, GiB, detect, pick_dtype
 from course_lib.launch.train_cli import build_config
 from course_lib.parallel.step import Precision, train_step
 from course_lib.parallel.strategy import build_strategy
 
-GiB = 2**30
 # nanoGPT's recipe (config/train_shakespeare_char.py) in bf16, and the T4 path forced on the same
 # GPU: fp16 autocast, for which the trainer turns on loss scaling (GradScaler).
 RECIPES = {"bf16": ("--config=shakespeare_char", "--dtype=bfloat16"),

@@ -1,7 +1,7 @@
 """One training step of a dp x pp x cp x tp layout, profiled on every rank (notebook 10).
 
     from course_lib.experiments.layout_profile import profile_layout
-    from course_lib.experiments.profiling import step_table
+    from course_lib.experiments.profiling import step_time_table
     from course_lib.notebook.plots import plot_step_timeline
     ranks = profile_layout(tp=2, pp=2)          # 4 gloo processes
     plot_step_timeline(ranks)                   # compute and communication lanes, rank by rank
@@ -9,7 +9,7 @@
 The step is the trainer's under :class:`~course_lib.parallel.model_parallel.ModelParallel`: the
 pipeline's forward/backward schedule (every tp, sp, cp and pp message inside it), finish_grads,
 global-norm clipping, the optimizer step. The events are sorted into compute and communication
-by :func:`course_lib.experiments.step_intervals.classify`: a pipeline stage waiting for its neighbour
+by :func:`course_lib.experiments.step_intervals.classify_events`: a pipeline stage waiting for its neighbour
 shows as communication on the critical path (the bubble), a tp all-reduce as a short stall in
 every layer.
 """
@@ -20,19 +20,19 @@ import os
 import time
 from contextlib import nullcontext
 
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
 from course_lib.experiments.profiling import LABELS, _events, labelled
-from course_lib.experiments.step_intervals import STEP, classify
+from course_lib.experiments.step_intervals import STEP, classify_events
+from course_lib.gpt.model import GPT, GPTConfig
+from course_lib.launch.spawn import run_ranks
+from course_lib.parallel.model_parallel import ModelParallel
+from course_lib.parallel.process_groups import ProcessGroupGrid
+from course_lib.parallel.step import train_step
 
 
 def profile_layout_worker(rank: int, world_size: int, spec: dict) -> dict:
-    import torch
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    from course_lib.gpt.model import GPT, GPTConfig
-    from course_lib.parallel.model_parallel import ModelParallel
-    from course_lib.parallel.process_groups import ProcessGroupGrid
-    from course_lib.parallel.step import train_step
-
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's library is quiet
     lay = spec["layout"]
     grid = ProcessGroupGrid(dp=world_size // (lay["tp"] * lay["pp"] * lay["cp"]), tp=lay["tp"], pp=lay["pp"],
@@ -58,7 +58,7 @@ def profile_layout_worker(rank: int, world_size: int, spec: dict) -> dict:
         with record_function(STEP):
             step(record_function)
         wall_ms = 1e3 * (time.perf_counter() - t)
-    result = classify(_events(prof))
+    result = classify_events(_events(prof))
     name = "-".join(f"{k}{lay[k]}" for k in ("tp", "pp", "cp") if lay[k] > 1)
     result.update(rank=rank, world_size=world_size, strategy=name or spec["strategy"], wall_ms=wall_ms)
     return result
@@ -68,9 +68,7 @@ def profile_layout(world_size: int = 4, tp: int = 1, pp: int = 1, cp: int = 1, s
                    pp_schedule: str = "1f1b", strategy: str = "ddp", gpt: dict | None = None, batch_size: int = 4,
                    grad_accum: int = 4, warmup: int = 1) -> list[dict]:
     """Profile one step of the layout on ``world_size`` gloo ranks (dp = the rest); one dict per rank
-    (what :func:`~course_lib.experiments.step_intervals.classify` returns, plus rank and wall_ms)."""
-    from course_lib.launch.spawn import run_ranks
-
+    (what :func:`~course_lib.experiments.step_intervals.classify_events` returns, plus rank and wall_ms)."""
     if world_size % (tp * pp * cp):
         raise ValueError(f"world_size {world_size} is not divisible by tp*pp*cp = {tp * pp * cp}")
     gpt = {"block_size": 64, "vocab_size": 65, "n_layer": 4, "n_head": 4, "n_embd": 128, "dropout": 0.0, **(gpt or {})}

@@ -34,6 +34,7 @@ from course_lib.analysis.comm_cost import zero_comm_volume
 from course_lib.analysis.memory import model_state_bytes
 from course_lib.gpt.activation_meter import SavedTensorMeter
 from course_lib.gpt.model import GPT, GPTConfig
+from course_lib.parallel.comms import VOLUME_FACTOR
 from course_lib.parallel.footprint import measure_model_states
 from course_lib.parallel.step import train_step
 from course_lib.parallel.strategy import build_strategy
@@ -125,7 +126,6 @@ def full_recomputation(model: nn.Module):
 
 # ------------------------------------------------------------------ communication
 
-VOLUME_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}
 _C10D_OPS = {"allreduce_": "all_reduce", "_reduce_scatter_base_": "reduce_scatter",
              "reduce_scatter_tensor_coalesced_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
              "_allgather_base_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",

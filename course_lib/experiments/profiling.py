@@ -1,15 +1,15 @@
 """Where one training step's time goes on each rank: computation, communication, both, neither.
 
-    from course_lib.experiments.profiling import profile_step, step_table
+    from course_lib.experiments.profiling import profile_training_step, step_time_table
     from course_lib.notebook.plots import plot_step_timeline
-    ranks = profile_step("ddp", world_size=2, trace_dir="runs/trace")  # 2 gloo processes
-    step_table(ranks)           # per rank: step, compute, comm, overlap, exposed comm, other (ms)
+    ranks = profile_training_step("ddp", world_size=2, trace_dir="runs/trace")  # 2 gloo processes
+    step_time_table(ranks)           # per rank: step, compute, comm, overlap, exposed comm, other (ms)
     plot_step_timeline(ranks)   # the step drawn as a timeline, one pair of lanes per rank
 
 Each rank builds the same GPT, wraps it in a trainer Strategy (course_lib.parallel.strategy),
 runs a few warm-up steps, then records one step (the trainer's: micro-batches with no_sync,
 finish_grads, global-norm clipping, optimizer step, zero_grad) with ``torch.profiler``.
-:func:`course_lib.experiments.step_intervals.classify` sorts the recorded events into compute
+:func:`course_lib.experiments.step_intervals.classify_events` sorts the recorded events into compute
 and communication time; ``overlap`` is communication hidden behind computation, ``exposed``
 the communication the step waits for, ``other`` what is neither.
 
@@ -29,12 +29,13 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from course_lib.experiments.step_intervals import STEP, classify
+from course_lib.experiments.step_intervals import STEP, classify_events
 from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.launch.placement import plan_ranks
 from course_lib.launch.spawn import run_ranks
 from course_lib.parallel.step import train_step
-from course_lib.parallel.strategy import STRATEGIES, build_strategy
+from course_lib.parallel.strategy import build_strategy
+from course_lib.registry import STRATEGIES
 
 # ------------------------------------------------------------------ the profiled step (one rank)
 
@@ -43,7 +44,7 @@ def _events(prof) -> list[dict]:
              "device": "cuda" if e.device_type == DeviceType.CUDA else "cpu"} for e in prof.events()]
 
 
-# the step's phases (course_lib.parallel.step) recorded, under the names classify reads
+# the step's phases (course_lib.parallel.step) recorded, under the names classify_events reads
 LABELS = {name: name for name in ("forward", "backward", "finish_grads", "clip_grad_norm", "optimizer_step",
                                   "zero_grad")}
 
@@ -55,7 +56,7 @@ def labelled(label, names: dict[str, str] = LABELS):
 
 
 def profile_worker(rank: int, world_size: int, spec: dict) -> dict:
-    """One rank of :func:`profile_step` (a module-level function, so "spawn" can start it)."""
+    """One rank of :func:`profile_training_step` (a module-level function, so "spawn" can start it)."""
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # else the profiler's library logs every start and stop
     device = spec["devices"][rank]  # the plan's: ranks beyond the GPUs share them
     if device != "cpu":
@@ -84,7 +85,7 @@ def profile_worker(rank: int, world_size: int, spec: dict) -> dict:
         with record_function(STEP):
             step(record_function)
         wall_ms = 1e3 * (time.perf_counter() - t)
-    result = classify(_events(prof))
+    result = classify_events(_events(prof))
     result.update(rank=rank, world_size=world_size, strategy=spec["strategy"], wall_ms=wall_ms)
     if spec["trace_dir"]:
         path = Path(spec["trace_dir"]) / f"rank{rank}.json"
@@ -93,7 +94,7 @@ def profile_worker(rank: int, world_size: int, spec: dict) -> dict:
     return result
 
 
-def profile_step(strategy: str = "ddp", world_size: int = 2, gpt: dict | None = None, batch_size: int = 8,
+def profile_training_step(strategy: str = "ddp", world_size: int = 2, gpt: dict | None = None, batch_size: int = 8,
                  grad_accum: int = 1, warmup: int = 2, trace_dir: str | os.PathLike | None = None,
                  device: str = "cpu", threads: int = 1, **strategy_kwargs) -> list[dict]:
     """Profile one training step of ``strategy`` on ``world_size`` local ranks; one dict per rank.
@@ -102,7 +103,7 @@ def profile_step(strategy: str = "ddp", world_size: int = 2, gpt: dict | None = 
     device "cpu" uses gloo; "cuda" NCCL with one GPU per rank, or gloo where ranks share a GPU
     (:func:`course_lib.launch.placement.plan_ranks`: 2 ranks on Colab's one T4). ``strategy_kwargs`` go to the
     strategy (e.g. ``bucket_cap_mb=0.1`` for ddp: several buckets, so communication overlaps
-    backward). The results say what :func:`classify` says, plus wall_ms (the step timed
+    backward). The results say what :func:`classify_events` says, plus wall_ms (the step timed
     outside the profiler's own bookkeeping) and the trace file if ``trace_dir`` is given.
     """
     if strategy not in STRATEGIES:
@@ -131,8 +132,8 @@ def profile_step(strategy: str = "ddp", world_size: int = 2, gpt: dict | None = 
 
 # ------------------------------------------------------------------ showing it
 
-def step_table(results: list[dict]):
-    """A pandas DataFrame, one row per rank, of the times in :func:`classify` (ms)."""
+def step_time_table(results: list[dict]):
+    """A pandas DataFrame, one row per rank, of the times in :func:`classify_events` (ms)."""
     import pandas as pd  # here, not at the top: every spawned rank imports this module
 
     cols = ["step_ms", "compute_ms", "comm_ms", "overlap_ms", "exposed_comm_ms", "other_ms"]

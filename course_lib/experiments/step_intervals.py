@@ -26,7 +26,7 @@ import re
 
 COMM_EVENT = re.compile(r"^(gloo:|nccl:|c10d::|record_param_comms)|^nccl(Dev)?Kernel", re.IGNORECASE)
 COMPUTE_EVENT = re.compile(r"^(aten::|autograd::engine::evaluate_function|Optimizer\.)")
-PHASES = ("forward", "backward", "pipeline", "finish_grads", "clip_grad_norm", "optimizer_step", "zero_grad")
+STEP_PHASES = ("forward", "backward", "pipeline", "finish_grads", "clip_grad_norm", "optimizer_step", "zero_grad")
 STEP = "train_step"
 
 
@@ -80,7 +80,7 @@ def subtract(a, b) -> list[tuple[float, float]]:
 
 # ------------------------------------------------------------------ classification
 
-def classify(events: list[dict]) -> dict:
+def classify_events(events: list[dict]) -> dict:
     """Sort one rank's profiled events (dicts: name, thread, start, end in us, device) into
     compute and communication intervals relative to the start of the step.
 
@@ -114,7 +114,7 @@ def classify(events: list[dict]) -> dict:
     busy = total(compute) + total(comm) - total(overlap)
     ms = 1e-3
     phases = {e["name"]: (clip(e)[0] * ms, clip(e)[1] * ms)
-              for e in inside if e["thread"] == main and e["name"] in PHASES}
+              for e in inside if e["thread"] == main and e["name"] in STEP_PHASES}
     return {
         "step_ms": step_us * ms, "compute_ms": total(compute) * ms, "comm_ms": total(comm) * ms,
         "overlap_ms": total(overlap) * ms, "exposed_comm_ms": (total(comm) - total(overlap)) * ms,

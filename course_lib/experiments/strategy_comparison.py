@@ -45,10 +45,11 @@ from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.launch.spawn import run_ranks
 from course_lib.parallel.footprint import measure_model_states, peak
 from course_lib.parallel.step import train_step
-from course_lib.parallel.strategy import STRATEGIES, build_strategy
+from course_lib.parallel.strategy import build_strategy
+from course_lib.registry import STRATEGIES
 from course_lib.trainer.run import optimizer_factory
 
-FIELDS = ["strategy", "nodes", "ranks", "ms_per_iter", "ms_min", "ms_max", "tokens_per_s", "speedup",
+COMPARISON_FIELDS = ["strategy", "nodes", "ranks", "ms_per_iter", "ms_min", "ms_max", "tokens_per_s", "speedup",
           "efficiency", "comm_ms", "model_states_mb", "rss_mb", "runs", "threads_per_rank", "scaling"]
 
 
@@ -115,7 +116,7 @@ def summarize(runs: list[dict], scaling: str, threads: int) -> dict:
             "threads_per_rank": threads, "scaling": scaling}
 
 
-def markdown(rows: list[dict]) -> str:
+def comparison_markdown(rows: list[dict]) -> str:
     head = ("| strategy | nodes | ranks | time/iter (ms) | min-max (ms) | tokens/s | speedup | "
             "efficiency | exposed comm (ms) | model states / rank (MiB) | peak RSS / rank (MiB) |")
     lines = [head, "|" + "---|" * 11]
@@ -130,7 +131,7 @@ def markdown(rows: list[dict]) -> str:
 def compare(strategies: list[str], ranks: list[int], repeats: int = 5, iters: int = 10, warmup: int = 3,
             scaling: str = "weak", threads: int = 0, out_dir: str | os.PathLike = "runs/strategies",
             progress: bool = True) -> list[dict]:
-    """Run every strategy x ranks ``repeats`` times; return one summary row per cell (``FIELDS``).
+    """Run every strategy x ranks ``repeats`` times; return one summary row per cell (``COMPARISON_FIELDS``).
 
     The 1-rank ``single`` baseline always runs first. Prepares ``shakespeare_char`` if needed
     and writes the three files of the module docstring into ``out_dir``.
@@ -172,12 +173,12 @@ def compare(strategies: list[str], ranks: list[int], repeats: int = 5, iters: in
         row["speedup"] = row["tokens_per_s"] / baseline
         row["efficiency"] = row["speedup"] / row["ranks"]
     with open(out / "strategies.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer = csv.DictWriter(f, fieldnames=COMPARISON_FIELDS)
         writer.writeheader()
         for row in rows:
             writer.writerow({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()})
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    (out / "strategies.md").write_text(markdown(rows) + (
+    (out / "strategies.md").write_text(comparison_markdown(rows) + (
         f"\n{cores} cores; load average at the end {load} (1, 5, 15 min); {repeats} runs x "
         f"{iters} steps per cell; threads per rank {per_rank_threads}; {scaling} scaling; "
         f"torch {torch.__version__}.\n"))

@@ -57,6 +57,7 @@ class TPLayer:
 
 def shard_shapes(pulled: list[dict[str, torch.Tensor]]):
     """What each rank holds: a row per rank and parameter, its shape and number of values."""
+    # pandas only for the notebook's table: every %ranks engine imports this module
     import pandas as pd
 
     rows = [{"rank": r, "parameter": name, "shape": tuple(t.shape), "values": t.numel()}
@@ -74,6 +75,7 @@ def reassemble(pulled: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]
 def compare_with_dense(shards: list[dict], parts: list[dict], n_embd: int, x: torch.Tensor, seed: int = 0):
     """Largest differences from the dense MLP: the shards put back together, the sum of the
     partial products, and each rank's all-reduced output."""
+    # pandas only for the notebook's table: every %ranks engine imports this module
     import pandas as pd
 
     dense = dense_mlp(n_embd, seed)

@@ -31,7 +31,7 @@ from course_lib.parallel.step import forward_backward, optimizer_step, train_ste
 from course_lib.parallel.strategy import build_strategy
 
 STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
-PHASES = ("built", "after backward", "after step")
+ZERO_PHASES = ("built", "after backward", "after step")
 
 
 def global_batch(cfg: GPTConfig, batch_size: int, world_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,7 +65,7 @@ class ZeroWalk:
             extra = {"bucket_cap_mb": bucket_cap_mb} if name != "zero3" else {}  # ZeRO-1/2 reduce by buckets
             self.runs[name] = build_strategy(name, self.models[name], _adamw(lr), **extra)
         self.num_params = GPT(self.cfg).num_params()
-        self.phase, self.losses = PHASES[0], {}
+        self.phase, self.losses = ZERO_PHASES[0], {}
 
     def forward_backward(self) -> dict[str, float]:
         """Forward and backward on this rank's micro-batch, gradients communicated (ZeRO: the
@@ -79,7 +79,7 @@ class ZeroWalk:
             tracker.remove()
             self.grad_peaks[name] = tracker.peak["grads"]
             self.losses[name] = loss.item()
-        self.phase = PHASES[1]
+        self.phase = ZERO_PHASES[1]
         return self.losses
 
     def step(self) -> None:
@@ -87,7 +87,7 @@ class ZeroWalk:
         and zero_grad, as the trainer does."""
         for strategy in self.runs.values():
             optimizer_step(strategy)  # the second half of the trainer's step (no clipping here)
-        self.phase = PHASES[2]
+        self.phase = ZERO_PHASES[2]
 
     def report(self) -> list[dict]:
         """Bytes this rank holds now, per strategy, next to the model's figure for the phase."""
@@ -95,8 +95,8 @@ class ZeroWalk:
         for name, strategy in self.runs.items():
             held = measure_model_states(strategy)
             model = model_state_bytes(self.num_params, dp=self.world_size, stage=STAGE[name], dtype="fp32")
-            adam = self.phase == PHASES[2]  # AdamW creates its moments at the first step
-            grads = self.phase == PHASES[1]  # zero_grad frees them after the step
+            adam = self.phase == ZERO_PHASES[2]  # AdamW creates its moments at the first step
+            grads = self.phase == ZERO_PHASES[1]  # zero_grad frees them after the step
             rows.append({"phase": self.phase, "strategy": name, "rank": self.rank,
                          "params B": held.params, "model params B": round(model.params),
                          "grads B": self.grad_peaks[name] if grads else held.grads,
@@ -128,19 +128,21 @@ def shard_table(reports: list[list[dict]]):
     """The reports pulled from the ranks as one table: a row per strategy, rank and phase, each byte
     count next to the model's (``measured/model``: 1 up to padding and Adam's step counters, but
     above 1 for ZeRO-2's gradients during backward, whose buckets in flight are still whole)."""
+    # pandas only for the notebook's table: every %ranks engine imports this module
     import pandas as pd
 
     frame = pd.DataFrame([row for rows in reports for row in rows]).set_index(["phase", "strategy", "rank"])
     held = frame[["params B", "grads B", "optimizer B"]].sum(axis=1)
     model = frame[["model params B", "model grads B", "model optimizer B"]].sum(axis=1)
     frame = frame.assign(**{"measured/model": (held / model).round(3)}).reset_index()
-    frame["phase"] = pd.Categorical(frame["phase"], PHASES, ordered=True)  # in the order they happen
+    frame["phase"] = pd.Categorical(frame["phase"], ZERO_PHASES, ordered=True)  # in the order they happen
     return frame.sort_values(["strategy", "rank", "phase"]).set_index(["strategy", "rank", "phase"])
 
 
 def differences(pulled: list[dict[str, dict[str, torch.Tensor]]], reference: dict[str, torch.Tensor]):
     """Largest |parameter - reference| of each strategy on each rank (``pulled``: one dict per rank,
     strategy -> full parameters, as :meth:`ZeroWalk.full_parameters` gives them)."""
+    # pandas only for the notebook's table: every %ranks engine imports this module
     import pandas as pd
 
     return pd.Series({(name, rank): max((params[k] - reference[k]).abs().max().item() for k in reference)

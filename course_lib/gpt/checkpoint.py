@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from course_lib.analysis.dp_recipes import global_batch_size
 from course_lib.gpt.config import ConfigError, TrainConfig
 from course_lib.utils import atomic_write
 
@@ -94,10 +95,10 @@ def check_resumable(saved: dict, cfg: TrainConfig, path: str | os.PathLike = "ch
                           f"pass {fix} to continue that run, or start a new one in another --out_dir")
 
 
-def global_batch(cfg: dict, world_size: int) -> int:
-    """Sequences per optimizer step: batch_size x accumulation x dp ranks (dp = ranks / (tp pp cp))."""
+def _global_batch(cfg: dict, world_size: int) -> int:
+    """:func:`~course_lib.analysis.dp_recipes.global_batch_size` of a config dict (dp = ranks / (tp pp cp))."""
     mp = cfg.get("tp", 1) * cfg.get("pp", 1) * cfg.get("cp", 1)
-    return cfg["batch_size"] * cfg["gradient_accumulation_steps"] * (world_size // mp)
+    return global_batch_size(cfg["batch_size"], cfg["gradient_accumulation_steps"], world_size // mp)
 
 
 def check_layout_change(saved: dict, saved_world: int, cfg: TrainConfig, world_size: int,
@@ -106,7 +107,7 @@ def check_layout_change(saved: dict, saved_world: int, cfg: TrainConfig, world_s
     when the global batch per step is the same: the full state has one format, the data sampler
     draws the same samples, and the step's gradient is the mean over the same global batch. With
     dropout the ranks' random streams would differ, so the number of ranks must stay."""
-    before, now = global_batch(saved, saved_world), global_batch(cfg.to_dict(), world_size)
+    before, now = _global_batch(saved, saved_world), _global_batch(cfg.to_dict(), world_size)
     if before != now:
         raise ConfigError(f"{path} trained with a global batch of {before} sequences per step, this layout has "
                           f"{now} (batch_size x gradient_accumulation_steps x dp); choose batch_size and "

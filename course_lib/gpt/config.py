@@ -25,7 +25,7 @@ from course_lib.utils import atomic_write_bytes
 # gradient all-reduce: from the torch-free registry (course_lib.registry)
 STRATEGY_NAMES, GRAD_COMM_STRATEGIES = registry.STRATEGY_NAMES, registry.GRAD_COMM_STRATEGIES
 CONFIG_FILE = "config.json"  # in each run directory: the frozen TrainConfig every rank reads
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 GRAD_COMM_DTYPES = ("float32", "bfloat16")
 INIT_FROM = ("scratch", "resume")
 
@@ -114,7 +114,7 @@ class TrainConfig:
             raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
         if not self.out_dir:
             raise ConfigError("out_dir must not be empty")
-        _choice("dtype", self.dtype, DTYPES)
+        _choice("dtype", self.dtype, DTYPE_NAMES)
         _choice("recompute", self.recompute, RECOMPUTE)
         _choice("grad_comm_dtype", self.grad_comm_dtype, GRAD_COMM_DTYPES)
         if self.grad_comm_dtype != "float32" and self.strategy not in ("auto",) + GRAD_COMM_STRATEGIES:
@@ -203,7 +203,7 @@ _SHAKESPEARE_CHAR = dict(
     n_layer=6, n_head=6, n_embd=384, dropout=0.2, learning_rate=1e-3, max_iters=5000,
     lr_decay_iters=5000, min_lr=1e-4, beta2=0.99, warmup_iters=100,
 )
-PRESETS: dict[str, dict] = {
+TRAIN_PRESETS: dict[str, dict] = {
     "shakespeare_char": _SHAKESPEARE_CHAR,
     # the same on a CPU, as nanoGPT's README runs it
     "shakespeare_char_cpu": {**_SHAKESPEARE_CHAR, "out_dir": "out-shakespeare-char-cpu", "eval_iters": 20,
@@ -221,8 +221,8 @@ def make_config(preset: str | None = None, overrides: dict | None = None, base: 
     """Defaults (or ``base``), then the preset, then the overrides; validated once at the end."""
     d = (base or TrainConfig()).to_dict()
     if preset is not None:
-        if preset not in PRESETS:
-            raise ConfigError(f"unknown --config {preset!r}; choose one of {', '.join(PRESETS)}")
-        d.update(PRESETS[preset])
+        if preset not in TRAIN_PRESETS:
+            raise ConfigError(f"unknown --config {preset!r}; choose one of {', '.join(TRAIN_PRESETS)}")
+        d.update(TRAIN_PRESETS[preset])
     d.update(overrides or {})
     return TrainConfig.from_dict(d)

@@ -11,7 +11,7 @@ import argparse
 import difflib
 from pathlib import Path
 
-from course_lib.gpt.config import FIELDS, PRESETS, ConfigError, TrainConfig, make_config
+from course_lib.gpt.config import FIELDS, TRAIN_PRESETS, ConfigError, TrainConfig, make_config
 from course_lib.hardware import default_nproc
 
 
@@ -69,7 +69,7 @@ def arg_parser(prog: str, description: str) -> argparse.ArgumentParser:
     (worker): a preset or a config.json, ``--resume``, then any field as ``--field=value``."""
     p = argparse.ArgumentParser(prog=prog, allow_abbrev=False, epilog=_help_epilog(), description=description,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", metavar="PRESET", help=f"start from a preset: {', '.join(PRESETS)}")
+    p.add_argument("--config", metavar="PRESET", help=f"start from a preset: {', '.join(TRAIN_PRESETS)}")
     p.add_argument("--config-file", metavar="PATH", help="start from a config.json (what workers use)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out_dir (= --init_from=resume)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -99,5 +99,5 @@ def config_from_args(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[
 def _help_epilog() -> str:
     d = TrainConfig()
     fields = "\n".join(f"  {f'--{name}={getattr(d, name)!r}':<42} {f.type.__name__}" for name, f in FIELDS.items())
-    return (f"presets (--config=NAME): {', '.join(PRESETS)}\n\nfields (default values; any one as --field=value):\n"
+    return (f"presets (--config=NAME): {', '.join(TRAIN_PRESETS)}\n\nfields (default values; any one as --field=value):\n"
             f"{fields}\n\nbool fields also accept a bare --field (true); --nproc=auto uses every GPU, or 2 CPU workers.")

@@ -32,7 +32,7 @@ import numpy as np
 from course_lib.utils import atomic_write_bytes, default_data_dir, shipped_file
 
 DATASETS = ("shakespeare_char", "shakespeare")
-FORMAT_VERSION = 1
+DATA_FORMAT_VERSION = 1
 TEXT_FILE = "tinyshakespeare.txt"
 TEXT_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 GPT2_RANKS_FILE = "gpt2.tiktoken"
@@ -99,7 +99,7 @@ def _write_dataset(out: Path, train_ids, val_ids, meta: dict) -> None:
 def _is_prepared(out: Path, source_sha: str) -> bool:
     try:
         meta = json.loads((out / "meta.json").read_text())
-        return (meta.get("format") == FORMAT_VERSION and meta.get("source_sha256") == source_sha
+        return (meta.get("format") == DATA_FORMAT_VERSION and meta.get("source_sha256") == source_sha
                 and all((out / f"{s}.bin").stat().st_size == 2 * meta[f"{s}_tokens"] for s in ("train", "val")))
     except (OSError, ValueError, KeyError):
         return False
@@ -130,7 +130,7 @@ def prepare(name: str, data_dir: str | os.PathLike | None = None, *, source: str
         return out
     n = len(text)
     train_text, val_text = text[: int(n * 0.9)], text[int(n * 0.9):]  # 90/10 by characters
-    meta = {"format": FORMAT_VERSION, "dataset": name, "source": src.name, "source_sha256": source_sha,
+    meta = {"format": DATA_FORMAT_VERSION, "dataset": name, "source": src.name, "source_sha256": source_sha,
             "dtype": "uint16"}
     if name == "shakespeare_char":
         chars = sorted(set(text))

@@ -20,6 +20,8 @@ from collections.abc import Iterable
 
 import psutil
 
+from course_lib.trainer.progress import progress_bar  # ipywidgets only once a notebook bar is shown
+
 _RANK_FILE = re.compile(r"rank(\d+)\.(out|err)$")
 _FRAME = re.compile(r'File "(.+?)", line (\d+)(?:,)? in (\S+)')
 # torchrun's summary: "Root Cause (first observed failure): [0]: ... rank : 1 (local_rank: 1)
@@ -226,10 +228,6 @@ class MetricsProgress:
     STEP_COLUMNS = ("iter", "step", "iteration")
 
     def __init__(self, path: str, total: int | None, desc: str = "train", file=None):
-        from course_lib.trainer.progress import (
-            progress_bar,  # tqdm (ipywidgets in a notebook) only once a bar is shown
-        )
-
         self.path, self.size = path, -1
         self.bar = progress_bar(total=total, desc=desc, unit="it", dynamic_ncols=True, file=file)
 

@@ -19,6 +19,8 @@ import threading
 import time
 import traceback
 
+import cloudpickle
+
 from course_lib.launch.procs import reset_locks_after_fork, set_parent_death_signal
 from course_lib.utils import init_process_group
 
@@ -58,6 +60,7 @@ class _Lines:
 
 
 def _join_group(rank: int, s: dict) -> None:
+    # torch in the rank only: the parent imports this module (launch.ranks) without it
     import torch
     import torch.distributed as dist
 
@@ -89,6 +92,7 @@ def rank_main(payload: bytes, rank: int, s: dict, conn) -> None:
         sys.stderr = _Lines(sender, 2, s["prefix"].format(rank=rank))
     joined, ready_at = False, None
     try:
+        # torch in the rank only: the parent imports this module (launch.ranks) without it
         import torch
 
         torch.set_num_threads(s["threads"])
@@ -100,8 +104,6 @@ def rank_main(payload: bytes, rank: int, s: dict, conn) -> None:
         ready_at = time.monotonic()  # a collective's timeout counts from here, not from the parent's view
         result = fn(rank, s["world_size"], *args, **kwargs) if s["pass_rank"] else fn(*args, **kwargs)
         try:
-            import cloudpickle
-
             data = cloudpickle.dumps(result)
         except Exception as e:  # noqa: BLE001 - a value that cannot travel: say so, as an error
             raise TypeError(f"rank {rank}'s function returned a {type(result).__name__}, which cannot "
@@ -120,6 +122,7 @@ def rank_main(payload: bytes, rank: int, s: dict, conn) -> None:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         if joined:
+            # torch in the rank only: the parent imports this module (launch.ranks) without it
             import torch.distributed as dist
 
             if dist.is_initialized():  # the function may have ended the group itself (the trainer does)

@@ -22,6 +22,7 @@ ranks in :mod:`course_lib.launch.rank_pool_engine`.
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import sys
@@ -29,8 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from course_lib.launch.placement import LaunchConfigError
-from course_lib.launch.placement import RankPlan, plan_ranks
+from course_lib.hardware import gpu_count, threads_per_rank
+from course_lib.launch import rank_pool_engine as engine
+from course_lib.launch.placement import LaunchConfigError, RankPlan, plan_ranks
 from course_lib.launch.rank_pool_view import RankBoard, error_line
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -67,8 +69,6 @@ class RankPool:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= 64:
             raise LaunchConfigError(f"the number of ranks must be a whole number from 1 to 64, got {world_size!r}")
         if gpus is None:
-            from course_lib.hardware import gpu_count
-
             gpus = gpu_count()
         # the same decision as course train and %%torchrun (gloo on CPU, NCCL with a GPU per rank,
         # gloo on shared GPUs), refused here, before anything starts, if it cannot work
@@ -76,8 +76,6 @@ class RankPool:
                                               recipe="%ranks")
         self.world_size, self.timeout = world_size, float(timeout)
         if threads is None:
-            from course_lib.hardware import threads_per_rank
-
             threads = threads_per_rank(world_size)
         self.threads = threads
         self._cluster = self._client = None
@@ -87,6 +85,7 @@ class RankPool:
 
     # -- life cycle --------------------------------------------------------------------------
     def start(self, log=print) -> RankPool:
+        # ipyparallel (0.25 s) only when ranks start, not on %load_ext course_lib
         import ipyparallel as ipp
 
         self._dir = Path(tempfile.mkdtemp(prefix="course_ranks_"))
@@ -247,8 +246,6 @@ class RankPool:
         return ranks
 
     def _apply_each(self, fn_name: str, args_of) -> list:
-        from course_lib.launch import rank_pool_engine as engine
-
         fn = getattr(engine, fn_name)
         results = [self._client[self._engines[r]].apply_async(fn, *args_of(r)) for r in range(self.world_size)]
         return [ar.get(timeout=120) for ar in results]
@@ -261,6 +258,7 @@ class RankPool:
 
 
 def _lookup(name: str):
+    # IPython where this runs, on an engine (apply_sync); a RankPool driven from plain Python needs none
     from IPython import get_ipython
 
     ns = get_ipython().user_ns
@@ -268,8 +266,6 @@ def _lookup(name: str):
 
 
 def _kill(pid: int, sig: int) -> None:
-    import os
-
     try:
         os.kill(pid, sig)
     except ProcessLookupError:

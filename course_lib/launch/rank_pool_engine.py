@@ -24,6 +24,10 @@ import sys
 import threading
 import time
 
+import psutil
+
+from course_lib.utils import init_process_group
+
 # The blocking collectives and point-to-point calls of torch.distributed, tracked by name.
 TRACKED = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
            "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier",
@@ -54,6 +58,7 @@ def _track(fn, name: str, op_file: str):
 
 def install_tracker(op_file: str) -> None:
     """Wrap each of :data:`TRACKED` in ``torch.distributed`` (once per process)."""
+    # torch on the engine only: the notebook's kernel imports this module to send it
     import torch.distributed as dist
 
     for name in TRACKED:
@@ -63,9 +68,8 @@ def install_tracker(op_file: str) -> None:
 
 
 def _init_group(backend: str, store: str, rank: int, world_size: int, timeout_s: float, device: str) -> None:
+    # torch on the engine only: the notebook's kernel imports this module to send it
     import torch.distributed as dist
-
-    from course_lib.utils import init_process_group
 
     # NCCL: the communicator is bound to this rank's GPU
     init_process_group(backend, timeout_s=timeout_s, device=device, init_method=f"file://{store}",
@@ -76,6 +80,7 @@ def _init_group(backend: str, store: str, rank: int, world_size: int, timeout_s:
 def setup(rank: int, world_size: int, backend: str, device: str, store: str, op_file: str,
           timeout_s: float, threads: int) -> int:
     """Make this engine rank ``rank``; returns its pid (the pool signals ranks by pid)."""
+    # torch on the engine only: the notebook's kernel imports this module to send it
     import torch
     import torch.distributed as dist
 
@@ -93,6 +98,7 @@ def setup(rank: int, world_size: int, backend: str, device: str, store: str, op_
 
 def regroup(backend: str, store: str, rank: int, world_size: int, timeout_s: float, device: str) -> bool:
     """Replace the default process group by a new one meeting in ``store``."""
+    # torch on the engine only: the notebook's kernel imports this module to send it
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -116,7 +122,6 @@ def _watch_parent(parent: int, every_s: float = 0.5) -> None:
     def watch():
         while os.getppid() == parent:
             time.sleep(every_s)
-        import psutil
 
         for child in psutil.Process().children(recursive=True):
             try:

@@ -83,6 +83,7 @@ class RankBoard:
             self._print_new(parts, stopped)
 
     def _show(self, boards: _Boards) -> None:
+        # IPython's display only in a notebook: the terminal view prints
         from IPython.display import display
 
         if self._handle is None:
@@ -108,6 +109,7 @@ def error_line(md: dict) -> str:
 
 def _in_kernel() -> bool:
     try:
+        # IPython may be missing in a plain Python process (the terminal view)
         from IPython import get_ipython
     except ImportError:
         return False

@@ -55,6 +55,10 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
+import cloudpickle
+
+from course_lib.launch.rank_child import rank_main
+
 START_LIMIT_S = 120.0  # the fork server's first start imports torch: seconds on a busy machine
 # What the fork server imports once, so that no rank does: torch, its distributed package, the
 # optimizers' lazy torch._dynamo (about 1 s), this runner and cloudpickle.
@@ -125,8 +129,6 @@ def _dumps(obj: Any) -> bytes:
     """cloudpickle, except that a module loaded from a file travels by name: a test's fresh copy
     of ``course_lib.exercises.grading`` (not in ``sys.modules``) is imported again in the rank,
     not sent with everything it holds."""
-    import cloudpickle
-
     class Pickler(cloudpickle.Pickler):
         def reducer_override(self, obj):
             spec = getattr(obj, "__spec__", None) if isinstance(obj, types.ModuleType) else None
@@ -265,7 +267,6 @@ def run_local(fn: Callable[..., Any], nproc: int, args: tuple = (), kwargs: dict
         settings = {"world_size": nproc, "backend": backend, "store": f"file://{Path(tmp) / 'store'}",
                     "timeout": timeout, "threads": threads, "env": dict(os.environ),
                     "prefix": prefix, "pass_rank": pass_rank, "method": method}
-        from course_lib.launch.rank_child import rank_main
 
         procs, conns = [], []
         try:

@@ -24,9 +24,9 @@ from typing import Any
 
 from course_lib.launch.ranks import RankError, RanksTimeoutError, SendError, run_local
 
-__all__ = ["GRACE_S", "RankError", "RanksTimeoutError", "SendError", "run_ranks"]
+__all__ = ["TIMEOUT_GRACE_S", "RankError", "RanksTimeoutError", "SendError", "run_ranks"]
 
-GRACE_S = 5.0  # wall clock beyond the collective timeout: reporting the timeout
+TIMEOUT_GRACE_S = 5.0  # wall clock beyond the collective timeout: reporting the timeout
 
 
 def _hang_message(world_size: int, timeout: float, stuck: list[int], detail: str = "") -> str:
@@ -52,13 +52,14 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), backend
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
     if backend == "nccl":
+        # torch only to count GPUs for NCCL: a gloo run needs no torch in the parent
         import torch
 
         gpus = torch.cuda.device_count()  # asks NVML: no CUDA context in the parent
         if gpus < world_size:
             raise ValueError(f"NCCL needs one GPU per rank: {world_size} ranks, {gpus} GPU(s) "
                              "here; use backend='gloo' or fewer ranks")
-    limit = None if timeout is None else timeout + GRACE_S
+    limit = None if timeout is None else timeout + TIMEOUT_GRACE_S
     try:
         return run_local(fn, world_size, args, backend=backend, pass_rank=True, timeout=timeout,
                          time_limit=limit, threads=threads, method=start_method)

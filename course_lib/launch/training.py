@@ -66,7 +66,7 @@ class TrainRequest:
 # --- the checks, in order; each raises a one-line error (LaunchConfigError is a ConfigError). A new
 # kind of parallelism adds its own function to CHECKS.
 
-def check_strategy(req: TrainRequest) -> None:
+def check_strategy_world(req: TrainRequest) -> None:
     checks.check_strategy(req.strategy)
     if req.strategy == "single" and req.world_size > 1:
         raise LaunchConfigError(f"strategy 'single' runs one process but {req.world_size} ranks were asked for; "
@@ -134,12 +134,12 @@ def check_layout(req: TrainRequest) -> None:
                                 f"({req.plan.line()}); use one rank per GPU (NCCL) or --device=cpu")
 
 
-def check_allocation(req: TrainRequest) -> None:
+def check_job(req: TrainRequest) -> None:
     """Inside a SLURM/PBS job: the nodes and GPUs it was given."""
     allocation.check_scheduler(req.nnodes, (req.plan and req.plan.gpus_per_node) or req.config.nproc, req.device)
 
 
-CHECKS: list[Callable[[TrainRequest], None]] = [check_allocation, check_strategy, check_dtype, check_layout,
+CHECKS: list[Callable[[TrainRequest], None]] = [check_job, check_strategy_world, check_dtype, check_layout,
                                                  check_memory, check_data, check_out_dir]
 
 

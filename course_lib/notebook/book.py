@@ -18,6 +18,7 @@ change); prose edits are merged with the cached outputs, so rebuilding after the
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import os
@@ -27,6 +28,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import nbformat
+from tqdm import tqdm
 
 from course_lib.utils import GITHUB_BRANCH, GITHUB_REPO, repo_root
 
@@ -74,8 +78,6 @@ def source_key(nb, smoke: bool) -> str:
 def with_outputs(nb, executed):
     """``nb`` (the notebook as it is now) with the outputs of ``executed``, whose code cells are
     the same (their key matched): the site shows today's prose with the cached outputs."""
-    import copy
-
     nb = copy.deepcopy(nb)
     done = [c for c in executed.cells if c.cell_type == "code"]
     for cell, ran in zip((c for c in nb.cells if c.cell_type == "code"), done, strict=True):
@@ -86,8 +88,6 @@ def with_outputs(nb, executed):
 
 def cached(path: Path, cache_dir: Path, smoke: bool):
     """The executed copy of notebook ``path`` in ``cache_dir`` if it is up to date, else None."""
-    import nbformat
-
     done = Path(cache_dir) / path.name
     if not done.is_file():
         return None
@@ -98,8 +98,6 @@ def cached(path: Path, cache_dir: Path, smoke: bool):
 
 def store(nb, path: Path, cache_dir: Path, smoke: bool, seconds: float) -> Path:
     """Save executed ``nb`` (of notebook ``path``) in ``cache_dir``, with its key and time."""
-    import nbformat
-
     source = nbformat.read(path, as_version=4)
     nb.metadata[KEY] = {"key": source_key(source, smoke), "seconds": round(seconds, 1), "smoke": smoke,
                         "when": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -115,7 +113,7 @@ def store(nb, path: Path, cache_dir: Path, smoke: bool, seconds: float) -> Path:
 
 def execute(path: Path, cache_dir: Path, smoke: bool, force: bool = False, timeout: int = 1800):
     """The executed notebook ``path``: from ``cache_dir`` when up to date, else run now and stored."""
-    import nbformat
+    # nbclient (0.4 s) only when a lesson is executed, not for a cached build or --times
     from nbclient import NotebookClient
 
     nb = None if force else cached(path, cache_dir, smoke)
@@ -161,8 +159,6 @@ def _outside_links(text: str) -> str:
 
 def write_sources(executed: dict, src: Path, root: Path) -> None:
     """The Sphinx source folder: conf.py, index.md, notebooks/ (executed) and images/."""
-    import nbformat
-
     if src.exists():
         shutil.rmtree(src)
     (src / "notebooks").mkdir(parents=True)
@@ -178,12 +174,9 @@ def write_sources(executed: dict, src: Path, root: Path) -> None:
         nbformat.write(nb, src / "notebooks" / name)
 
 
-def build(smoke: bool = False, force: bool = False, out: Path | None = None,
+def build_book(smoke: bool = False, force: bool = False, out: Path | None = None,
           executed_dir: Path | None = None, quiet: bool = False) -> Path:
     """Execute (or reuse) every lesson and build the site; returns the folder with index.html."""
-    import nbformat
-    from tqdm import tqdm
-
     root = repo_root()
     if root is None:
         raise RuntimeError("the book is built from the course repository: run it in a clone")
@@ -232,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         out = args.out or repo_root() / "build" / "book"
         print(times_table(out / "executed" / ("smoke" if args.smoke else "full")))
         return 0
-    html = build(args.smoke, args.force, args.out)
+    html = build_book(args.smoke, args.force, args.out)
     print(f"site: {html / 'index.html'}  (publish the folder {html} as static files)")
     return 0
 

@@ -33,10 +33,10 @@ from urllib.parse import urlparse
 
 from course_lib.utils import PACKAGE_DIR, repo_root
 
-SOURCES = Path("images") / "diagrams"  # relative to the repository root
-RENDERED = SOURCES / "rendered"
+DIAGRAM_SOURCES = Path("images") / "diagrams"  # relative to the repository root
+RENDERED = DIAGRAM_SOURCES / "rendered"
 CONFIG = "mermaid-config.json"
-MANIFEST = "manifest.json"
+DIAGRAM_MANIFEST = "manifest.json"
 PACKAGED = PACKAGE_DIR / "_diagrams"  # a link to images/diagrams; in a wheel, a copy (package data)
 
 
@@ -51,7 +51,7 @@ def _root(root: Path | None) -> Path:
 def _folder(root: Path | None) -> Path:
     """Where the sources are: ``root/images/diagrams``, a clone's, or else the package's copy."""
     root = root or repo_root()
-    folder = Path(root) / SOURCES if root is not None else PACKAGED
+    folder = Path(root) / DIAGRAM_SOURCES if root is not None else PACKAGED
     if not folder.is_dir():
         raise FileNotFoundError(f"no diagram sources in {folder}: reinstall course-lib, or restore images/diagrams/")
     return folder

@@ -30,9 +30,9 @@ from tqdm import tqdm
 
 from course_lib.notebook.diagrams import (
     CONFIG,
-    MANIFEST,
+    DIAGRAM_MANIFEST,
+    DIAGRAM_SOURCES,
     RENDERED,
-    SOURCES,
     _check_name,
     _root,
     names,
@@ -53,7 +53,7 @@ def _text_sha256(path: Path) -> str:
 
 
 def load_manifest(root: Path | None = None) -> dict:
-    path = _root(root) / RENDERED / MANIFEST
+    path = _root(root) / RENDERED / DIAGRAM_MANIFEST
     return json.loads(path.read_text()) if path.is_file() else {"renderer": None, "config_sha256": None, "diagrams": {}}
 
 
@@ -77,9 +77,9 @@ def is_svg(text: str) -> bool:
 
 def _problems(root: Path) -> list[tuple[str | None, str]]:
     """(diagram name or None, problem) for everything out of date or broken in the renderings."""
-    src_dir, out_dir = root / SOURCES, root / RENDERED
-    if not (out_dir / MANIFEST).is_file():
-        return [(None, f"{out_dir / MANIFEST} is missing: run `make images`")]
+    src_dir, out_dir = root / DIAGRAM_SOURCES, root / RENDERED
+    if not (out_dir / DIAGRAM_MANIFEST).is_file():
+        return [(None, f"{out_dir / DIAGRAM_MANIFEST} is missing: run `make images`")]
     manifest = load_manifest(root)
     problems: list[tuple[str | None, str]] = []
     if manifest.get("config_sha256") != _text_sha256(src_dir / CONFIG):
@@ -105,7 +105,7 @@ def _problems(root: Path) -> list[tuple[str | None, str]]:
     return problems
 
 
-def check(root: Path | None = None) -> list[str]:
+def check_diagrams(root: Path | None = None) -> list[str]:
     """Problems with the committed renderings (an empty list when all are up to date)."""
     return [msg for _, msg in _problems(_root(root))]
 
@@ -123,7 +123,7 @@ def _find_tool(env: str, candidates: list[str | Path], hint: str) -> str:
     raise FileNotFoundError(hint)
 
 
-def build(only: list[str] | None = None, force: bool = False, root: Path | None = None, jobs: int = 2) -> list[str]:
+def build_diagrams(only: list[str] | None = None, force: bool = False, root: Path | None = None, jobs: int = 2) -> list[str]:
     """Render the stale diagrams (or ``only`` those, or all with ``force``); return the names rendered."""
     root = _root(root)
     for name in only or []:
@@ -136,7 +136,7 @@ def build(only: list[str] | None = None, force: bool = False, root: Path | None 
                           "or point $COURSE_CHROMIUM at a Chrome/Chromium executable")
     version = subprocess.run([mmdc, "--version"], capture_output=True, text=True, check=True).stdout.strip()
     manifest = load_manifest(root)
-    config_sha = _text_sha256(root / SOURCES / CONFIG)
+    config_sha = _text_sha256(root / DIAGRAM_SOURCES / CONFIG)
     renderer = f"@mermaid-js/mermaid-cli {version}"
     if manifest.get("config_sha256") != config_sha or manifest.get("renderer") != renderer:
         force = True  # a new config or a new mermaid-cli changes every rendering
@@ -153,8 +153,8 @@ def build(only: list[str] | None = None, force: bool = False, root: Path | None 
         puppeteer.write_text(json.dumps({"executablePath": chromium, "args": CHROMIUM_ARGS}))
 
         def render(name: str) -> tuple[str, dict]:
-            src = root / SOURCES / f"{name}.mmd"
-            common = [mmdc, "--quiet", "-i", str(src), "-p", str(puppeteer), "-c", str(root / SOURCES / CONFIG),
+            src = root / DIAGRAM_SOURCES / f"{name}.mmd"
+            common = [mmdc, "--quiet", "-i", str(src), "-p", str(puppeteer), "-c", str(root / DIAGRAM_SOURCES / CONFIG),
                       "-b", "white"]
             outs = {}
             for ext, extra in (("svg", ["--svgId", name]), ("png", ["--scale", "2"])):
@@ -171,15 +171,15 @@ def build(only: list[str] | None = None, force: bool = False, root: Path | None 
             for name, outs in tqdm(pool.map(render, todo), total=len(todo), desc="rendering diagrams", unit="diagram"):
                 for ext, data in outs.items():
                     atomic_write_bytes(out_dir / f"{name}.{ext}", data)
-                entries[name] = {"source_sha256": _text_sha256(root / SOURCES / f"{name}.mmd"),
+                entries[name] = {"source_sha256": _text_sha256(root / DIAGRAM_SOURCES / f"{name}.mmd"),
                                  "svg_sha256": _sha256(outs["svg"]), "png_sha256": _sha256(outs["png"])}
                 # written after every diagram: an interrupted build keeps what it finished
-                atomic_write_bytes(out_dir / MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
+                atomic_write_bytes(out_dir / DIAGRAM_MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
     for name in sorted(set(entries) - set(names(root))):  # sources deleted since the last build
         del entries[name]
         for ext in ("svg", "png"):
             (out_dir / f"{name}.{ext}").unlink(missing_ok=True)
-    atomic_write_bytes(out_dir / MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
+    atomic_write_bytes(out_dir / DIAGRAM_MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
     return todo
 
 
@@ -198,13 +198,13 @@ def cli(argv: list[str]) -> int:
         return 0
     if args.cmd == "build":
         try:
-            done = build(args.names or None, force=args.force, jobs=args.jobs)
+            done = build_diagrams(args.names or None, force=args.force, jobs=args.jobs)
         except (FileNotFoundError, RuntimeError, ValueError) as e:
             print(f"course images: {e}", file=sys.stderr)
             return 1
         print(f"rendered {len(done)} diagram(s) into {RENDERED}/" if done else "all diagrams are up to date")
     try:
-        problems = check()
+        problems = check_diagrams()
     except FileNotFoundError as e:  # an installed package: nothing to check against
         print(f"course images: {e}", file=sys.stderr)
         return 1

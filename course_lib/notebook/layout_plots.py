@@ -14,6 +14,9 @@ import json
 import math
 from pathlib import Path
 
+import pandas as pd
+
+from course_lib.analysis.parallel_comm import sent_bytes_per_step
 from course_lib.trainer.metrics import read_metrics
 
 GROUPS = ("tp", "sp", "cp", "pp", "dp")
@@ -30,8 +33,6 @@ def _load(run_dir) -> dict:
 def layout_table(runs: dict[str, str | Path]):
     """One row per run: final losses, ms/iter, the bubble, memory per rank and bytes per group
     per step (the most over ranks); a pandas DataFrame."""
-    import pandas as pd
-
     out = []
     for name, run_dir in runs.items():
         r = _load(run_dir)
@@ -52,6 +53,7 @@ def layout_table(runs: dict[str, str | Path]):
 
 def plot_layouts(runs: dict[str, str | Path]):
     """Loss curves on top of each other; memory per rank and bytes per group per step, per layout."""
+    # pyplot only when drawing: importing it picks a backend
     import matplotlib.pyplot as plt
 
     fig, (ax_loss, ax_mem, ax_bytes) = plt.subplots(1, 3, figsize=(16, 4.2))
@@ -88,10 +90,6 @@ def comm_model_table(runs: dict[str, str | Path], vocab_size: int):
     """Per layout and group, the bytes :func:`course_lib.analysis.parallel_comm.sent_bytes_per_step`
     predicts for the first pipeline stage next to what its rank 0 sent (``ranks.json``); plain
     data-parallel runs write no per-rank figures and are left out."""
-    import pandas as pd
-
-    from course_lib.analysis.parallel_comm import sent_bytes_per_step
-
     rows = []
     for name, run_dir in runs.items():
         if not (Path(run_dir) / "ranks.json").exists():

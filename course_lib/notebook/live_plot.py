@@ -38,6 +38,7 @@ from IPython.display import display
 from matplotlib.figure import Figure  # no pyplot: no global figure state
 
 from course_lib.notebook.plots import plot_loss_curve
+from course_lib.notebook.static import snapshot_bundle
 from course_lib.trainer.metrics import read_metrics
 
 
@@ -202,8 +203,6 @@ class LiveLossPlot:
 
     def _repr_mimebundle_(self, **kwargs):
         """The widget, plus its current status and plot as static HTML (what a saved notebook shows)."""
-        from course_lib.notebook.static import snapshot_bundle
-
         with self._lock:
             return snapshot_bundle(self.widget)
 

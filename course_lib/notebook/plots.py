@@ -12,12 +12,12 @@ from collections.abc import Mapping, Sequence
 
 from matplotlib.figure import Figure  # no pyplot: no global figure state
 
-from course_lib.analysis.comm_cost import ALGORITHMS, collective_time
+from course_lib.analysis.comm_cost import COLLECTIVE_ALGORITHMS, collective_time
 from course_lib.analysis.memory import STAGE_NAMES, STAGES, breakdown, resolve_gpu
 from course_lib.analysis.scaling_laws import amdahl_speedup, gustafson_speedup
+from course_lib.hardware import GB
 from course_lib.trainer.metrics import read_metrics
 
-GB = 1e9
 _PART_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868",
                 "activations": "#c44e52"}
 
@@ -81,7 +81,7 @@ def plot_collective_model(nbytes: Sequence[float], p: int, alpha: float, bandwid
     """Alpha-beta model time against message size for each algorithm of ``op``
     (see :mod:`course_lib.analysis.comm_cost`)."""
     fig, ax = _axes(ax)
-    for algo in algorithms or ALGORITHMS[op]:
+    for algo in algorithms or COLLECTIVE_ALGORITHMS[op]:
         times = [collective_time(op, n, p, alpha=alpha, bandwidth=bandwidth, algorithm=algo)
                  for n in nbytes]
         ax.plot(nbytes, times, label=algo)
@@ -201,7 +201,7 @@ def plot_scaling(strong: Sequence[dict], s_fit: float, weak: Sequence[dict] | No
 def plot_step_timeline(results: list[dict], title: str | None = None, ax=None):
     """The profiled step of every rank: a lane of phases, one of compute, one of communication.
 
-    results: :func:`course_lib.experiments.profiling.profile_step`'s, one dict per rank."""
+    results: :func:`course_lib.experiments.profiling.profile_training_step`'s, one dict per rank."""
     if ax is None:
         ax = Figure(figsize=(9, 0.6 + 1.2 * len(results)), layout="constrained").add_subplot()
     colors = {"compute": "#4c72b0", "comm": "#dd8452"}

@@ -11,9 +11,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+from matplotlib.figure import Figure
+
+from course_lib.hardware import MB
 from course_lib.notebook.plots import _axes
 
-MB = 1e6
 _ROLE_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868",
                 "activations": "#c44e52"}
 
@@ -39,8 +42,6 @@ def plot_gradient_histogram(magnitudes, scales: Sequence[float] = (1.0,), ax=Non
     """Histogram of log2 |g| of fp32 gradient values (zeros left out), shifted by log2 of each
     loss scale, against fp16's limits: below 2^-24 a value is lost, above 65504 it overflows
     (Micikevicius et al. 2018, Fig. 3)."""
-    import numpy as np
-
     fig, ax = _axes(ax, (8, 3.5))
     g = np.asarray(magnitudes, dtype=np.float64)
     logs = np.log2(g[g > 0])
@@ -98,8 +99,6 @@ def plot_state_bytes(bars: Mapping[str, Mapping[str, float]], ax=None, unit: flo
 
 def plot_recompute(rows: Sequence[Mapping], ax=None):
     """Two panels: measured and modelled activation MB per recompute mode, and compute ms/step."""
-    from matplotlib.figure import Figure
-
     fig = Figure(figsize=(9, 3.5), layout="constrained")
     a1, a2 = fig.subplots(1, 2)
     modes = [r["recompute"] for r in rows]

@@ -23,6 +23,8 @@ import base64
 from html import escape
 from html.parser import HTMLParser
 
+from IPython.utils.capture import capture_output
+
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
 
@@ -92,8 +94,6 @@ def _call_html(widget) -> str:
     Its Output widget is filled in the browser, so the kernel's copy is empty: the function is
     called once more here, with its output captured (the explorers of the notebooks only print).
     """
-    from IPython.utils.capture import capture_output
-
     with capture_output() as captured:
         value = widget.f(**widget.kwargs)
     outputs = [{"output_type": "stream", "text": captured.stdout}] if captured.stdout else []

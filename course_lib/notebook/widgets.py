@@ -29,6 +29,7 @@ from course_lib.analysis.memory import (
     resolve_gpu,
 )
 from course_lib.hardware import PROFILES
+from course_lib.notebook.static import snapshot_bundle
 
 CUSTOM = "custom"  # the model choice "give a parameter count" (model states only)
 DP_CHOICES = tuple(2**i for i in range(11))  # 1, 2, 4, ..., 1024 data-parallel ranks
@@ -59,7 +60,7 @@ class Settings:
 
 
 @dataclass(frozen=True)
-class Result:
+class Calculation:
     """One calculation: the breakdown for the chosen stage, all four stages, and the verdict."""
 
     settings: Settings
@@ -106,7 +107,7 @@ class Result:
         return tips
 
 
-def calculate(settings: Settings) -> Result:
+def calculate(settings: Settings) -> Calculation:
     """The calculator's numbers for ``settings`` (no widgets involved)."""
     s = settings
     kwargs = {"dp": s.dp, "dtype": s.dtype, "recompute": s.recompute}
@@ -120,10 +121,10 @@ def calculate(settings: Settings) -> Result:
         what = {"preset": s.model, "batch_size": s.batch_size, "flash_attention": s.flash_attention}
     stages = {st: breakdown(**what, stage=st, **kwargs) for st in STAGES}
     name, nbytes = resolve_gpu(s.gpu)
-    return Result(s, stages[s.stage], stages, name, nbytes)
+    return Calculation(s, stages[s.stage], stages, name, nbytes)
 
 
-def summary_html(result: Result) -> str:
+def summary_html(result: Calculation) -> str:
     """The table and verdict the calculator shows (numbers in GB = 1e9 bytes, as the paper)."""
     b, s = result.breakdown, result.settings
     rows = "".join(
@@ -151,7 +152,7 @@ def summary_html(result: Result) -> str:
             f"</td><td></td></tr></table>{verdict}{note}</div>")
 
 
-def stages_png(result: Result) -> bytes:
+def stages_png(result: Calculation) -> bytes:
     """The four ZeRO stages as stacked bars with the GPU's memory as a line (PNG bytes)."""
     from course_lib.notebook.plots import plot_memory  # matplotlib only for the chart
 
@@ -211,7 +212,7 @@ class MemoryCalculator:
         self.image = w.Image(format="png")
         self.widget = w.HBox([w.VBox(list(self.controls.values())), w.VBox([self.summary, self.image])])
         self.widget.add_class("course-memcalc")
-        self.result: Result | None = None
+        self.result: Calculation | None = None
         for control in self.controls.values():
             control.observe(self._changed, names="value")
         self._last_model, self._syncing = s.model, True
@@ -243,7 +244,7 @@ class MemoryCalculator:
         if model in PRESETS:
             self.controls["params_b"].value = round(PRESETS[model].num_params() / 1e9, 4)
 
-    def update(self) -> Result:
+    def update(self) -> Calculation:
         """Recompute from the controls and redraw; returns the new result."""
         custom = self.controls["model"].value == CUSTOM
         self.controls["params_b"].disabled = not custom  # a preset's size comes from its shape
@@ -257,8 +258,6 @@ class MemoryCalculator:
 
     def _repr_mimebundle_(self, **kwargs):
         """The widget, plus its controls, table and chart as static HTML (what a saved notebook shows)."""
-        from course_lib.notebook.static import snapshot_bundle
-
         return snapshot_bundle(self.widget)
 
 

@@ -1,7 +1,7 @@
 """Parallel training you can read and check, one concept per module (imports nothing on import).
 
     step                the one training step of every strategy: train_step, its two halves
-    strategy            the Strategy interface the trainer uses; STRATEGIES, build_strategy
+    strategy            the Strategy interface the trainer uses; build_strategy
     comms               collectives that count bytes (ZeRO-paper volume, ring bytes) and time
     ring                the ring all-reduce from point-to-point messages, one step at a time
     buckets             the one bucket-closing rule (DDP's bucket_cap_mb), for DP and ZeRO

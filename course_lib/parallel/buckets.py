@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-MB = 2**20  # bucket_cap_mb is in MiB, as in torch's DistributedDataParallel
+from course_lib.hardware import MiB  # bucket_cap_mb is in MiB, as in torch's DistributedDataParallel
 
 
 def bucket_indices(sizes: Iterable[int], cap_bytes: float,
@@ -42,6 +42,6 @@ def bucket_params(params: list[nn.Parameter], bucket_cap_mb: float,
     if not bucket_cap_mb > 0:
         raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
     backward = list(reversed(params))
-    first = None if first_bucket_cap_mb is None else first_bucket_cap_mb * MB
-    groups = bucket_indices((p.numel() * p.element_size() for p in backward), bucket_cap_mb * MB, first)
+    first = None if first_bucket_cap_mb is None else first_bucket_cap_mb * MiB
+    groups = bucket_indices((p.numel() * p.element_size() for p in backward), bucket_cap_mb * MiB, first)
     return [[backward[i] for i in g] for g in groups]

@@ -45,16 +45,14 @@ from course_lib.parallel.process_groups import ProcessGroupGrid
 from course_lib.parallel.step import Precision, no_phase
 from course_lib.parallel.strategy import Strategy, build_strategy
 
-DP_FLAVOURS = registry.DP_FLAVOURS  # single, ddp, zero1, zero2
-
 
 class ModelParallel(Strategy):
     name = "model_parallel"
 
     def __init__(self, model: nn.Module, make_optimizer, grid: ProcessGroupGrid, dp_strategy: str = "ddp",
                  sequence_parallel: bool = False, pp_schedule: str = "1f1b"):
-        if dp_strategy not in DP_FLAVOURS:
-            raise ValueError(f"with tp/pp/cp the data-parallel strategy must be one of {', '.join(DP_FLAVOURS)}, "
+        if dp_strategy not in registry.DP_FLAVOURS:
+            raise ValueError(f"with tp/pp/cp the data-parallel strategy must be one of {', '.join(registry.DP_FLAVOURS)}, "
                              f"got {dp_strategy!r}")
         self.grid, self.cfg, self.make_optimizer = grid, model.config, make_optimizer
         self.comms = {"tp": grid.tp_comms, "sp": Comms(grid.tp_group), "cp": grid.cp_comms, "pp": grid.pp_comms}

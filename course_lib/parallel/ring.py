@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-PHASES = ("reduce-scatter", "all-gather")
+RING_PHASES = ("reduce-scatter", "all-gather")
 
 
 def ring_chunks(tensor: torch.Tensor, world_size: int) -> list[torch.Tensor]:
@@ -32,8 +32,8 @@ def ring_chunks(tensor: torch.Tensor, world_size: int) -> list[torch.Tensor]:
 
 def chunk_indices(phase: str, step: int, rank: int, world_size: int) -> tuple[int, int]:
     """(the chunk rank ``rank`` sends, the chunk it receives) at ``step`` of ``phase``."""
-    if phase not in PHASES:
-        raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+    if phase not in RING_PHASES:
+        raise ValueError(f"phase must be one of {RING_PHASES}, got {phase!r}")
     if not 0 <= step < world_size - 1:
         raise ValueError(f"step must be from 0 to {world_size - 2} on {world_size} ranks, got {step}")
     shift = 0 if phase == "reduce-scatter" else 1
@@ -64,7 +64,7 @@ def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
     if p == 1:
         return tensor
     chunks = ring_chunks(tensor, p)
-    for phase in PHASES:
+    for phase in RING_PHASES:
         for step in range(p - 1):
             ring_step(chunks, phase, step, group)
     return tensor

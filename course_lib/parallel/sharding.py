@@ -112,7 +112,7 @@ def optimizer_kwargs(opt: torch.optim.Optimizer) -> dict:
     return {k: v for k, v in opt.defaults.items() if k in accepted and k != "params"}
 
 
-def regroup(param_groups: list[dict], new_of: dict) -> list[dict]:
+def regroup_params(param_groups: list[dict], new_of: dict) -> list[dict]:
     """The same groups and options over other tensors: ``new_of[p]`` for each parameter p."""
     return [{**{k: v for k, v in g.items() if k != "params"},
              "params": [new_of[p] for p in g["params"]]} for g in param_groups]

@@ -29,6 +29,7 @@ are the way, not implemented here.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 import time
 from collections.abc import Callable
@@ -43,9 +44,6 @@ from course_lib.parallel.step import Precision, accumulate, no_phase
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 
-# name -> "module:class", from the torch-free registry (imported when built, so that `course --help`
-# does not import them all): ours first, then PyTorch's.
-STRATEGIES: dict[str, str] = {name: info.cls for name, info in registry.STRATEGIES.items()}
 
 
 class Strategy:
@@ -195,13 +193,13 @@ def model_device(model: nn.Module) -> torch.device:
 
 
 def build_strategy(name: str, model: nn.Module, make_optimizer: OptimizerFactory, **kwargs) -> Strategy:
-    """Wrap ``model`` (already on its device, identical on every rank) for strategy ``name``."""
-    import importlib
-
-    if name not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
+    """Wrap ``model`` (already on its device, identical on every rank) for strategy ``name``: its
+    class is named in the torch-free :data:`course_lib.registry.STRATEGIES` ("module:class") and
+    imported here, when built, so that ``course --help`` does not import them all."""
+    if name not in registry.STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(registry.STRATEGIES)}")
     if name != "single" and not dist.is_initialized():
         raise RuntimeError(f"strategy {name!r} needs torch.distributed to be initialised (launch with --nproc)")
-    module_name, cls_name = STRATEGIES[name].split(":")
+    module_name, cls_name = registry.STRATEGIES[name].cls.split(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
     return cls(model, make_optimizer, **kwargs)

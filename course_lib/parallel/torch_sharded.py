@@ -21,6 +21,15 @@ import copy
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from course_lib.parallel.comms import Comms, broadcast_module
@@ -58,9 +67,6 @@ class FSDP2(Strategy):
     reshard_after_forward = True
 
     def __init__(self, model, make_optimizer, group=None, units=None):
-        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
         super().__init__(model, lambda m: None, group)  # the optimizer must see sharded params
         self.comms = Comms(group)
         broadcast_module(model, self.comms)  # fully_shard keeps each rank's own values
@@ -91,7 +97,6 @@ class FSDP2(Strategy):
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def _options(self):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
         return StateDictOptions(full_state_dict=True, cpu_offload=False)
 
     def _param_names(self) -> list[str]:
@@ -99,11 +104,6 @@ class FSDP2(Strategy):
 
     def state_dict(self) -> dict:
         """Full state on every rank; optimizer state keyed by index like an unsharded optimizer."""
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
-
         model = get_model_state_dict(self.module, options=self._options())
         if not self.optimizer.state:  # before the first step: nothing sharded to gather, and
             # get_optimizer_state_dict would create the state with a zero-gradient step, which
@@ -117,11 +117,6 @@ class FSDP2(Strategy):
                               "param_groups": groups}}
 
     def load_state_dict(self, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import (
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
         names = self._param_names()
         full = copy.deepcopy(state["optimizer"])  # set_optimizer_state_dict edits what it gets
         optim = {"state": {names[int(i)]: s for i, s in full["state"].items()},

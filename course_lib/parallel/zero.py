@@ -54,7 +54,7 @@ from course_lib.parallel.sharding import (
     load_full_optimizer_state,
     optimizer_kwargs,
     reduce_into,
-    regroup,
+    regroup_params,
     split_trainable,
 )
 from course_lib.parallel.strategy import CommsStrategy
@@ -86,7 +86,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 shard = layout.owned(i, p.detach())  # fp32: a view, the update lands in p itself
                 self.shards[p] = nn.Parameter(shard if p.dtype == torch.float32 else shard.float().clone())
         new_of = {p: self.shards.get(p, p) for g in groups for p in g["params"]}  # frozen: as is
-        self.optim = optimizer_class(regroup(groups, new_of), **defaults)
+        self.optim = optimizer_class(regroup_params(groups, new_of), **defaults)
         super().__init__(self.optim.param_groups, self.optim.defaults)
         self.param_groups, self.state = self.optim.param_groups, self.optim.state  # one copy
         self.full_params = [p for g in groups for p in g["params"]]  # the index order of state

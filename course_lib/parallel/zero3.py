@@ -58,7 +58,7 @@ from course_lib.parallel.sharding import (
     load_full_optimizer_state,
     optimizer_kwargs,
     reduce_into,
-    regroup,
+    regroup_params,
     split_trainable,
 )
 from course_lib.parallel.strategy import CommsStrategy
@@ -292,7 +292,7 @@ class Zero3(CommsStrategy):
         full = self.optimizer  # over the whole parameters: its groups and hyper-parameters
         self.model = FullyShardedDataParallel(model, group, comms=self.comms, **fsdp_kwargs)
         self.comms.reset()
-        self.optimizer = type(full)(regroup(full.param_groups, self.model.masters), **optimizer_kwargs(full))
+        self.optimizer = type(full)(regroup_params(full.param_groups, self.model.masters), **optimizer_kwargs(full))
         self.full_params = [p for g in full.param_groups for p in g["params"]]
 
     @property

@@ -41,7 +41,7 @@ from course_lib.parallel.step import train_step as one_step
 from course_lib.parallel.strategy import Strategy
 from course_lib.trainer.metrics import RunMeter
 from course_lib.trainer.process import setup_runtime
-from course_lib.trainer.run import Run, evaluate, save_checkpoint, setup_run
+from course_lib.trainer.run import Run, evaluate, save_run_checkpoint, setup_run
 
 
 def get_lr(it: int, cfg: TrainConfig) -> float:
@@ -91,7 +91,7 @@ def train_loop(run: Run, meter: RunMeter) -> dict:
             is_best = losses["val"] < run.best_val
             run.best_val = min(run.best_val, losses["val"])
             if not (it == run.start_iter and cfg.init_from == "resume"):  # that checkpoint is the one we loaded
-                save_checkpoint(run, it, losses["val"], is_best)
+                save_run_checkpoint(run, it, losses["val"], is_best)
             meter.evaluated(it, losses, is_best)
         if it == cfg.max_iters:
             break
@@ -99,13 +99,13 @@ def train_loop(run: Run, meter: RunMeter) -> dict:
         for group in strategy.optimizer.param_groups:
             group["lr"] = lr
         measure = meter.wants_row(it)  # activations are counted on the steps that get a row
-        loss, grad_norm, act_bytes = train_step(strategy, x, y, cfg, run.precision, meter, measure)
+        loss, grad_norm, act_bytes = timed_train_step(strategy, x, y, cfg, run.precision, meter, measure)
         x, y = run.batches.next()  # the next batch (asynchronous copy on a GPU)
         meter.log(it, loss, lr, grad_norm, precision_columns(run, act_bytes) if measure else None)
     return meter.finish(cfg.max_iters, run.best_val)
 
 
-def train_step(strategy: Strategy, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig, precision: Precision,
+def timed_train_step(strategy: Strategy, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig, precision: Precision,
                meter: RunMeter, measure: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, int | None]:
     """One optimizer step (:func:`course_lib.parallel.step.train_step`) timed by ``meter``; x, y
     (accum, B, T) are this rank's micro-batches. Returns this rank's mean loss (a device tensor),

@@ -15,11 +15,16 @@ widget for the live session.
 from __future__ import annotations
 
 import functools
+import sys
+import warnings
+
+from tqdm import TqdmExperimentalWarning
 
 
 @functools.cache
 def _notebook_bar():
     """The notebook bar class (built on first use: tqdm.notebook imports ipywidgets)."""
+    # ipywidgets (through tqdm.notebook) only in a notebook: workers and terminals never load it
     from IPython.display import display
     from tqdm.notebook import tqdm as tqdm_notebook
 
@@ -45,10 +50,9 @@ def _notebook_bar():
 
 def in_notebook() -> bool:
     """True in a Jupyter kernel that tqdm draws widget bars in (tqdm.autonotebook's own test)."""
-    import sys
-
     if "ipykernel.zmqshell" not in sys.modules:  # a terminal or a worker: skip importing ipywidgets
         return False
+    # only now: tqdm.notebook imports ipywidgets
     from tqdm import autonotebook, notebook
 
     return autonotebook.tqdm is notebook.tqdm
@@ -56,14 +60,10 @@ def in_notebook() -> bool:
 
 def progress_bar(*args, **kwargs):
     """A tqdm bar (same arguments); in a notebook, one whose saved output is its final line."""
-    import sys
-    import warnings
-
-    from tqdm import TqdmExperimentalWarning
-
     with warnings.catch_warnings():  # tqdm.autonotebook warns that it picked the notebook bar
         warnings.simplefilter("ignore", TqdmExperimentalWarning)
         if kwargs.get("disable") or kwargs.get("file") not in (None, sys.stdout, sys.stderr) or not in_notebook():
+            # tqdm.auto picks its bar when imported: only here, outside a notebook
             from tqdm.auto import tqdm
 
             return tqdm(*args, **kwargs)

@@ -137,7 +137,7 @@ def evaluate(run: Run, n_batches: int) -> dict:
     return out
 
 
-def save_checkpoint(run: Run, it: int, val_loss: float, is_best: bool) -> None:
+def save_run_checkpoint(run: Run, it: int, val_loss: float, is_best: bool) -> None:
     """last.pt (and best.pt if ``is_best``): the full state, written by rank 0. Every rank must
     call it: gathering sharded state and the ranks' RNG states are collectives."""
     state = run.strategy.state_dict()
