@@ -23,7 +23,7 @@ from course_lib.experiments.frameworks_inside import ddp_inside, fsdp2_inside
 from course_lib.experiments.frameworks_qa import (
     BERT_TINY,
     qa_examples,
-    speeches,
+    speech_openings,
     strategy_table,
     train_qa,
 )
@@ -99,7 +99,7 @@ def test_fsdp2_shards_every_parameter_and_gathers_around_each_unit(inside):
 def test_the_qa_answer_is_the_speakers_name():
     d = qa_examples(20, max_len=96)
     inv = d["vocab"]
-    names = {" ".join(n.lower().split()) for n, _ in speeches()}
+    names = {" ".join(n.lower().split()) for n, _ in speech_openings()}
     for row, s, e in zip(d["input_ids"], d["start_positions"], d["end_positions"]):
         answer = " ".join(inv[int(t)] for t in row[s:e + 1])
         assert answer in names or "[UNK]" in answer

@@ -3,7 +3,7 @@ its training step, the bytes its collectives move, and what it refuses on this m
 
     from course_lib.experiments.frameworks_fabric import make_fabric, fabric_step, refusals
     fabric = make_fabric("ddp")                        # on every rank started by run_ranks / launch
-    model, opt = setup(fabric, GPT(cfg), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3))
+    model, opt = fabric_setup(fabric, GPT(cfg), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3))
     loss = fabric_step(fabric, model, opt, x, y)       # x, y: this rank's (B, T) slice
     refusals(["dp", "fsdp", "deepspeed"])              # {name: what Fabric says on this machine}
 
@@ -31,6 +31,8 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.fsdp import fully_shard
 
 from course_lib.parallel.comms import VOLUME_FACTOR
 from course_lib.parallel.units import default_units
@@ -43,7 +45,8 @@ MISSING = ("Lightning is not installed: pip install 'course-lib[frameworks]' "
 
 
 def fabric_package():
-    try:  # here, not at the top: lightning is the optional extra (module docstring)
+    try:
+        # here, not at the top: lightning is the optional extra (module docstring)
         import lightning.fabric as fabric_pkg
     except ImportError as e:
         raise ImportError(MISSING) from e
@@ -55,8 +58,6 @@ def fsdp2_parallelize(units: Callable | None = None) -> Callable:
     same units as the course's ZeRO-3 (:func:`course_lib.parallel.units.default_units`: each
     transformer block), then on the whole model, over the mesh's data-parallel dimension."""
     def parallelize(model: torch.nn.Module, mesh) -> torch.nn.Module:
-        from torch.distributed.fsdp import fully_shard
-
         dp_mesh = mesh["data_parallel"]
         for unit in (units or default_units)(model):
             fully_shard(unit, mesh=dp_mesh)
@@ -78,6 +79,7 @@ def make_fabric(strategy: str, *, accelerator: str = "cpu", devices: int | None 
     GPUs, so it runs on one rank.
     """
     fabric_pkg = fabric_package()
+    # lightning is the optional extra: imported when used (fabric_package says what to install)
     from lightning.fabric.plugins.environments import LightningEnvironment
     from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
 
@@ -102,7 +104,7 @@ def make_fabric(strategy: str, *, accelerator: str = "cpu", devices: int | None 
     return fabric
 
 
-def setup(fabric, model: torch.nn.Module, make_optimizer: Callable):
+def fabric_setup(fabric, model: torch.nn.Module, make_optimizer: Callable):
     """Fabric's order for sharded strategies: the module first, then an optimizer of its (now
     sharded) parameters. Returns (fabric module, fabric optimizer)."""
     module = fabric.setup_module(model)
@@ -189,8 +191,6 @@ class CollectiveCounter:
 def ddp_counting_hook(counter: CollectiveCounter, bucket):
     """A DDP communication hook (``state`` = a :class:`CollectiveCounter`): count the bucket, then
     all-reduce it as DDP does by default (sum, divided by the world size)."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
     buf = bucket.buffer()
     counter.count("all_reduce", buf.numel() * buf.element_size())
     return allreduce_hook(None, bucket)
@@ -202,6 +202,7 @@ def refusals(rank: int, world: int, names=("dp", "fsdp", "deepspeed"), accelerat
     was asked (then it runs); "refused: " and the framework's error; or "replaced: " and its
     warning where it builds another strategy instead (``dp`` on a CPU becomes ``ddp``), word for word."""
     fabric_pkg = fabric_package()
+    # lightning is the optional extra: imported when used (fabric_package says what to install)
     from lightning.fabric.plugins.environments import LightningEnvironment
 
     out = {}

@@ -38,10 +38,10 @@ from course_lib.analysis.memory import model_state_bytes
 from course_lib.experiments.frameworks_fabric import (
     CollectiveCounter,
     ddp_counting_hook,
+    fabric_setup,
     fabric_step,
     inner_optimizer,
     make_fabric,
-    setup,
     wrapped,
 )
 from course_lib.gpt.data import TrainBatches, load_tokens
@@ -59,7 +59,7 @@ SMALL = {"block_size": 32, "vocab_size": 65, "n_layer": 2, "n_head": 2, "n_embd"
 DATASET = "shakespeare_char"
 
 
-def adamw(lr: float):
+def adamw_with_lr(lr: float):
     return lambda m: torch.optim.AdamW(m.parameters(), lr=lr, foreach=True)
 
 
@@ -74,7 +74,7 @@ def one_process(data_dir, gpt: dict, steps: int, batch: int, world: int, lr: flo
     """The reference: one process, the whole global batch (world x batch rows) per step."""
     cfg = GPTConfig(**gpt)
     torch.manual_seed(seed)
-    single = build_strategy("single", GPT(cfg), adamw(lr))
+    single = build_strategy("single", GPT(cfg), adamw_with_lr(lr))
     return [train_step(single, x[None], y[None]).loss.item()
             for x, y in batches(data_dir, cfg, steps, batch * world, 0, 1, seed)]
 
@@ -86,7 +86,7 @@ def _global_mean(loss: torch.Tensor, world: int) -> float:
 
 
 def _course_run(name, cfg, data, lr, world):
-    strategy = build_strategy(name, GPT(cfg), adamw(lr))
+    strategy = build_strategy(name, GPT(cfg), adamw_with_lr(lr))
     counter = CollectiveCounter()
     if name == "torch_ddp":  # PyTorch's reducer all-reduces in C++: count its buckets with a hook
         strategy.model.register_comm_hook(counter, ddp_counting_hook)
@@ -108,7 +108,7 @@ def _course_run(name, cfg, data, lr, world):
 def _fabric_run(name, cfg, data, lr, world):
     counter = CollectiveCounter()
     fabric = make_fabric(name)
-    model, opt = setup(fabric, GPT(cfg), adamw(lr))
+    model, opt = fabric_setup(fabric, GPT(cfg), adamw_with_lr(lr))
     if name == "ddp":  # the DistributedDataParallel Fabric built: count its buckets with a hook
         wrapped(model).register_comm_hook(counter, ddp_counting_hook)
     losses, seconds = [], []

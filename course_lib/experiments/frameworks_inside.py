@@ -28,17 +28,19 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from course_lib.experiments.frameworks_fabric import (
     CollectiveCounter,
+    fabric_setup,
     fabric_step,
     make_fabric,
-    setup,
     wrapped,
 )
-from course_lib.experiments.frameworks_gpt import SMALL, adamw
+from course_lib.experiments.frameworks_gpt import SMALL, adamw_with_lr
 from course_lib.gpt.model import GPT, GPTConfig
-from course_lib.parallel.buckets import MB, bucket_indices
+from course_lib.hardware import MiB
+from course_lib.parallel.buckets import bucket_indices
 from course_lib.parallel.units import default_units
 
 
@@ -57,15 +59,13 @@ def ddp_inside(rank: int, world: int, bucket_cap_mb: float = 0.05, gpt: dict | N
     cfg = GPTConfig(**{**SMALL, **(gpt or {})})
     torch.manual_seed(0)
     fabric = make_fabric("ddp", bucket_cap_mb=bucket_cap_mb)
-    model, opt = setup(fabric, GPT(cfg), adamw(1e-3))
+    model, opt = fabric_setup(fabric, GPT(cfg), adamw_with_lr(1e-3))
     ddp = wrapped(model)
     names = {id(p): n for n, p in ddp.module.named_parameters()}
     clock = {"t0": 0.0}
     seen: list[dict] = []
 
     def recording_hook(state, bucket):
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
         buf = bucket.buffer()
         seen.append({"index": bucket.index(), "params": [names[id(p)] for p in bucket.parameters()],
                      "bytes": buf.numel() * buf.element_size(),
@@ -86,7 +86,7 @@ def ddp_inside(rank: int, world: int, bucket_cap_mb: float = 0.05, gpt: dict | N
     backward_order = params[::-1]  # the reverse of definition order (parallel/buckets.py)
     sizes = [p.numel() * p.element_size() for p in backward_order]
     first_cap = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", None)
-    course = bucket_indices(sizes, bucket_cap_mb * MB, first_cap)
+    course = bucket_indices(sizes, bucket_cap_mb * MiB, first_cap)
     return {"bucket_cap_bytes": ddp.bucket_bytes_cap, "first_bucket_cap_bytes": first_cap,
             "logged_bucket_sizes": logged, "buckets_by_step": per_step,
             "course_buckets": [{"params": [names[id(backward_order[i])] for i in b],
@@ -102,7 +102,7 @@ def fsdp2_inside(rank: int, world: int, gpt: dict | None = None) -> dict:
     cfg = GPTConfig(**{**SMALL, **(gpt or {})})
     torch.manual_seed(0)
     fabric = make_fabric("fsdp2")
-    model, opt = setup(fabric, GPT(cfg), adamw(1e-3))
+    model, opt = fabric_setup(fabric, GPT(cfg), adamw_with_lr(1e-3))
     root = wrapped(model)
     shards = []
     for name, p in root.named_parameters():

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from course_lib.experiments.frameworks_fabric import fabric_package, fabric_step, setup
-from course_lib.experiments.frameworks_gpt import SMALL, adamw, batches
+from course_lib.experiments.frameworks_fabric import fabric_package, fabric_setup, fabric_step
+from course_lib.experiments.frameworks_gpt import SMALL, adamw_with_lr, batches
 from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.utils import atomic_write_bytes
 
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     fabric.launch()  # under srun: no processes started, the group joined from SLURM's variables
     cfg = GPTConfig(**SMALL)
     torch.manual_seed(0)
-    model, opt = setup(fabric, GPT(cfg).to(fabric.device), adamw(1e-3))
+    model, opt = fabric_setup(fabric, GPT(cfg).to(fabric.device), adamw_with_lr(1e-3))
     losses = []
     for x, y in batches(a.data_dir, cfg, a.max_iters, a.batch_size, fabric.global_rank, fabric.world_size, 0):
         loss = fabric_step(fabric, model, opt, fabric.to_device(x), fabric.to_device(y))

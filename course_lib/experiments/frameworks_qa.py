@@ -34,7 +34,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from course_lib.experiments.frameworks_fabric import fabric_step, inner_optimizer, make_fabric, setup
+from course_lib.experiments.frameworks_fabric import fabric_setup, fabric_step, inner_optimizer, make_fabric
 from course_lib.parallel.footprint import measure_model_states
 from course_lib.utils import shipped_file
 
@@ -49,7 +49,7 @@ SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
 WORD = re.compile(r"[a-z']+|[^\sa-z']")
 
 
-def speeches(text: str | None = None) -> list[tuple[str, str]]:
+def speech_openings(text: str | None = None) -> list[tuple[str, str]]:
     """(speaker, first line of the speech) for every speech of the play text."""
     text = text if text is not None else shipped_file("tinyshakespeare.txt").read_text()
     out = []
@@ -71,7 +71,7 @@ def qa_examples(n: int, *, context_speeches: int = 4, max_len: int = 96, vocab_s
 
     Input: [CLS] who speaks : LINE ? [SEP] NAME : LINE NAME : LINE ... [SEP], padded. The answer
     is the speaker's name in the context (its first and last word)."""
-    all_speeches = speeches(text)
+    all_speeches = speech_openings(text)
     counts = Counter(w for name, line in all_speeches for w in words(name) + words(line))
     vocab = SPECIAL + [w for w, _ in counts.most_common(vocab_size - len(SPECIAL))]
     index = {w: i for i, w in enumerate(vocab)}
@@ -114,7 +114,8 @@ def qa_examples(n: int, *, context_speeches: int = 4, max_len: int = 96, vocab_s
 
 def bert_qa(shape: dict, vocab_size: int, max_len: int):
     """A randomly initialised ``BertForQuestionAnswering`` of this shape, dropout off."""
-    try:  # here: transformers is the optional extra course-lib[frameworks]
+    try:
+        # here, not at the top: transformers is the optional extra course-lib[frameworks]
         from transformers import BertConfig, BertForQuestionAnswering
     except ImportError as e:
         raise ImportError("transformers is not installed: pip install 'course-lib[frameworks]'") from e
@@ -146,7 +147,7 @@ def train_qa(rank: int, world: int, strategy: str, shape: dict, steps: int = 6, 
     per = global_batch // world
     fabric = make_fabric(strategy, accelerator=accelerator, devices=devices)
     torch.manual_seed(seed)
-    model, opt = setup(fabric, bert_qa(shape, len(data["vocab"]), max_len),
+    model, opt = fabric_setup(fabric, bert_qa(shape, len(data["vocab"]), max_len),
                        lambda m: torch.optim.AdamW(m.parameters(), lr=lr))
     if fabric.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(fabric.device)
