@@ -12,7 +12,11 @@ What runs inside the processes of a :class:`course_lib.launch.rank_pool.RankPool
   (``dist.all_reduce(...)``, also from course_lib) writes what it is waiting in to a file of its
   rank while it runs, so that when a cell hangs the pool can say which ranks waited in which
   collective, though they are stuck inside C++ and cannot answer;
-* :func:`regroup`: a new process group after a hang (a timed-out gloo group is not reused).
+* :func:`regroup`: a new process group after a hang (a timed-out gloo group is not reused);
+* the ``engine`` role is a small parent that runs the engine as its child, forwards signals to it
+  and writes its exit status to ``$COURSE_RANKS_DIR/exit.PID``, so the pool can say how a rank
+  died (ipyparallel only sees that it is gone); teaching mode
+  (:mod:`course_lib.parallel.collective_check`) is installed by :func:`setup` and :func:`regroup`.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from __future__ import annotations
 import functools
 import os
 import runpy
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -74,7 +80,7 @@ def _init_group(backend: str, store: str, rank: int, world_size: int, timeout_s:
 
 
 def setup(rank: int, world_size: int, backend: str, device: str, store: str, op_file: str,
-          timeout_s: float, threads: int) -> int:
+          timeout_s: float, threads: int, check: bool = True) -> int:
     """Make this engine rank ``rank``; returns its pid (the pool signals ranks by pid)."""
     import torch
     import torch.distributed as dist
@@ -85,23 +91,67 @@ def setup(rank: int, world_size: int, backend: str, device: str, store: str, op_
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     _init_group(backend, store, rank, world_size, timeout_s, device)
+    install_collective_check(check, timeout_s)  # inside the tracker: a wait in the exchange is named as the call
     install_tracker(op_file)
     user = _user_namespace()
     user.update(torch=torch, dist=dist, RANK=rank, WORLD_SIZE=world_size, DEVICE=torch.device(device))
+    user["_course_preset"] = frozenset(user)  # what a student did not define (rank_pool_health.user_names)
     return os.getpid()
 
 
-def regroup(backend: str, store: str, rank: int, world_size: int, timeout_s: float, device: str) -> bool:
+def regroup(backend: str, store: str, rank: int, world_size: int, timeout_s: float, device: str,
+            check: bool = True) -> bool:
     """Replace the default process group by a new one meeting in ``store``."""
     import torch.distributed as dist
 
     if dist.is_initialized():
+        forget_side_group()
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001, S110 - a group broken by a timeout may fail to close
             pass
     _init_group(backend, store, rank, world_size, timeout_s, device)
+    install_collective_check(check, timeout_s)  # a new side group for the new default group
     return True
+
+
+def install_collective_check(check: bool, timeout_s: float) -> None:
+    from course_lib.parallel.collective_check import install_collective_check as install  # torch: ranks only
+
+    install(check, timeout_s)
+
+
+def forget_side_group() -> None:
+    from course_lib.parallel.collective_check import forget_side_group as forget  # torch: ranks only
+
+    forget()
+
+
+def set_check(check: bool) -> bool:
+    from course_lib.parallel.collective_check import set_collective_check  # torch: ranks only
+
+    return set_collective_check(check)
+
+
+def flight() -> list[dict]:
+    from course_lib.parallel.collective_check import flight_record  # torch: ranks only
+
+    return flight_record()
+
+
+def _parent_of_engine(rest: list[str]) -> None:
+    """Run the engine as a child; forward SIGINT/SIGTERM; record its exit status; exit with it."""
+    child = subprocess.Popen([sys.executable, "-m", "course_lib.launch.rank_pool_engine", "engine-child", *rest])
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda s, _f: child.send_signal(s))
+    code = child.wait()
+    folder = os.environ.get("COURSE_RANKS_DIR")
+    if folder:
+        tmp = os.path.join(folder, f".exit.{child.pid}")
+        with open(tmp, "w") as f:
+            f.write(str(code))
+        os.replace(tmp, os.path.join(folder, f"exit.{child.pid}"))
+    sys.exit(code if code >= 0 else 128 - code)
 
 
 def _user_namespace() -> dict:
@@ -129,9 +179,14 @@ def _watch_parent(parent: int, every_s: float = 0.5) -> None:
 
 def main(argv: list[str]) -> None:
     role, rest = argv[0], argv[1:]
-    if role not in ("engine", "controller"):
+    if role not in ("engine", "engine-child", "controller"):
         sys.exit("usage: python -m course_lib.launch.rank_pool_engine engine|controller [args]")
     _watch_parent(os.getppid())
+    if role == "engine":
+        _parent_of_engine(rest)
+    if role == "engine-child":
+        import torch.distributed  # noqa: F401 - every engine needs it; a spare engine is then ready at once
+    role = role.removesuffix("-child")
     sys.argv = [f"ipyparallel.{role}", *rest]
     runpy.run_module(f"ipyparallel.{role}", run_name="__main__", alter_sys=True)
 

@@ -113,3 +113,13 @@ def _in_kernel() -> bool:
         return False
     shell = get_ipython()
     return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+def flight_table(records: dict[int, list[dict]]) -> str:
+    """Each rank's last collectives side by side, one row per call number (the flight-recorder view)."""
+    seqs = sorted({e["seq"] for entries in records.values() for e in entries})
+    cells = {(r, e["seq"]): f"{e['what']} · {e['state']}" for r, entries in records.items() for e in entries}
+    width = max([len(c) for c in cells.values()] + [12])
+    head = "call  " + "  ".join(f"{f'rank {r}':<{width}}" for r in records)
+    rows = [f"#{s:<4} " + "  ".join(f"{cells.get((r, s), '-'):<{width}}" for r in records) for s in seqs]
+    return "\n".join([head, *rows]) if rows else "no collective recorded yet"

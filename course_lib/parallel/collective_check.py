@@ -34,6 +34,7 @@ from __future__ import annotations
 import collections
 import functools
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -73,18 +74,26 @@ class _State:
 _STATE = _State()
 
 
-def install_collective_check(enabled: bool = True) -> None:
+def install_collective_check(enabled: bool = True, timeout_s: float | None = None) -> None:
     """Wrap the collectives of ``torch.distributed`` (once per process) and (re)make the side
-    group; call it on every rank after each ``init_process_group`` (it is itself collective)."""
+    group; call it on every rank after each ``init_process_group`` (it is itself collective).
+    ``timeout_s``: how long an exchange may wait (give the default group's timeout: a rank that
+    never calls the collective leaves the others waiting in the exchange)."""
     for name in OPS:
         fn = getattr(dist, name, None)
         if fn is not None and not hasattr(fn, "__course_checked__"):
             wrapped = _checked(fn, name)
             wrapped.__course_checked__ = fn
             setattr(dist, name, wrapped)
-    _STATE.side = dist.new_group(backend="gloo")
+    _STATE.side = dist.new_group(backend="gloo", timeout=None if timeout_s is None else timedelta(seconds=timeout_s))
     _STATE.seq = 0
     _STATE.enabled = enabled
+
+
+def forget_side_group() -> None:
+    """Before the default group is destroyed (a new one follows): calls pass unchecked until
+    :func:`install_collective_check` makes the next side group."""
+    _STATE.side = None
 
 
 def set_collective_check(enabled: bool) -> bool:

@@ -108,8 +108,8 @@ def _grad_sync_problem(model, local: dict[str, torch.Tensor], world: int, group)
         elif torch.allclose(g, local[n], rtol=1e-4, atol=1e-6):
             found.append((n, "is this rank's own gradient: the parameter is missing from the gradient sync"))
         else:
-            found.append((n, f"is neither the mean nor the sum of the ranks' gradients (norm {float(g.norm()):.4g}, "
-                             f"mean's {float(mean.norm()):.4g})"))
+            found.append((n, (f"is neither the mean nor the sum of the ranks' gradients (norm {float(g.norm()):.4g}, "
+                             f"mean's {float(mean.norm()):.4g})")))
     return found
 
 
