@@ -34,11 +34,10 @@ from course_lib.hardware import planned_device
 from course_lib.launch.procs import set_parent_death_signal
 from course_lib.utils import init_process_group
 
-CHECK_ENV = "COURSE_CHECK_COLLECTIVES"  # "1": compare every collective across ranks (parallel.collective_check)
 RANK_ENVS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
 SIZE_ENVS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
-LOCAL_CHECK_ENV = "COURSE_CHECK_COLLECTIVES"  # "1": compare every collective across ranks (parallel.collective_check)
-RANK_ENVS = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+LOCAL_RANK_ENVS = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+CHECK_ENV = "COURSE_CHECK_COLLECTIVES"  # "1": compare every collective across ranks (parallel.collective_check)
 
 # Substrings of exception texts from gloo, NCCL and the c10d store, and what they mean.
 TIMEOUT_MARKS = ("Timed out waiting", "timed out", "Timeout", "DistStoreError",
