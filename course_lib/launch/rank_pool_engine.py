@@ -80,7 +80,7 @@ def _init_group(backend: str, store: str, rank: int, world_size: int, timeout_s:
 
 
 def setup(rank: int, world_size: int, backend: str, device: str, store: str, op_file: str,
-          timeout_s: float, threads: int, check: bool = True) -> int:
+          timeout_s: float, threads: int, check: bool = True, generation: int = 0) -> int:
     """Make this engine rank ``rank``; returns its pid (the pool signals ranks by pid)."""
     import torch
     import torch.distributed as dist
@@ -91,16 +91,26 @@ def setup(rank: int, world_size: int, backend: str, device: str, store: str, op_
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     _init_group(backend, store, rank, world_size, timeout_s, device)
-    install_collective_check(check, timeout_s)  # inside the tracker: a wait in the exchange is named as the call
+    install_collective_check(check, timeout_s, generation)  # inside the tracker: a wait in the exchange is named as the call
     install_tracker(op_file)
+    _stderr_to_log()
     user = _user_namespace()
     user.update(torch=torch, dist=dist, RANK=rank, WORLD_SIZE=world_size, DEVICE=torch.device(device))
     user["_course_preset"] = frozenset(user)  # what a student did not define (rank_pool_health.user_names)
     return os.getpid()
 
 
+def _stderr_to_log() -> None:
+    """C++ writes to file descriptor 2 (gloo's abort: "terminate called after throwing ...") go
+    straight to the engine's log file again, not through ipykernel's pipe: its reader thread dies
+    with the process before forwarding the last words, which the pool shows when a rank dies."""
+    original = getattr(sys.stderr, "_original_stdstream_copy", None)
+    if original is not None:
+        os.dup2(original, 2)
+
+
 def regroup(backend: str, store: str, rank: int, world_size: int, timeout_s: float, device: str,
-            check: bool = True) -> bool:
+            check: bool = True, generation: int = 0) -> bool:
     """Replace the default process group by a new one meeting in ``store``."""
     import torch.distributed as dist
 
@@ -111,14 +121,14 @@ def regroup(backend: str, store: str, rank: int, world_size: int, timeout_s: flo
         except Exception:  # noqa: BLE001, S110 - a group broken by a timeout may fail to close
             pass
     _init_group(backend, store, rank, world_size, timeout_s, device)
-    install_collective_check(check, timeout_s)  # a new side group for the new default group
+    install_collective_check(check, timeout_s, generation)  # a new side group for the new default group
     return True
 
 
-def install_collective_check(check: bool, timeout_s: float) -> None:
+def install_collective_check(check: bool, timeout_s: float, generation: int) -> None:
     from course_lib.parallel.collective_check import install_collective_check as install  # torch: ranks only
 
-    install(check, timeout_s)
+    install(check, timeout_s, generation)
 
 
 def forget_side_group() -> None:
@@ -141,11 +151,14 @@ def flight() -> list[dict]:
 
 def _parent_of_engine(rest: list[str]) -> None:
     """Run the engine as a child; forward SIGINT/SIGTERM; record its exit status; exit with it."""
-    child = subprocess.Popen([sys.executable, "-m", "course_lib.launch.rank_pool_engine", "engine-child", *rest])
+    folder = os.environ.get("COURSE_RANKS_DIR")
+    # the engine's output in a file of the pool's (ipyparallel deletes its own log of a dead engine)
+    log = open(os.path.join(folder, f"engine.{os.getpid()}.log"), "ab") if folder else None  # noqa: SIM115
+    child = subprocess.Popen([sys.executable, "-m", "course_lib.launch.rank_pool_engine", "engine-child", *rest],
+                             stdout=log, stderr=log)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda s, _f: child.send_signal(s))
     code = child.wait()
-    folder = os.environ.get("COURSE_RANKS_DIR")
     if folder:
         tmp = os.path.join(folder, f".exit.{child.pid}")
         with open(tmp, "w") as f:

@@ -4,8 +4,9 @@ a dead rank was started again, which variables it lost and which cells made them
 
 Each engine runs under a small parent (``rank_pool_engine``'s ``engine`` role) that waits for it
 and writes its exit status to ``DIR/exit.PID``: ipyparallel only sees that an engine is gone, not
-why. C++ aborts (gloo's ``EnforceNotMet`` on mismatched sizes) write to the engine's stderr, which
-ipyparallel keeps in its log file; the last lines that are not ipyparallel's own log are shown.
+why, and keeps its output in ``DIR/engine.PARENT_PID.log`` (ipyparallel deletes its own log of a
+dead engine). C++ aborts (gloo's ``EnforceNotMet`` on mismatched sizes) land there; the last lines
+that are not ipyparallel's own log are shown.
 """
 
 from __future__ import annotations
@@ -111,11 +112,14 @@ def assigned(code: str) -> set[str]:
 
 
 def lost_message(rank: int, lost: list[str], history: list[tuple[str, list[int], str]]) -> str:
-    """What a restarted rank lost, and the cells that made it: history is (label, ranks, code)."""
+    """What a restarted rank lost, each name with the last cell that bound it on that rank
+    (history is (label, ranks, code) per cell), and how to get it back."""
     if not lost:
         return f"rank {rank} had no variables of its own to lose"
-    cells = [label for label, ranks, code in history if rank in ranks and assigned(code) & set(lost)]
-    where = (f"made by cell(s) {', '.join(dict.fromkeys(cells))}: run them again on rank {rank} "
-             f"(%%ranks {rank}), or on every rank if they call collectives") if cells else \
-        "pushed from the notebook: ranks.push(...) them again"
-    return f"rank {rank} LOST its variables {', '.join(lost)} ({where})"
+    made = {}
+    for label, ranks, code in history:
+        if rank in ranks:
+            made.update(dict.fromkeys(assigned(code) & set(lost), label))
+    names = ", ".join(f"{n} ({made.get(n, 'pushed')})" for n in lost)
+    return (f"rank {rank} LOST its variables {names}: run those cells again on rank {rank} (%%ranks {rank}), "
+            f"or on every rank where they call collectives; ranks.push(...) what was pushed")

@@ -98,9 +98,9 @@ class PoolRecovery:
         timeout = self.timeout + PG_MARGIN_S
         calls = [self._client[self._engines[r]].apply_async(
             *((engine.setup, r, self.world_size, self.placement.backend, self.placement.devices[r], self._store(),
-               str(self._op_file(r)), timeout, self.threads, self.check) if r in fresh else
+               str(self._op_file(r)), timeout, self.threads, self.check, self._groups) if r in fresh else
               (engine.regroup, self.placement.backend, self._store(), r, self.world_size, timeout,
-               self.placement.devices[r], self.check))) for r in range(self.world_size)]
+               self.placement.devices[r], self.check, self._groups))) for r in range(self.world_size)]
         results = [c.get(timeout=120) for c in calls]
         for r in fresh:
             self._pids[r] = results[r]
@@ -176,12 +176,9 @@ class PoolRecovery:
         self._names.update({r: c.get(timeout=30) for r, c in calls.items()})
 
     def _log_file(self, rank: int) -> str | None:
-        """The engine's output file (ipyparallel's launcher of its parent process)."""
-        for engine_set in self._cluster.engines.values():
-            for launcher in engine_set.launchers.values():
-                if launcher.pid == self._parent_pids.get(rank):
-                    return launcher.output_file
-        return None
+        """The engine's output file, written by its parent (rank_pool_engine's ``engine`` role)."""
+        parent = self._parent_pids.get(rank)
+        return None if parent is None else str(self._dir / f"engine.{parent}.log")
 
 
 def _finished(ar, targets: list[int], skip=()) -> dict[int, str]:

@@ -68,17 +68,19 @@ class _State:
         self.enabled = False
         self.side = None  # the gloo group the descriptors travel on
         self.seq = 0
+        self.generation = 0  # which process group the calls were numbered in
         self.record: collections.deque = collections.deque(maxlen=RECORD)
 
 
 _STATE = _State()
 
 
-def install_collective_check(enabled: bool = True, timeout_s: float | None = None) -> None:
+def install_collective_check(enabled: bool = True, timeout_s: float | None = None, generation: int = 0) -> None:
     """Wrap the collectives of ``torch.distributed`` (once per process) and (re)make the side
     group; call it on every rank after each ``init_process_group`` (it is itself collective).
     ``timeout_s``: how long an exchange may wait (give the default group's timeout: a rank that
-    never calls the collective leaves the others waiting in the exchange)."""
+    never calls the collective leaves the others waiting in the exchange). ``generation``: the
+    number of this process group (the same on every rank); calls are numbered from 1 within it."""
     for name in OPS:
         fn = getattr(dist, name, None)
         if fn is not None and not hasattr(fn, "__course_checked__"):
@@ -86,7 +88,8 @@ def install_collective_check(enabled: bool = True, timeout_s: float | None = Non
             wrapped.__course_checked__ = fn
             setattr(dist, name, wrapped)
     _STATE.side = dist.new_group(backend="gloo", timeout=None if timeout_s is None else timedelta(seconds=timeout_s))
-    _STATE.seq = 0
+    if generation != _STATE.generation:
+        _STATE.generation, _STATE.seq = generation, 0
     _STATE.enabled = enabled
 
 
@@ -103,7 +106,8 @@ def set_collective_check(enabled: bool) -> bool:
 
 
 def flight_record() -> list[dict]:
-    """This rank's last calls, oldest first: seq, op, what (dtype[shape] and root), state, seconds ago."""
+    """This rank's last calls, oldest first: group (its generation), seq, op, what (dtype[shape] and
+    root), state, seconds ago."""
     now = time.time()
     return [dict(entry, ago_s=round(now - entry.pop("t"), 2)) for entry in map(dict, _STATE.record)]
 
@@ -234,7 +238,7 @@ def _checked(fn, name: str):
             return fn(*args, **kwargs)  # sub-groups are not compared (see the module docstring)
         _STATE.seq += 1
         code = _descriptor(name, args, kwargs)
-        entry = {"seq": code[0], "op": name, "what": describe(code), "state": "started", "t": time.time()}
+        entry = {"group": _STATE.generation, "seq": code[0], "op": name, "what": describe(code), "state": "started", "t": time.time()}
         _STATE.record.append(entry)
         try:
             if _STATE.enabled:
