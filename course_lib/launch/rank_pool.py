@@ -183,7 +183,9 @@ class RankPool(PoolRecovery):
         failed = {r: error_line(md) or "failed" for r, md in zip(targets, ar.metadata, strict=True)
                   if md.get("status") == "error"}
         if failed:
-            who = ", ".join(f"rank {r}: {line}" for r, line in failed.items())
+            same = len(failed) > 1 and len(set(failed.values())) == 1
+            who = (f"ranks {', '.join(map(str, failed))}: {next(iter(failed.values()))}" if same else
+                   ", ".join(f"rank {r}: {line}" for r, line in failed.items()))
             ok = [r for r in targets if r not in failed]
             raise RankPoolError(f"{who} (traceback above); " + (f"ranks {ok} finished and are usable"
                                                                  if ok else "the pool is still usable"), failed)

@@ -40,6 +40,7 @@ TRACKED = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_t
 def _track(fn, name: str, op_file: str):
     @functools.wraps(fn)
     def tracked(*args, **kwargs):
+        __tracebackhide__ = True  # IPython leaves this frame out of the rank's traceback
         if kwargs.get("async_op"):  # returns at once; the wait is the caller's
             return fn(*args, **kwargs)
         peer = kwargs.get("src", kwargs.get("dst"))
@@ -69,14 +70,14 @@ def install_tracker(op_file: str) -> None:
 
 
 def _init_group(backend: str, store: str, rank: int, world_size: int, timeout_s: float, device: str) -> None:
-    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
 
     from course_lib.utils import init_process_group
 
     # NCCL: the communicator is bound to this rank's GPU
     init_process_group(backend, timeout_s=timeout_s, device=device, init_method=f"file://{store}",
                        rank=rank, world_size=world_size)
-    dist.barrier()  # everyone connected before the first cell runs
+    c10d.barrier()  # everyone connected before the first cell runs (c10d's own: not tracked nor recorded)
 
 
 def setup(rank: int, world_size: int, backend: str, device: str, store: str, op_file: str,

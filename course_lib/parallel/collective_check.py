@@ -194,6 +194,7 @@ def problem(code: list[int], world: int, me: int) -> str | None:
 
 def _compare(name: str, code: list[int], root: int) -> None:
     """Exchange descriptors on the side group; raise on every rank if they differ."""
+    __tracebackhide__ = True  # read by IPython: the error, not this frame, is the news
     mine = torch.tensor(code, dtype=torch.int64)
     if name in ("send", "recv"):  # the pair: the receiver compares and answers the sender
         verdict = torch.zeros(1, dtype=torch.int64)
@@ -233,6 +234,7 @@ def _compare(name: str, code: list[int], root: int) -> None:
 def _checked(fn, name: str):
     @functools.wraps(fn)
     def checked(*args, **kwargs):
+        __tracebackhide__ = True  # IPython leaves this frame out of a rank's traceback
         group = kwargs.get("group")
         if not dist.is_initialized() or (group is not None and group is not dist.group.WORLD):
             return fn(*args, **kwargs)  # sub-groups are not compared (see the module docstring)
