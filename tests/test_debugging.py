@@ -217,3 +217,72 @@ def test_no_process_is_left_behind(kernel):
     assert run(kc, "%ranks stop").stdout.strip() == "ranks stopped"
     _, alive = psutil.wait_procs(procs, timeout=15)
     assert [p.pid for p in alive] == []
+
+
+# ------------------------------------------------------------------ the trainer's options
+
+TINY = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "batch_size": 4, "max_iters": 4,
+        "lr_decay_iters": 4, "warmup_iters": 1, "eval_interval": 4, "eval_iters": 1, "log_interval": 1,
+        "dropout": 0.0, "dtype": "float32", "device": "cpu", "threads": 1, "strategy": "ddp"}
+
+
+def trainer_checks_worker(rank: int, world_size: int, cfg: dict, stores: list[str]) -> tuple:
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from course_lib.gpt.config import TrainConfig
+    from course_lib.parallel.collective_check import CollectiveMismatchError
+    from course_lib.parallel.replicas import ReplicaMismatchError
+    from course_lib.trainer.loop import check_step_replicas, train
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    if not dist.is_initialized():  # run_ranks made one; train() ends it
+        dist.init_process_group("gloo", init_method=f"file://{stores[0]}", rank=rank, world_size=world_size)
+    summary = train(TrainConfig.from_dict(cfg), progress=False)  # checks on: it must run through
+    dist.init_process_group("gloo", init_method=f"file://{stores[1]}", rank=rank, world_size=world_size)
+    try:
+        dist.all_reduce(torch.ones(2 + rank))  # teaching mode is still installed in this process
+        mismatch = ""
+    except CollectiveMismatchError as e:
+        mismatch = str(e)
+
+    class Drifted:  # what check_step_replicas reads of a strategy
+        name, group = "ddp", None
+        module = torch.nn.Linear(2, 2)
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+
+    torch.manual_seed(rank)  # the seeded bug: every rank initialises its own replica
+    Drifted.module.reset_parameters()
+    try:
+        check_step_replicas(Drifted, torch.arange(4) + 4 * rank, it=7)
+        drift = ""
+    except ReplicaMismatchError as e:
+        drift = str(e)
+    dist.destroy_process_group()
+    return summary, mismatch, drift
+
+
+@pytest.mark.timeout(240)
+def test_the_trainer_checks_collectives_and_replicas_when_asked(tmp_path):
+    from course_lib.gpt.config import ConfigError, make_config
+    from course_lib.gpt.data import prepare
+    from course_lib.launch.spawn import run_ranks
+
+    with pytest.raises(ConfigError, match="check_replicas_every must be >= 0"):
+        make_config("shakespeare_char_cpu", {"check_replicas_every": -1})
+    with pytest.raises(ConfigError, match="shards the parameters"):
+        make_config("shakespeare_char_cpu", {"check_replicas_every": 2, "strategy": "zero3", "nproc": 2})
+    with pytest.raises(ConfigError, match="expected bool"):
+        make_config("shakespeare_char_cpu", {"check_collectives": "yes"})
+    prepare("shakespeare_char", tmp_path / "data", quiet=True)
+    cfg = make_config("shakespeare_char_cpu", {**TINY, "data_dir": str(tmp_path / "data"), "out_dir": str(tmp_path / "run"),
+                                               "check_collectives": True, "check_replicas_every": 2})
+    results = run_ranks(trainer_checks_worker, 2, args=(cfg.to_dict(), [str(tmp_path / "s0"), str(tmp_path / "s1")]),
+                        timeout=120)
+    for _, mismatch, drift in results:
+        assert "rank 0: all_reduce float32[2]; rank 1: all_reduce float32[3]" in mismatch
+        assert drift.startswith("after step 7: replicas DIFFER") and "parameter 'weight' differs" in drift
+    assert (tmp_path / "run" / "last.pt").exists()  # 4 steps, replicas compared after steps 2 and 4
