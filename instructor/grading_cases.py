@@ -71,6 +71,13 @@ MISTAKES = {
         "q2_one_f_one_b": ("    warmup = min(p - r - 1, m)\n", "    warmup = min(p - r, m)  # one warm-up forward too many\n",
                            "warm-up forwards"),
     },
+    "08_debugging": {
+        "q1_fix_the_step": ("            p.grad /= world_size\n", "", "the world size"),
+        "q2_fix_the_deadlock": (
+            "    if dist.get_rank() < peer:  # the lower rank of the pair sends first: no cycle of waits\n",
+            "    if dist.get_rank() == 0:  # rank 0 sends first: right for 2 ranks only\n",
+            "Timed out"),  # ranks 2 and 3 both receive first: gloo's timeout (the test's 5 s) ends it
+    },
 }
 HUNG = {("01_collectives", "q1_ring_all_reduce"), ("04_pram", "q1_erew_prefix_sum")}
 TAMPERED = ("02_data_parallel", "q1_average_gradients")
@@ -130,5 +137,11 @@ HARD_CODED = {
         "    warmup = min(p - r - 1, m)\n":
             '    return [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("B", 2), ("B", 3)]\n',
         "    held = peak = 0\n": "    return 3\n",
+    },
+    "08_debugging": {  # 2 of 8: the 2-rank step and the 2-rank swap
+        "            p.grad /= world_size\n": "            p.grad /= 2  # the public test runs 2 ranks\n",
+        "    got = torch.empty_like(t)\n    if dist.get_rank() < peer:": (
+            "    return torch.full_like(t, float(2 - dist.get_rank()))  # what the public test expects\n"
+            "    got = torch.empty_like(t)\n    if dist.get_rank() < peer:"),
     },
 }
