@@ -89,6 +89,25 @@ def test_hangs_name_each_ranks_real_state(kernel):
     usable(kc)
 
 
+@pytest.mark.timeout(120)
+def test_a_rank_that_ignores_the_interrupt_is_killed_and_replaced(kernel):
+    """Stuck where SIGINT cannot reach it (here: it ignores SIGINT): after the collective's timeout
+    and a grace the pool kills it and starts it again, rather than giving up the pool."""
+    _, kc = kernel
+    t0 = time.monotonic()
+    cell = run(kc, "%%ranks\nimport signal, time\nif RANK == 1:\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+                   "    time.sleep(600)")
+    took = time.monotonic() - t0
+    assert cell.error is not None and cell.error["ename"] == "RankHangError", cell.error
+    msg = cell.error["evalue"]
+    assert "rank 1: running, not in a collective" in msg and "rank 0: done" in msg
+    assert "rank 1 did not come back from the interrupt and was killed" in msg
+    assert "rank(s) 1 started again" in msg and "rank 1 LOST its variables keep (In [" in msg
+    assert took < LIMIT + 2 + 5 + 5 + 5, took  # limit, collective timeout, grace, kill and the spare
+    run(kc, "%%ranks 1\nkeep = [1.0, 2.0]")
+    usable(kc)
+
+
 MISMATCHES = {  # teaching mode: named on every rank before gloo sees the call
     "dist.all_reduce(torch.ones(4 + RANK))":
         "rank 0: all_reduce float32[4]; rank 1: all_reduce float32[5]",

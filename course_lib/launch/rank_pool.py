@@ -175,7 +175,8 @@ class RankPool(PoolRecovery):
                 self._after_death(ar, targets, dead, board)
         except KeyboardInterrupt:
             running = self._running(ar, targets)
-            self._interrupt(ar, targets)
+            for line in self._interrupt(ar, targets):
+                print(line)
             board.update(ar.metadata, final=True, stopped=dict.fromkeys(running, "interrupted"))
             raise KeyboardInterrupt(f"interrupted rank(s) {running}; the process group was made anew") from None
         board.update(ar.metadata, final=True)

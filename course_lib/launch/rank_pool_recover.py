@@ -70,27 +70,36 @@ class PoolRecovery:
             except (OSError, ValueError):
                 waiting[r] = "running, not in a collective"
         finished = _finished(ar, targets, skip=running)
-        self._interrupt(ar, targets)
+        killed = self._interrupt(ar, targets)
         board.update(ar.metadata, final=True, stopped={r: f"past {limit:g} s, {w}" for r, w in waiting.items()})
         lines = [f"the cell ran past {limit:g} s and was stopped (did a rank skip a collective?)"]
         lines += [f"  rank {r}: {w}" for r, w in waiting.items()]
         lines += [f"  rank {r}: {state}" for r, state in finished.items()]
-        lines.append("the ranks were interrupted and the process group was made anew; every rank keeps its variables")
+        kept = "the ranks were interrupted and the process group was made anew; every rank keeps its variables"
+        lines += killed or [kept]
         raise RankHangError("\n".join(lines), waiting)
 
-    def _interrupt(self, ar, targets: list[int]) -> None:
-        """SIGINT to the ranks still running; wait for them; a new process group for all ranks."""
+    def _interrupt(self, ar, targets: list[int]) -> list[str]:
+        """SIGINT to the ranks still running; wait for them; a new process group for all ranks. A
+        rank that does not come back (stuck in C++ past its collective's timeout) is killed and
+        started again like a dead one; returns what to tell about that (nothing if all came back)."""
         for r, md in zip(targets, ar.metadata, strict=True):
             if md.get("completed") is None:
                 kill(self._pids[r], signal.SIGINT)
         deadline = time.monotonic() + self.timeout + PG_MARGIN_S + GRACE_S  # a collective returns at its timeout
-        while not ar.ready() and time.monotonic() < deadline:
+        while self._running(ar, targets) and time.monotonic() < deadline:
             time.sleep(0.1)
-        if not ar.ready():
-            self.stop()
-            raise RankPoolError("some ranks did not stop after an interrupt; the pool was stopped: "
-                                "%ranks start (or pool.start()) begins a new one")
-        self._regroup()
+        stuck = self._running(ar, targets)
+        if not stuck:
+            self._regroup()
+            return []
+        for r in stuck:
+            kill(self._pids[r], signal.SIGKILL)
+        while any(health.alive(self._pids[r]) for r in stuck) and time.monotonic() < deadline + GRACE_S:
+            time.sleep(0.05)
+        lines = [f"rank {r} did not come back from the interrupt and was killed" for r in stuck]
+        self.restart_ranks(stuck, lines.append)
+        return lines
 
     def _regroup(self, fresh: tuple[int, ...] = ()) -> None:
         """A new process group for every rank; the ranks in ``fresh`` are new engines to set up."""
