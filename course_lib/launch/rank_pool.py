@@ -120,6 +120,8 @@ class RankPool(PoolRecovery):
     def stop(self) -> None:
         """Stop every rank and the controller; nothing is left running."""
         if self._cluster is not None:
+            for pid in self._pids:  # the ranks first: their parents then exit at once (a spare on SIGTERM)
+                kill(pid, signal.SIGKILL)
             try:
                 self._cluster.stop_cluster_sync()
             except Exception:  # noqa: BLE001, S110 - stopping is best effort; the kill below is not
