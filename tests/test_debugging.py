@@ -9,7 +9,10 @@ before a collective. Crashes: a rank's process exits; mismatched shapes with tea
 (gloo aborts the process). Caught before the crash by teaching mode: shapes, dtypes, all-reduce
 against broadcast, each rank its own root, an all-gather list and a reduce-scatter of the wrong
 size, a send to a rank that does not exist. Silent (check_replicas): replicas that drift apart,
-unsharded data, summed gradients, a parameter missing from the sync.
+unsharded data, summed gradients, a parameter missing from the sync. A rank that ignores the
+interrupt is killed and replaced. Through ``%%torchrun``: a shape mismatch (``--check``), what
+``TORCH_DISTRIBUTED_DEBUG=DETAIL`` names and what it does not (a broadcast's root), unsharded data.
+Last, the trainer's ``check_collectives`` and ``check_replicas_every`` on real gloo ranks.
 """
 
 from __future__ import annotations
