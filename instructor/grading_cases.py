@@ -81,6 +81,13 @@ MISTAKES = {
                      "",  # the root alone: one unit, the whole model gathered at once
                      "Linear units"),
     },
+    "08_debugging": {
+        "q1_fix_the_step": ("            p.grad /= world_size\n", "", "the world size"),
+        "q2_fix_the_deadlock": (
+            "    if dist.get_rank() < peer:  # the lower rank of the pair sends first: no cycle of waits\n",
+            "    if dist.get_rank() == 0:  # rank 0 sends first: right for 2 ranks only\n",
+            "Timed out"),  # ranks 2 and 3 both receive first: gloo's timeout (the test's 5 s) ends it
+    },
 }
 HUNG = {("01_collectives", "q1_ring_all_reduce"), ("04_pram", "q1_erew_prefix_sum")}
 TAMPERED = ("02_data_parallel", "q1_average_gradients")
@@ -149,5 +156,11 @@ HARD_CODED = {
          "            fully_shard(layer, mesh=mesh[\"data_parallel\"])\n"): (
             "    for layer in (model[0], model[-1]):  # the public test's two Linear layers\n"
             "        fully_shard(layer, mesh=mesh[\"data_parallel\"])\n"),
+    },
+    "08_debugging": {  # 2 of 8: the 2-rank step and the 2-rank swap
+        "            p.grad /= world_size\n": "            p.grad /= 2  # the public test runs 2 ranks\n",
+        "    got = torch.empty_like(t)\n    if dist.get_rank() < peer:": (
+            "    return torch.full_like(t, float(2 - dist.get_rank()))  # what the public test expects\n"
+            "    got = torch.empty_like(t)\n    if dist.get_rank() < peer:"),
     },
 }

@@ -78,6 +78,10 @@ class TrainConfig:
     strategy: str = "auto"  # 'auto' = 'single' for one process, else data parallel
     threads: int = 0  # intra-op threads per CPU worker; 0 = cores // workers on this host
     timeout_s: float = 600.0  # how long a collective may wait before the run fails
+    check_collectives: bool = False  # teaching mode: each collective compared across ranks before it runs
+    #   (op, dtype, shape, root; parallel.collective_check): a mismatch is named instead of hanging or aborting
+    check_replicas_every: int = 0  # every this many steps, the data-parallel replicas compared (parameters,
+    #   optimizer state, each rank's batch; parallel.replicas); the run stops, naming the first tensor that differs
     run_name: str = ""  # a label for progress bars and plots; '' = the out_dir's name
     tp: int = 1  # tensor-parallel degree (Megatron-LM); dp = nproc / (tp * pp * cp) (parallel.model_parallel)
     pp: int = 1  # pipeline stages; the micro-batches are the gradient_accumulation_steps
@@ -97,7 +101,7 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_iters", "warmup_iters", "lr_decay_iters", "threads", "seed"):
+        for name in ("max_iters", "warmup_iters", "lr_decay_iters", "threads", "seed", "check_replicas_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("learning_rate", "min_lr", "weight_decay", "grad_clip"):
@@ -130,6 +134,11 @@ class TrainConfig:
         if self.strategy == "single" and self.nproc > 1 and self.model_parallel_size == 1:
             raise ConfigError(f"strategy 'single' runs one process but nproc={self.nproc}; "
                               "use --strategy=ddp (or auto) or --nproc=1")
+
+        zero = registry.STRATEGIES[self.strategy].zero_stage if self.strategy in registry.STRATEGIES else None
+        if self.check_replicas_every and (self.model_parallel_size > 1 or (zero or 0) >= 3):
+            raise ConfigError(f"check_replicas_every compares data-parallel replicas; strategy {self.strategy} with "
+                              f"tp={self.tp}, pp={self.pp}, cp={self.cp} shards the parameters (they are meant to differ)")
 
     def check_layout(self, world_size: int) -> None:  # ranks = dp*tp*pp*cp: launchers check, workers again
         if error := world_error(self, world_size):

@@ -27,7 +27,9 @@ Modules:
     rank_pool   RankPool: persistent ranks across cells (ipyparallel engines + a process group)
     rank_pool_engine   what runs in those ranks: setup, the collective tracker, the parent watch
     rank_pool_view     a cell's output grouped by rank, redrawn while it runs
-    rank_pool_magics   %ranks start|stop|restart|status and %%ranks [0,2]
+    rank_pool_magics   %ranks start|stop|restart|status|teaching|flight|check_replicas and %%ranks [0,2]
+    rank_pool_recover  what the pool does on a hang or a dead rank: each rank's state, restart, regroup
+    rank_pool_health   alive or dead and how, a rank's last output, the variables a restart lost
     cluster     ``course submit``: SLURM and PBS batch scripts
     allocation  the SLURM or PBS job this process runs in
     slurm_local a real two-node SLURM on this machine, to try ``course submit`` (make slurm-local)

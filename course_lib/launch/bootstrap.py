@@ -9,6 +9,7 @@ user's script or module in the same process):
   so C++ output and the last line before a crash are kept) - the launcher tails these files;
 * optionally initialises the default process group with a short timeout (``%%torchrun``
   cells), or MPI (``%%mpirun`` cells), and passes RANK, WORLD_SIZE, LOCAL_RANK to the code;
+  with ``COURSE_CHECK_COLLECTIVES=1`` (``%%torchrun --check``) in teaching mode;
 * records its state in ``DIR/logs/rank{RANK}.json`` and, on an exception, writes the traceback
   and a plain-words diagnosis (collective timed out, a peer rank exited) to
   ``DIR/logs/rank{RANK}.error.json``;
@@ -36,6 +37,7 @@ from course_lib.utils import init_process_group
 RANK_ENVS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
 SIZE_ENVS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
 LOCAL_RANK_ENVS = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+CHECK_ENV = "COURSE_CHECK_COLLECTIVES"  # "1": compare every collective across ranks (parallel.collective_check)
 
 # Substrings of exception texts from gloo, NCCL and the c10d store, and what they mean.
 TIMEOUT_MARKS = ("Timed out waiting", "timed out", "Timeout", "DistStoreError",
@@ -107,6 +109,10 @@ def _init_torch(backend: str, timeout_s: float, local_rank: int) -> dict:
     if device and device.startswith("cuda"):
         torch.cuda.set_device(device)  # gloo ranks sharing a GPU too: their CUDA tensors live here
     init_process_group(backend, timeout_s=timeout_s, device=device)  # NCCL: bound to this rank's GPU
+    if os.environ.get(CHECK_ENV) == "1":  # %%torchrun --check: teaching mode in every rank
+        from course_lib.parallel.collective_check import install_collective_check  # torch: these ranks only
+
+        install_collective_check(True, timeout_s)
     return {"torch": torch, "dist": dist, "DEVICE": torch.device(device or "cpu")}
 
 

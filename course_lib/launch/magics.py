@@ -9,7 +9,8 @@ The cell is saved as ``RUN_DIR/cell.py`` and run as a script on every rank throu
 (:func:`course_lib.launch.launch`) with ``torch``, ``dist``, ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK`` and ``DEVICE`` (this rank's device) defined and the default process group
 initialised (gloo on CPU, NCCL with one rank per GPU, gloo for ranks sharing a GPU; one line says
-which before the ranks start; ``--timeout`` is its collective timeout). Every rank's output is shown, prefixed ``[rankK]``
+which before the ranks start; ``--timeout`` is its collective timeout; ``--check``: teaching
+mode, every collective compared across ranks first, :mod:`course_lib.parallel.collective_check`). Every rank's output is shown, prefixed ``[rankK]``
 (``--ranks 0`` for rank 0 only; errors are always shown). A failure raises LaunchError naming
 the rank; the stop button stops every process. ``%%mpirun -n N`` runs the cell on N MPI ranks
 with ``MPI``, ``comm`` (COMM_WORLD), ``RANK`` and ``WORLD_SIZE`` defined. The last result is
@@ -26,8 +27,9 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 
 from course_lib.launch.api import LaunchError, default_run_dir, launch
-from course_lib.launch.placement import LaunchConfigError
+from course_lib.launch.bootstrap import CHECK_ENV
 from course_lib.launch.mpi import mpirun
+from course_lib.launch.placement import LaunchConfigError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -54,6 +56,8 @@ def torchrun_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
                    help="auto: NCCL for one rank per GPU, gloo for CPU ranks and ranks sharing a GPU")
+    p.add_argument("--check", action="store_true",
+                   help="teaching mode: every collective compared across ranks before it runs")
     p.add_argument("--rdzv", default="c10d", choices=["c10d", "static"])
     p.add_argument("--run-dir")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
@@ -107,7 +111,7 @@ class LaunchMagics(Magics):
         try:
             result = launch(_write_cell(run_dir, cell), nproc=nproc, nnodes=a.nnodes, module=False,
                             device=a.device, backend=a.backend, timeout=a.time_limit, collective_timeout=a.timeout,
-                            env=_env(a.env), run_dir=run_dir, init_process_group=True,
+                            env=_env(a.env) | ({CHECK_ENV: "1"} if a.check else {}), run_dir=run_dir, init_process_group=True,
                             show_ranks=_ranks(a.ranks), rdzv=a.rdzv, nccl_debug=a.nccl_debug,
                             nccl_debug_subsys=a.nccl_debug_subsys, nccl_debug_file=a.nccl_debug_file)
         except LaunchConfigError as e:

@@ -32,38 +32,32 @@ from pathlib import Path
 
 from course_lib.hardware import gpu_count, threads_per_rank
 from course_lib.launch import rank_pool_engine as engine
+from course_lib.launch import rank_pool_health as health
 from course_lib.launch.placement import LaunchConfigError, RankPlan, plan_ranks
+from course_lib.launch.rank_pool_recover import (
+    GRACE_S,
+    PG_MARGIN_S,
+    SPARES,
+    PoolRecovery,
+    RankDiedError,
+    RankHangError,
+    RankPoolError,
+    kill,
+)
 from course_lib.launch.rank_pool_view import RankBoard, error_line
 
 DEFAULT_TIMEOUT_S = 30.0
-GRACE_S = 5.0  # after interrupting the ranks: how long they have to come back
-# The collective timeout is the cell limit plus this: the pool sees a hang first, while the ranks
-# still wait in their collective (and say which), then they come back when it times out.
-PG_MARGIN_S = 2.0
+__all__ = ["DEFAULT_TIMEOUT_S", "GRACE_S", "PG_MARGIN_S", "RankDiedError", "RankHangError", "RankPool",
+           "RankPoolError"]
 
 
-class RankPoolError(RuntimeError):
-    """A cell failed on some ranks; ``failed`` maps a rank to its error line."""
-
-    def __init__(self, message: str, failed: dict[int, str] | None = None):
-        super().__init__(message)
-        self.failed = failed or {}
-
-
-class RankHangError(RankPoolError):
-    """A cell ran past its time limit; ``waiting`` maps a rank to the collective it waited in."""
-
-    def __init__(self, message: str, waiting: dict[int, str]):
-        super().__init__(message)
-        self.waiting = waiting
-
-
-class RankPool:
+class RankPool(PoolRecovery):
     """``world_size`` persistent ranks; see the module docstring. ``timeout``: seconds a cell may
     run, and the process group's collective timeout."""
 
     def __init__(self, world_size: int, backend: str = "auto", device: str = "auto",
-                 timeout: float = DEFAULT_TIMEOUT_S, threads: int | None = None, gpus: int | None = None):
+                 timeout: float = DEFAULT_TIMEOUT_S, threads: int | None = None, gpus: int | None = None,
+                 check: bool = True):
         if not (isinstance(timeout, int | float) and timeout > 0):
             raise LaunchConfigError(f"timeout must be > 0 seconds, got {timeout!r}")
         if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= 64:
@@ -81,7 +75,12 @@ class RankPool:
         self._cluster = self._client = None
         self._dir: Path | None = None
         self._pids: list[int] = []
+        self._parent_pids: dict[int, int | None] = {}  # rank -> the pid of its engine's parent (rank_pool_engine)
         self._groups = 0
+        self._log_from: dict[int, int] = {}
+        self.check = check  # teaching mode: collectives compared across ranks (parallel.collective_check)
+        self.history: list[tuple[str, list[int], str]] = []  # (label, ranks, code) of each cell run
+        self._names: dict[int, list[str]] = {}  # each rank's variables after the last cell
 
     # -- life cycle --------------------------------------------------------------------------
     def start(self, log=print) -> RankPool:
@@ -90,11 +89,13 @@ class RankPool:
 
         self._dir = Path(tempfile.mkdtemp(prefix="course_ranks_"))
         entry = [sys.executable, "-m", "course_lib.launch.rank_pool_engine"]
-        cluster = ipp.Cluster(n=self.world_size, log_level=40, profile_dir=str(self._dir / "profile"),
+        # one spare engine, torch imported, waits to replace a rank that dies (rank_pool_recover)
+        cluster = ipp.Cluster(n=self.world_size + SPARES, log_level=40, profile_dir=str(self._dir / "profile"),
                               cluster_id="ranks", shutdown_atexit=True)
         cluster.config.LocalControllerLauncher.controller_cmd = [*entry, "controller"]
         cluster.config.LocalEngineSetLauncher.engine_cmd = [*entry, "engine"]
-        cluster.config.LocalEngineSetLauncher.environment = {"OMP_NUM_THREADS": str(self.threads)}
+        cluster.config.LocalEngineSetLauncher.environment = {"OMP_NUM_THREADS": str(self.threads),
+                                                             "COURSE_RANKS_DIR": str(self._dir)}
         self._cluster = cluster
         try:
             cluster.start_cluster_sync()
@@ -102,10 +103,13 @@ class RankPool:
             # no progress widget: its saved state would read "0/N" in a reopened notebook
             self._client.wait_for_engines(self.world_size, timeout=120, interactive=False)
             self._engines = sorted(self._client.ids)[: self.world_size]  # rank r is engine _engines[r]
+            self._retired: set[int] = set()  # engines of ranks that died
             self._pids = self._apply_each("setup", lambda r: (
                 r, self.world_size, self.placement.backend, self.placement.devices[r], self._store(),
-                str(self._op_file(r)), self.timeout + PG_MARGIN_S, self.threads))
+                str(self._op_file(r)), self.timeout + PG_MARGIN_S, self.threads, self.check))
             self._client[self._engines].push({"ranks": None}, block=True)
+            self.history, self._names = [], {}
+            self._parent_pids = {r: health.parent_pid(pid) for r, pid in enumerate(self._pids)}
         except BaseException:
             self.stop()
             raise
@@ -115,12 +119,14 @@ class RankPool:
     def stop(self) -> None:
         """Stop every rank and the controller; nothing is left running."""
         if self._cluster is not None:
+            for pid in self._pids:  # the ranks first: their parents then exit at once (a spare on SIGTERM)
+                kill(pid, signal.SIGKILL)
             try:
                 self._cluster.stop_cluster_sync()
             except Exception:  # noqa: BLE001, S110 - stopping is best effort; the kill below is not
                 pass
             for pid in self._pids:
-                _kill(pid, signal.SIGKILL)
+                kill(pid, signal.SIGKILL)
         if self._client is not None:
             self._client.close()
         if self._dir is not None:
@@ -149,6 +155,8 @@ class RankPool:
         (``show=False``: only if a rank writes to stderr or fails)."""
         targets = self._targets(ranks)
         limit = self.timeout if timeout is None else float(timeout)
+        self.history.append((_cell_label(len(self.history)), targets, code))
+        self._log_from = {r: health.log_size(self._log_file(r)) for r in targets}  # this cell's output starts there
         for r in targets:
             self._op_file(r).unlink(missing_ok=True)
         ar = self._client[[self._engines[r] for r in targets]].execute(code, block=False, silent=False)
@@ -157,61 +165,54 @@ class RankPool:
         try:
             while not ar.ready():
                 board.update(ar.metadata)
+                dead = [r for r in targets if not health.alive(self._pids[r])]
+                if dead:
+                    self._after_death(ar, targets, dead, board)
                 if time.monotonic() - start > limit:
                     self._after_hang(ar, targets, limit, board)
                 time.sleep(0.1)
+            dead = [r for r in targets if not health.alive(self._pids[r])]
+            if dead:
+                self._after_death(ar, targets, dead, board)
         except KeyboardInterrupt:
             running = self._running(ar, targets)
-            self._interrupt(ar, targets)
+            for line in self._interrupt(ar, targets):
+                print(line)
             board.update(ar.metadata, final=True, stopped=dict.fromkeys(running, "interrupted"))
             raise KeyboardInterrupt(f"interrupted rank(s) {running}; the process group was made anew") from None
         board.update(ar.metadata, final=True)
+        self._remember_names(targets)
         failed = {r: error_line(md) or "failed" for r, md in zip(targets, ar.metadata, strict=True)
                   if md.get("status") == "error"}
         if failed:
-            who = ", ".join(f"rank {r}: {line}" for r, line in failed.items())
+            same = len(failed) > 1 and len(set(failed.values())) == 1
+            who = (f"ranks {', '.join(map(str, failed))}: {next(iter(failed.values()))}" if same else
+                   ", ".join(f"rank {r}: {line}" for r, line in failed.items()))
             ok = [r for r in targets if r not in failed]
             raise RankPoolError(f"{who} (traceback above); " + (f"ranks {ok} finished and are usable"
                                                                  if ok else "the pool is still usable"), failed)
 
-    @staticmethod
-    def _running(ar, targets: list[int]) -> list[int]:
-        return [r for r, md in zip(targets, ar.metadata, strict=True) if md.get("completed") is None]
+    # -- teaching mode and checks ------------------------------------------------------------------
+    def set_check(self, on: bool) -> None:
+        """Teaching mode on or off on every rank (it must be the same on all: it is an exchange)."""
+        self._client[[self._engines[r] for r in self._targets(None)]].apply_sync(engine.set_check, on)
+        self.check = on
 
-    def _after_hang(self, ar, targets: list[int], limit: float, board: RankBoard) -> None:
-        running = self._running(ar, targets)
-        now, waiting = time.time(), {}
-        for r in running:
-            try:
-                op, since, peer = self._op_file(r).read_text().rstrip("\n").split("\t")
-                waiting[r] = f"waiting in {op}" + (f" (peer {peer})" if peer else "") + f" for {now - float(since):.1f} s"
-            except (OSError, ValueError):
-                waiting[r] = "running, not in a collective"
-        self._interrupt(ar, targets)
-        board.update(ar.metadata, final=True, stopped={r: f"past {limit:g} s, {w}" for r, w in waiting.items()})
-        done = [r for r in targets if r not in running]
-        lines = [f"the cell ran past {limit:g} s and was stopped (did a rank skip a collective?)"]
-        lines += [f"  rank {r}: {w}" for r, w in waiting.items()]
-        if done:
-            lines.append(f"  finished the cell: rank(s) {', '.join(map(str, done))}")
-        lines.append("the ranks were interrupted and the process group was made anew; every rank keeps its variables")
-        raise RankHangError("\n".join(lines), waiting)
+    def flight(self) -> dict[int, list[dict]]:
+        """Each rank's flight recorder: its last collectives, oldest first (parallel.collective_check)."""
+        targets = self._targets(None)
+        return dict(zip(targets, self._client[[self._engines[r] for r in targets]].apply_sync(engine.flight),
+                        strict=True))
 
-    def _interrupt(self, ar, targets: list[int]) -> None:
-        """SIGINT to the ranks still running; wait for them; a new process group for all ranks."""
-        for r, md in zip(targets, ar.metadata, strict=True):
-            if md.get("completed") is None:
-                _kill(self._pids[r], signal.SIGINT)
-        deadline = time.monotonic() + self.timeout + PG_MARGIN_S + GRACE_S  # a collective returns at its timeout
-        while not ar.ready() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if not ar.ready():
-            self.stop()
-            raise RankPoolError("some ranks did not stop after an interrupt; the pool was stopped: "
-                                "%ranks start (or pool.start()) begins a new one")
-        self._groups += 1
-        self._apply_each("regroup", lambda r: (self.placement.backend, self._store(), r, self.world_size,
-                                               self.timeout + PG_MARGIN_S, self.placement.devices[r]))
+    def check_replicas(self, model: str | None = None, optimizer: str | None = None, batch: str | None = None,
+                       local: str | None = None):
+        """:func:`course_lib.parallel.replicas.check_replicas` on every rank, with the ranks' own
+        variables of these names; returns the report (the same on every rank)."""
+        names = {"model": model, "optimizer": optimizer, "batch": batch, "local": local}
+        args = ", ".join(f"{k}={v}" for k, v in names.items() if v)
+        self.run("from course_lib.parallel.replicas import check_replicas as _course_check\n"
+                 f"_course_report = _course_check({args})", show=False)
+        return self.pull("_course_report", ranks=[0])[0]
 
     # -- moving values -------------------------------------------------------------------------
     def pull(self, name: str, ranks=None) -> list:
@@ -239,6 +240,10 @@ class RankPool:
     def _targets(self, ranks) -> list[int]:
         if not self.running:
             raise RankPoolError("the pool is not running: %ranks start N (or pool.start())")
+        dead = self.dead_ranks()
+        if dead:  # died since the last cell (killed from outside, out of memory): start it again first
+            print("\n".join(f"rank {r} DIED since the last cell ({how})" for r, how in dead.items()))
+            self.restart_ranks(list(dead))
         ranks = list(range(self.world_size)) if ranks is None else sorted(set(ranks))
         bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < self.world_size)]
         if bad or not ranks:
@@ -257,16 +262,20 @@ class RankPool:
         return self._dir / f"rank{rank}.op"
 
 
+def _cell_label(index: int) -> str:
+    """'In [7]' (the notebook's cell number) inside IPython, else '#3' (the pool's own count)."""
+    try:
+        from IPython import get_ipython  # only to number cells as the notebook does
+
+        shell = get_ipython()
+    except ImportError:
+        shell = None
+    return f"In [{shell.execution_count}]" if shell is not None else f"#{index + 1}"
+
+
 def _lookup(name: str):
     # IPython where this runs, on an engine (apply_sync); a RankPool driven from plain Python needs none
     from IPython import get_ipython
 
     ns = get_ipython().user_ns
     return (True, ns[name]) if name in ns else (False, None)
-
-
-def _kill(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass

@@ -12,7 +12,11 @@ What runs inside the processes of a :class:`course_lib.launch.rank_pool.RankPool
   (``dist.all_reduce(...)``, also from course_lib) writes what it is waiting in to a file of its
   rank while it runs, so that when a cell hangs the pool can say which ranks waited in which
   collective, though they are stuck inside C++ and cannot answer;
-* :func:`regroup`: a new process group after a hang (a timed-out gloo group is not reused).
+* :func:`regroup`: a new process group after a hang (a timed-out gloo group is not reused);
+* the ``engine`` role is a small parent that runs the engine as its child, forwards signals to it
+  and writes its exit status to ``$COURSE_RANKS_DIR/exit.PID``, so the pool can say how a rank
+  died (ipyparallel only sees that it is gone); teaching mode
+  (:mod:`course_lib.parallel.collective_check`) is installed by :func:`setup` and :func:`regroup`.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from __future__ import annotations
 import functools
 import os
 import runpy
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -38,6 +44,7 @@ TRACKED = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_t
 def _track(fn, name: str, op_file: str):
     @functools.wraps(fn)
     def tracked(*args, **kwargs):
+        __tracebackhide__ = True  # IPython leaves this frame out of the rank's traceback
         if kwargs.get("async_op"):  # returns at once; the wait is the caller's
             return fn(*args, **kwargs)
         peer = kwargs.get("src", kwargs.get("dst"))
@@ -69,16 +76,16 @@ def install_tracker(op_file: str) -> None:
 
 def _init_group(backend: str, store: str, rank: int, world_size: int, timeout_s: float, device: str) -> None:
     # torch on the engine only: the notebook's kernel imports this module to send it
-    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
 
     # NCCL: the communicator is bound to this rank's GPU
     init_process_group(backend, timeout_s=timeout_s, device=device, init_method=f"file://{store}",
                        rank=rank, world_size=world_size)
-    dist.barrier()  # everyone connected before the first cell runs
+    c10d.barrier()  # everyone connected before the first cell runs (c10d's own: not tracked nor recorded)
 
 
 def setup(rank: int, world_size: int, backend: str, device: str, store: str, op_file: str,
-          timeout_s: float, threads: int) -> int:
+          timeout_s: float, threads: int, check: bool = True, generation: int = 0) -> int:
     """Make this engine rank ``rank``; returns its pid (the pool signals ranks by pid)."""
     # torch on the engine only: the notebook's kernel imports this module to send it
     import torch
@@ -90,24 +97,81 @@ def setup(rank: int, world_size: int, backend: str, device: str, store: str, op_
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     _init_group(backend, store, rank, world_size, timeout_s, device)
+    _install_check(check, timeout_s, generation)  # inside the tracker: a wait in the exchange is named as the call
     install_tracker(op_file)
+    _stderr_to_log()
     user = _user_namespace()
     user.update(torch=torch, dist=dist, RANK=rank, WORLD_SIZE=world_size, DEVICE=torch.device(device))
+    user["_course_preset"] = frozenset(user)  # what a student did not define (rank_pool_health.user_names)
     return os.getpid()
 
 
-def regroup(backend: str, store: str, rank: int, world_size: int, timeout_s: float, device: str) -> bool:
+def _stderr_to_log() -> None:
+    """C++ writes to file descriptor 2 (gloo's abort: "terminate called after throwing ...") go
+    straight to the engine's log file again, not through ipykernel's pipe: its reader thread dies
+    with the process before forwarding the last words, which the pool shows when a rank dies."""
+    original = getattr(sys.stderr, "_original_stdstream_copy", None)
+    if original is not None:
+        os.dup2(original, 2)
+
+
+def regroup(backend: str, store: str, rank: int, world_size: int, timeout_s: float, device: str,
+            check: bool = True, generation: int = 0) -> bool:
     """Replace the default process group by a new one meeting in ``store``."""
     # torch on the engine only: the notebook's kernel imports this module to send it
     import torch.distributed as dist
 
     if dist.is_initialized():
+        _forget_side_group()
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001, S110 - a group broken by a timeout may fail to close
             pass
     _init_group(backend, store, rank, world_size, timeout_s, device)
+    _install_check(check, timeout_s, generation)  # a new side group for the new default group
     return True
+
+
+def _install_check(check: bool, timeout_s: float, generation: int) -> None:
+    from course_lib.parallel.collective_check import install_collective_check as install  # torch: ranks only
+
+    install(check, timeout_s, generation)
+
+
+def _forget_side_group() -> None:
+    from course_lib.parallel.collective_check import forget_side_group as forget  # torch: ranks only
+
+    forget()
+
+
+def set_check(check: bool) -> bool:
+    from course_lib.parallel.collective_check import set_collective_check  # torch: ranks only
+
+    return set_collective_check(check)
+
+
+def flight() -> list[dict]:
+    from course_lib.parallel.collective_check import flight_record  # torch: ranks only
+
+    return flight_record()
+
+
+def _parent_of_engine(rest: list[str]) -> None:
+    """Run the engine as a child; forward SIGINT/SIGTERM; record its exit status; exit with it."""
+    folder = os.environ.get("COURSE_RANKS_DIR")
+    # the engine's output in a file of the pool's (ipyparallel deletes its own log of a dead engine)
+    log = open(os.path.join(folder, f"engine.{os.getpid()}.log"), "ab") if folder else None  # noqa: SIM115
+    child = subprocess.Popen([sys.executable, "-m", "course_lib.launch.rank_pool_engine", "engine-child", *rest],
+                             stdout=log, stderr=log)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda s, _f: child.send_signal(s))
+    code = child.wait()
+    if folder:
+        tmp = os.path.join(folder, f".exit.{child.pid}")
+        with open(tmp, "w") as f:
+            f.write(str(code))
+        os.replace(tmp, os.path.join(folder, f"exit.{child.pid}"))
+    sys.exit(code if code >= 0 else 128 - code)
 
 
 def _user_namespace() -> dict:
@@ -134,9 +198,14 @@ def _watch_parent(parent: int, every_s: float = 0.5) -> None:
 
 def main(argv: list[str]) -> None:
     role, rest = argv[0], argv[1:]
-    if role not in ("engine", "controller"):
+    if role not in ("engine", "engine-child", "controller"):
         sys.exit("usage: python -m course_lib.launch.rank_pool_engine engine|controller [args]")
     _watch_parent(os.getppid())
+    if role == "engine":
+        _parent_of_engine(rest)
+    if role == "engine-child":
+        import torch.distributed  # noqa: F401 - every engine needs it; a spare engine is then ready at once
+    role = role.removesuffix("-child")
     sys.argv = [f"ipyparallel.{role}", *rest]
     runpy.run_module(f"ipyparallel.{role}", run_name="__main__", alter_sys=True)
 

@@ -115,3 +115,14 @@ def _in_kernel() -> bool:
         return False
     shell = get_ipython()
     return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+def flight_table(records: dict[int, list[dict]], last: int = 12) -> str:
+    """Each rank's last collectives side by side, one row per call (``G.N``: call N of process
+    group G; the pool makes a new group after a hang or a dead rank): the flight-recorder view."""
+    keys = sorted({(e["group"], e["seq"]) for entries in records.values() for e in entries})[-last:]
+    cells = {(r, e["group"], e["seq"]): f"{e['what']} · {e['state']}" for r, entries in records.items() for e in entries}
+    width = max([len(c) for c in cells.values()] + [12])
+    head = "call  " + "  ".join(f"{f'rank {r}':<{width}}" for r in records)
+    rows = [f"{f'{g}.{s}':<5} " + "  ".join(f"{cells.get((r, g, s), '-'):<{width}}" for r in records) for g, s in keys]
+    return "\n".join([head, *rows]) if rows else "no collective recorded yet"

@@ -24,6 +24,9 @@
     model_parallel      ModelParallel: the trainer's strategy for tp/pp/cp layouts
     footprint           bytes of parameters, gradients, optimizer states one rank holds
     toy                 a small MLP with the GPT interface
+    collective_check    teaching mode: each collective compared across ranks before it runs; the
+                        flight recorder
+    replicas            check_replicas: are the data-parallel replicas still replicas?
 
 Every strategy's ``state_dict()`` is the FULL model and optimizer state (the unsharded
 optimizer's format), identical on every rank, so checkpoints move between strategies and

@@ -31,11 +31,13 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
+from course_lib import registry
 from course_lib.gpt.activation_meter import SavedTensorMeter
 from course_lib.gpt.checkpoint import CheckpointError
 from course_lib.gpt.config import ConfigError, TrainConfig
 from course_lib.gpt.config_args import arg_parser, config_from_args
 from course_lib.gpt.data import DataError
+from course_lib.parallel.replicas import ReplicaMismatchError, check_replicas
 from course_lib.parallel.step import Precision
 from course_lib.parallel.step import train_step as one_step
 from course_lib.parallel.strategy import Strategy
@@ -100,6 +102,8 @@ def train_loop(run: Run, meter: RunMeter) -> dict:
             group["lr"] = lr
         measure = meter.wants_row(it)  # activations are counted on the steps that get a row
         loss, grad_norm, act_bytes = timed_train_step(strategy, x, y, cfg, run.precision, meter, measure)
+        if cfg.check_replicas_every and (it + 1) % cfg.check_replicas_every == 0 and dist.is_initialized():
+            check_step_replicas(strategy, x, it)
         x, y = run.batches.next()  # the next batch (asynchronous copy on a GPU)
         meter.log(it, loss, lr, grad_norm, precision_columns(run, act_bytes) if measure else None)
     return meter.finish(cfg.max_iters, run.best_val)
@@ -120,6 +124,16 @@ def timed_train_step(strategy: Strategy, x: torch.Tensor, y: torch.Tensor, cfg: 
 
     result = one_step(strategy, x, y, cfg.grad_clip, precision, phase)
     return result.loss, result.grad_norm, saved.bytes if saved else None
+
+
+def check_step_replicas(strategy: Strategy, x: torch.Tensor, it: int) -> None:
+    """The data-parallel replicas after step ``it``: parameters, the optimizer state where it is
+    not sharded (ZeRO-1/2 shard it), this rank's batch (must differ); raises ReplicaMismatchError."""
+    sharded = registry.STRATEGIES[strategy.name].zero_stage if strategy.name in registry.STRATEGIES else 0
+    report = check_replicas(strategy.module, None if sharded else strategy.optimizer, batch=x, grads=False,
+                            group=strategy.group)
+    if not report.ok:
+        raise ReplicaMismatchError(f"after step {it}: {report}")
 
 
 def precision_columns(run: Run, act_bytes: int | None) -> dict:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from course_lib.gpt.config import TrainConfig
 from course_lib.hardware import detect, pick_dtype, planned_device, planned_gpu_share
+from course_lib.parallel.collective_check import install_collective_check
 from course_lib.utils import init_process_group
 
 
@@ -62,6 +63,8 @@ def setup_runtime(cfg: TrainConfig) -> Runtime:
     if distributed and not dist.is_initialized():
         backend = backend or ("nccl" if device.startswith("cuda") else "gloo")
         init_process_group(backend, timeout_s=cfg.timeout_s, device=device)
+    if distributed and cfg.check_collectives:
+        install_collective_check(True, cfg.timeout_s)  # every rank: it makes a side group
     dtype = pick_dtype(detect(device), cfg.dtype)
     share = planned_gpu_share() if planned and device.startswith("cuda") else 1.0
     return Runtime(rank, world, local_world, device, dtype, threads, distributed, world * share)

@@ -1,0 +1,259 @@
+"""Teaching mode: every collective compared across the ranks before it runs, and a flight recorder.
+
+    from course_lib.parallel.collective_check import install_collective_check
+    install_collective_check()          # every rank, after init_process_group
+    dist.all_reduce(torch.ones(4 + RANK))
+    # CollectiveMismatchError on every rank, before gloo sees the call:
+    #   collective #1 does not match across ranks: rank 0: all_reduce float32[4]; rank 1: all_reduce float32[5]
+
+Each wrapped ``torch.distributed`` call (``dist.all_reduce(...)`` called by name, as the course's
+cells and modules do) first exchanges a small descriptor: the operation, the tensors' dtype and
+shape, the root (``src``/``dst``) and the reduce op. The exchange is one ``all_gather`` of a
+fixed-size int64 tensor on a separate gloo group, so mismatched shapes cannot corrupt it. If the
+descriptors differ, every rank raises :class:`CollectiveMismatchError` naming each rank's call,
+and the real collective is never called: gloo does not abort the process, the group stays usable.
+What a rank can see alone is refused at once, without an exchange: a peer that is not a rank
+(``send(t, dst=5)`` on 2 ranks), a send to itself, an ``all_gather`` list or ``reduce_scatter``
+input of the wrong length or size. A point-to-point pair exchanges its descriptors through the side
+group too (sender and receiver must agree on shape and dtype).
+
+Not caught: a collective that one rank never calls (there is nothing to compare: the exchange
+waits, the pool's time limit names the waiting rank), calls on a sub-group (only the default group
+is checked), calls made inside PyTorch (DDP's buckets call c10d directly, not ``dist.X``), and
+asynchronous ``isend``/``irecv`` pairs beyond the peer-range check. PyTorch's own
+``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (set before ``init_process_group``) wraps the process group and
+checks op type, shapes and dtypes of collectives, internal ones included (so it does catch DDP's),
+but not the root of a broadcast, nor send/recv, and it reports after a collective was issued.
+
+The flight recorder keeps each rank's last :data:`RECORD` calls (checked or not) with their state
+(``started``, ``done``, ``failed``), :func:`flight_record`; a notebook shows all ranks side by side.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+RECORD = 16  # calls kept by the flight recorder
+_WIDTH = 16  # int64 slots of one descriptor
+_MAX_NDIM = 6  # shape slots 6..11
+_RED = 14  # slot of the reduce op
+_OUT = 13  # slot of the output tensor's size (all_gather_into_tensor, reduce_scatter_tensor)
+CHECKED_OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+       "reduce_scatter_tensor", "all_to_all_single", "barrier", "scatter", "gather", "send", "recv")
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64)
+_REDUCE = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM")
+
+
+class CollectiveMismatchError(RuntimeError):
+    """The ranks called different collectives, or the same with different tensors; raised on every
+    rank. ``calls`` maps a rank to its call, as text."""
+
+    def __init__(self, message: str, calls: dict[int, str] | None = None):
+        super().__init__(message)
+        self.calls = calls or {}
+
+
+class _State:
+    """The wrapped functions' switch, their side group and the recorder (one per process)."""
+
+    def __init__(self):
+        self.enabled = False
+        self.side = None  # the gloo group the descriptors travel on
+        self.seq = 0
+        self.generation = 0  # which process group the calls were numbered in
+        self.record: collections.deque = collections.deque(maxlen=RECORD)
+
+
+_STATE = _State()
+
+
+def install_collective_check(enabled: bool = True, timeout_s: float | None = None, generation: int = 0) -> None:
+    """Wrap the collectives of ``torch.distributed`` (once per process) and (re)make the side
+    group; call it on every rank after each ``init_process_group`` (it is itself collective).
+    ``timeout_s``: how long an exchange may wait (give the default group's timeout: a rank that
+    never calls the collective leaves the others waiting in the exchange). ``generation``: the
+    number of this process group (the same on every rank); calls are numbered from 1 within it."""
+    for name in CHECKED_OPS:
+        fn = getattr(dist, name, None)
+        if fn is not None and not hasattr(fn, "__course_checked__"):
+            wrapped = _checked(fn, name)
+            wrapped.__course_checked__ = fn
+            setattr(dist, name, wrapped)
+    _STATE.side = dist.new_group(backend="gloo", timeout=None if timeout_s is None else timedelta(seconds=timeout_s))
+    if generation != _STATE.generation:
+        _STATE.generation, _STATE.seq = generation, 0
+    _STATE.enabled = enabled
+
+
+def forget_side_group() -> None:
+    """Before the default group is destroyed (a new one follows): calls pass unchecked until
+    :func:`install_collective_check` makes the next side group."""
+    _STATE.side = None
+
+
+def set_collective_check(enabled: bool) -> bool:
+    """Turn the comparison on or off (the recorder stays on); returns the previous setting."""
+    before, _STATE.enabled = _STATE.enabled, enabled
+    return before
+
+
+def flight_record() -> list[dict]:
+    """This rank's last calls, oldest first: group (its generation), seq, op, what (dtype[shape] and
+    root), state, seconds ago."""
+    now = time.time()
+    return [dict(entry, ago_s=round(now - entry.pop("t"), 2)) for entry in map(dict, _STATE.record)]
+
+
+def describe(code: list[int]) -> str:
+    """A descriptor as text: 'all_reduce float32[4]', 'broadcast float32[2, 3] from 1'."""
+    op, dtype, ndim = CHECKED_OPS[code[1]], code[2], code[5]
+    text = CHECKED_OPS[code[1]]
+    if op != "barrier":
+        shape = ", ".join(str(d) for d in code[6:6 + ndim])
+        text += f" {str(_DTYPES[dtype]).removeprefix('torch.') if 0 <= dtype < len(_DTYPES) else 'other'}[{shape}]"
+    if code[4] >= 0:
+        text += f" list of {code[4]}"
+    if code[3] >= 0:
+        text += {"send": " to ", "recv": " from "}.get(op, " from " if op in ("broadcast", "scatter") else " to ") \
+            + str(code[3])
+    if code[_RED] > 0 and op in ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor"):
+        text += f" op={_REDUCE[code[_RED]]}"
+    return text
+
+
+def _arg(args, kwargs, index: int, *names):
+    for name in names:
+        if name in kwargs:
+            return kwargs[name]
+    return args[index] if len(args) > index else None
+
+
+def _descriptor(name: str, args, kwargs) -> list[int]:
+    """The int64 descriptor of one call: seq, op, dtype, root, list length, ndim, shape..."""
+    tensor, root, count, red, out_numel = None, None, -1, None, -1
+    if name in ("all_reduce", "broadcast", "reduce", "send", "recv", "scatter", "gather"):
+        tensor = _arg(args, kwargs, 0, "tensor")
+        if name in ("broadcast", "scatter", "recv"):
+            root = _arg(args, kwargs, 1, "src", "group_src")
+        elif name in ("reduce", "send", "gather"):
+            root = _arg(args, kwargs, 1, "dst", "group_dst")
+        if name in ("all_reduce", "reduce"):
+            red = _arg(args, kwargs, 2 if name == "reduce" else 1, "op") or dist.ReduceOp.SUM
+    elif name == "all_gather":
+        tensor, count = _arg(args, kwargs, 1, "tensor"), len(_arg(args, kwargs, 0, "tensor_list"))
+    elif name in ("reduce_scatter", "reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all_single"):
+        tensor = _arg(args, kwargs, 1, "input", "input_list", "input_tensor")
+        if isinstance(tensor, list | tuple):
+            count, tensor = len(tensor), (tensor[0] if tensor else None)
+        if name.startswith("reduce_scatter"):
+            red = _arg(args, kwargs, 2, "op") or dist.ReduceOp.SUM
+        output = _arg(args, kwargs, 0, "output", "output_tensor")
+        out_numel = output.numel() if isinstance(output, torch.Tensor) else -1
+    code = [_STATE.seq, CHECKED_OPS.index(name), -1, -1 if root is None else int(root), count, 0] + [-1] * (_WIDTH - 6)
+    if isinstance(tensor, torch.Tensor):
+        code[2] = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else len(_DTYPES)
+        code[5] = min(tensor.dim(), _MAX_NDIM)
+        code[6:6 + code[5]] = list(tensor.shape)[:code[5]]
+    code[_OUT] = out_numel
+    if red is not None:
+        code[_RED] = _REDUCE.index(str(red).rsplit(".", 1)[-1].upper()) \
+            if str(red).rsplit(".", 1)[-1].upper() in _REDUCE else -1
+    return code
+
+
+def problem(code: list[int], world: int, me: int) -> str | None:
+    """What is wrong with one call whatever the other ranks do (a peer that is no rank, a list of
+    the wrong length, sizes that do not divide among the ranks); None if nothing."""
+    name, root = CHECKED_OPS[code[1]], code[3]
+    if name in ("send", "recv", "broadcast", "reduce", "scatter", "gather") and root != -1:
+        if not 0 <= root < world:
+            return f"{describe(code)}: there is no rank {root} (ranks are 0..{world - 1})"
+        if name in ("send", "recv") and root == me:
+            return f"{describe(code)}: a rank cannot {name} to itself"
+    if name in ("all_gather", "reduce_scatter") and code[4] != world:
+        return f"{describe(code)}: the list has {code[4]} tensors, {world} ranks need {world}"
+    if name in ("reduce_scatter_tensor", "all_gather_into_tensor"):
+        numel = 1
+        for d in code[6:6 + code[5]]:
+            numel *= d
+        out = code[_OUT]
+        ok = numel == out * world if name == "reduce_scatter_tensor" else out == numel * world
+        if not ok:
+            return (f"{describe(code)}: input of {numel} and output of {out} elements do not fit "
+                    f"{world} ranks")
+    return None
+
+
+def _compare(name: str, code: list[int], root: int) -> None:
+    """Exchange descriptors on the side group; raise on every rank if they differ."""
+    __tracebackhide__ = True  # read by IPython: the error, not this frame, is the news
+    mine = torch.tensor(code, dtype=torch.int64)
+    if name in ("send", "recv"):  # the pair: the receiver compares and answers the sender
+        verdict = torch.zeros(1, dtype=torch.int64)
+        if name == "send":
+            c10d.send(mine, root, group=_STATE.side)
+            c10d.recv(verdict, root, group=_STATE.side)
+            theirs = torch.zeros(_WIDTH, dtype=torch.int64)
+            if verdict.item():
+                c10d.recv(theirs, root, group=_STATE.side)
+            codes = {dist.get_rank(): code, root: theirs.tolist()} if verdict.item() else {}
+        else:
+            theirs = torch.zeros(_WIDTH, dtype=torch.int64)
+            c10d.recv(theirs, root, group=_STATE.side)
+            sent = theirs.tolist()  # dtype and shape must agree, the peers are each other
+            bad = [sent[2], *sent[5:6 + _MAX_NDIM]] != [code[2], *code[5:6 + _MAX_NDIM]]
+            c10d.send(torch.tensor([int(bad)]), root, group=_STATE.side)
+            if bad:
+                c10d.send(mine, root, group=_STATE.side)
+            codes = {root: theirs.tolist(), dist.get_rank(): code} if bad else {}
+    else:
+        gathered = [torch.zeros(_WIDTH, dtype=torch.int64) for _ in range(dist.get_world_size())]
+        c10d.all_gather(gathered, mine, group=_STATE.side)
+        rows = [g.tolist() for g in gathered]
+        wrong = {r: problem(row, len(rows), r) for r, row in enumerate(rows)}
+        wrong = {r: text for r, text in wrong.items() if text}
+        if wrong:
+            raise CollectiveMismatchError(f"collective #{code[0]}: " + "; ".join(
+                f"rank {r}: {text}" for r, text in wrong.items()), wrong)
+        codes = {} if all(r[1:] == rows[0][1:] for r in rows) else dict(enumerate(rows))
+    if codes:
+        calls = {r: describe(c) for r, c in sorted(codes.items())}
+        what = "the send/recv pair" if name in ("send", "recv") else f"collective #{code[0]}"
+        raise CollectiveMismatchError(f"{what} does not match across ranks: "
+                                      + "; ".join(f"rank {r}: {c}" for r, c in calls.items()), calls)
+
+
+def _checked(fn, name: str):
+    @functools.wraps(fn)
+    def checked(*args, **kwargs):
+        __tracebackhide__ = True  # IPython leaves this frame out of a rank's traceback
+        group = kwargs.get("group")
+        if not dist.is_initialized() or (group is not None and group is not dist.group.WORLD):
+            return fn(*args, **kwargs)  # sub-groups are not compared (see the module docstring)
+        _STATE.seq += 1
+        code = _descriptor(name, args, kwargs)
+        entry = {"group": _STATE.generation, "seq": code[0], "op": name, "what": describe(code), "state": "started", "t": time.time()}
+        _STATE.record.append(entry)
+        try:
+            if _STATE.enabled:
+                me = dist.get_rank()
+                alone = problem(code, dist.get_world_size(), me) if name in ("send", "recv") else None
+                if alone:  # no exchange: the peer may not exist
+                    raise CollectiveMismatchError(f"rank {me}: {alone}", {me: alone})
+                if _STATE.side is not None:
+                    _compare(name, code, code[3])
+            result = fn(*args, **kwargs)
+        except BaseException as e:
+            entry["state"] = f"failed: {type(e).__name__}"
+            raise
+        entry["state"] = "done"
+        return result
+    return checked
