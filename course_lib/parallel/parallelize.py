@@ -47,7 +47,9 @@ def parallelize(model: nn.Module, make_optimizer: OptimizerFactory, dp_strategy:
     builds the grid's ModelParallel when tp, pp or cp > 1; True also for data parallelism alone
     (to measure a dp-only layout like the others: its per-stage figures, activation peak)."""
     # 0. data parallelism alone: the whole model, one wrapper
-    if not (tp * pp * cp > 1 if model_parallel is None else model_parallel):
+    if model_parallel is None:
+        model_parallel = tp * pp * cp > 1
+    if not model_parallel:
         return build_strategy(dp_strategy, model, make_optimizer, **dp_options)
     if dp_strategy not in registry.DP_FLAVOURS:
         raise ValueError(f"with tp/pp/cp the data-parallel strategy must be one of {', '.join(registry.DP_FLAVOURS)}, "
