@@ -3,7 +3,7 @@
 Every way of cutting the Shakespeare CPU model (the ``shakespeare_char_cpu`` preset: 4 layers,
 n_embd 128, 4 heads, block 64, vocabulary 65) over 4 and 8 gloo ranks on this machine: data,
 tensor (+ sequence), pipeline and context parallelism and their combinations, trained by
-:class:`course_lib.parallel.model_parallel.ModelParallel`. Strong scaling: every layout trains the
+:func:`course_lib.parallel.parallelize.parallelize`. Strong scaling: every layout trains the
 same global batch per step (``--micro`` micro-batches of ``--batch`` sequences, split over dp),
 so the rows compare directly. Per layout (medians over ``--iters`` steps after one warm-up step):
 
@@ -40,16 +40,15 @@ LAYOUTS = {  # name -> (dp, tp, pp, cp, sequence_parallel)
 def worker(rank: int, world_size: int, lay: tuple, args) -> dict:
     from course_lib.gpt.config import TrainConfig
     from course_lib.gpt.model import GPT, GPTConfig
-    from course_lib.parallel.model_parallel import ModelParallel
-    from course_lib.parallel.process_groups import ProcessGroupGrid
+    from course_lib.parallel.parallelize import parallelize
     from course_lib.parallel.step import train_step
     from course_lib.trainer.run import optimizer_factory
 
     dp, tp, pp, cp, sp = lay
-    grid = ProcessGroupGrid(dp=dp, tp=tp, pp=pp, cp=cp)
     cfg = GPTConfig(block_size=64, vocab_size=65, n_layer=4, n_head=4, n_embd=128, dropout=0.0, bias=False)
     torch.manual_seed(0)
-    strategy = ModelParallel(GPT(cfg), optimizer_factory(TrainConfig()), grid, args.strategy, sp, args.schedule)
+    strategy = parallelize(GPT(cfg), optimizer_factory(TrainConfig()), args.strategy, tp=tp, pp=pp, cp=cp,
+                           sequence_parallel=sp, pp_schedule=args.schedule, model_parallel=True)  # dp-only measured alike
     g = torch.Generator().manual_seed(1)
     b = args.batch // dp
     times, figures, fig = [], [], {}

@@ -52,7 +52,7 @@ def test_bucket_model_matches_the_implementation_and_the_cost_model():
     from course_lib.analysis.comm_cost import collective_time
     from course_lib.experiments.data_parallel_check import allreduce_seconds, bucket_sizes
     from course_lib.gpt.model import GPT, GPTConfig
-    from course_lib.parallel.data_parallel import DataParallelBucket
+    from course_lib.parallel.data.ddp import DataParallelBucket
     from course_lib.utils import free_port
 
     model = GPT(GPTConfig(**SMALL_GPT))

@@ -167,8 +167,8 @@ def test_p2p_only_refuses_the_courses_own_ring_however_imported():
     import torch
 
     from course_lib.exercises.grading import p2p_only
-    from course_lib.parallel import ring
-    from course_lib.parallel.ring import ring_all_reduce as copied  # a student's `from ... import`
+    from course_lib.parallel.data import ring
+    from course_lib.parallel.data.ring import ring_all_reduce as copied  # a student's `from ... import`
 
     with p2p_only(), pytest.raises(RuntimeError, match="course's own ring all-reduce"):
         copied(torch.zeros(4))

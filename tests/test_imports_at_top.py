@@ -67,7 +67,7 @@ def test_the_check_sees_an_unexplained_import(tmp_path):
         "def f():\n"
         "    # torch here: `course --help` must not import it\n"
         "    import torch\n\n"
-        "    from course_lib.parallel import ring\n"  # the same block: explained by the comment above
+        "    from course_lib.parallel.data import ring\n"  # the same block: explained by the comment above
         "    return torch, ring\n\n\n"
         "def g():\n"
         "    import pandas as pd  # optional here\n"

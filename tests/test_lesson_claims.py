@@ -35,10 +35,10 @@ from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.hardware import PROFILES
 from course_lib.launch.spawn import run_ranks
 from course_lib.parallel.comms import Comms
-from course_lib.parallel.context_parallel import cp_split, ring_attention
+from course_lib.parallel.context.ring_attention import cp_split, ring_attention
 from course_lib.parallel.gpt_parallel import GPTStage
-from course_lib.parallel.pipeline_parallel import Pipeline, mlp_stage
-from course_lib.parallel.tensor_parallel import tensor_parallel_gpt
+from course_lib.parallel.pipeline.schedules import Pipeline, mlp_stage
+from course_lib.parallel.tensor.layers import tensor_parallel_gpt
 from course_lib.parallel.toy import ToyMLP, toy_batch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -202,7 +202,7 @@ def test_notebooks_take_show_source_from_the_library(monkeypatch):
     monkeypatch.setattr(IPython.display, "display", shown.append)
     show_source(ring_attention)
     (code,) = shown
-    assert code.data.startswith("def ring_attention(") and "_RingShift.apply" in code.data
+    assert code.data.startswith("def ring_attention(") and "ring_shift(kv, comms)" in code.data
     users = []
     for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
         for cell in json.loads(path.read_text())["cells"]:

@@ -25,7 +25,7 @@ ALLOWED = {
     ("course_lib/parallel/strategy.py", "step"): "Strategy.step: the optimizer step the one step calls",
     ("course_lib/parallel/model_parallel.py", "finish_grads"): "ModelParallel delegates to its dp strategy",
     ("course_lib/parallel/model_parallel.py", "step"): "ModelParallel delegates to its dp strategy",
-    ("course_lib/parallel/pipeline_parallel.py", "train_step"):
+    ("course_lib/parallel/pipeline/schedules.py", "train_step"):
         "the pipeline schedule: backward of each micro-batch on each stage (ModelParallel.forward_backward)",
     ("course_lib/pram/kernels_backward.py", "*"): "PyTorch's autograd as the reference of the PRAM kernels",
     ("course_lib/experiments/gpu_check_course.py", "*"): "one tiny backward to start autograd's threads",

@@ -3,7 +3,7 @@ together, equal one process on real gloo ranks.
 
 Pieces first: the vocab-parallel cross-entropy (Megatron-LM, Shoeybi et al. 2019) against
 F.cross_entropy, ring attention with zigzag chunks (Liu et al. 2023) against causal SDPA, values and
-gradients. Then :class:`ModelParallel` trains a tiny GPT (n_layer 2, n_embd 32, n_head 4, block 16,
+gradients. Then :func:`parallelize` (its ModelParallel) trains a tiny GPT (n_layer 2, n_embd 32, n_head 4, block 16,
 vocab 64) under several layouts; in float64 its losses, parameters and AdamW states after 3 steps
 must equal a single process that sees the same global batch (ZeRO keeps an fp32 master copy, so its
 layouts run in fp32). Its full state dict is the single process's, and loads into another layout.
@@ -25,12 +25,11 @@ from course_lib.gpt.config import TrainConfig
 from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.launch.spawn import run_ranks
 from course_lib.parallel.comms import Comms
-from course_lib.parallel.context_parallel import cp_positions, cp_split, ring_attention
+from course_lib.parallel.context.ring_attention import cp_positions, cp_split, ring_attention
 from course_lib.parallel.gpt_parallel import shard, shard_spec, unshard
-from course_lib.parallel.model_parallel import ModelParallel
-from course_lib.parallel.process_groups import ProcessGroupGrid
+from course_lib.parallel.parallelize import parallelize
 from course_lib.parallel.step import train_step
-from course_lib.parallel.vocab_parallel import vocab_parallel_cross_entropy, vocab_range
+from course_lib.parallel.tensor.vocab import vocab_parallel_cross_entropy, vocab_range
 from course_lib.trainer.run import optimizer_factory
 
 CFG = GPTConfig(block_size=16, vocab_size=65, n_layer=2, n_head=4, n_embd=32, bias=True)
@@ -70,10 +69,11 @@ def reference(dp: int, dtype, steps: int = STEPS, start: dict | None = None):
 
 def train_layout(layout: dict, dtype, steps: int = STEPS, start: dict | None = None):
     """Every rank: build the grid and the strategy, train ``steps``; (losses, full state, stats)."""
-    grid = ProcessGroupGrid(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"], cp=layout["cp"])
     torch.manual_seed(0)
-    strategy = ModelParallel(GPT(CFG).to(dtype), optimizer_factory(TRAIN), grid, layout["strategy"],
-                             layout["sp"], layout["schedule"])
+    strategy = parallelize(GPT(CFG).to(dtype), optimizer_factory(TRAIN), layout["strategy"], tp=layout["tp"],
+                           pp=layout["pp"], cp=layout["cp"], sequence_parallel=layout["sp"], pp_schedule=layout["schedule"])
+    grid = strategy.grid
+    assert grid.dp_world_size == layout["dp"]
     if start is not None:
         strategy.load_state_dict(start)
     losses, figures = [], {}
@@ -237,9 +237,9 @@ ACT_CFG = GPTConfig(block_size=64, vocab_size=65, n_layer=2, n_head=4, n_embd=64
 def activations_worker(rank: int, world_size: int, cases: list) -> list[int]:
     out = []
     for tp, pp, sp, schedule, micro in cases:
-        grid = ProcessGroupGrid(dp=world_size // (tp * pp), tp=tp, pp=pp)
         torch.manual_seed(0)
-        strategy = ModelParallel(GPT(ACT_CFG), optimizer_factory(TRAIN), grid, "ddp", sp, schedule)
+        strategy = parallelize(GPT(ACT_CFG), optimizer_factory(TRAIN), "ddp", tp=tp, pp=pp, sequence_parallel=sp,
+                               pp_schedule=schedule, model_parallel=True)
         x = torch.randint(0, ACT_CFG.vocab_size, (micro, 8, ACT_CFG.block_size), generator=torch.Generator().manual_seed(0))
         strategy.forward_backward(x, x)
         strategy.zero_grad()

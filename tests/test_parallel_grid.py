@@ -11,14 +11,14 @@ import torch.distributed as dist
 
 from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.launch.spawn import run_ranks
-from course_lib.parallel.data_parallel import DataParallelBucket
+from course_lib.parallel.data.ddp import DataParallelBucket
 from course_lib.parallel.process_groups import (
     ProcessGroupGrid,
     check_grid,
     grid_coords,
     group_ranks,
 )
-from course_lib.parallel.tensor_parallel import tensor_parallel_gpt
+from course_lib.parallel.tensor.layers import tensor_parallel_gpt
 from course_lib.parallel.toy import adamw
 
 GRIDS = [(2, 2, 1), (1, 2, 2), (2, 1, 2), (4, 1, 1), (1, 1, 4)]

@@ -18,7 +18,7 @@ import torch
 from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.launch.spawn import run_ranks
 from course_lib.parallel.comms import Comms
-from course_lib.parallel.pipeline_parallel import (
+from course_lib.parallel.pipeline.schedules import (
     SCHEDULES,
     Pipeline,
     gpt_stage,

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from course_lib.gpt.model import GPT, MLP, GPTConfig
 from course_lib.launch.spawn import run_ranks
 from course_lib.parallel.comms import Comms
-from course_lib.parallel.tensor_parallel import (
+from course_lib.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     TensorParallelMLP,

@@ -50,7 +50,7 @@ def fsdp_vs_pytorch_worker(rank: int, world_size: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from course_lib.parallel.zero3 import FullyShardedDataParallel
+    from course_lib.parallel.zero.zero3 import FullyShardedDataParallel
 
     ours = FullyShardedDataParallel(toy(), compute_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     names = [n for n, _ in ours.named_parameters()]
@@ -97,8 +97,8 @@ def grad_convention_worker(rank: int, world_size: int) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from course_lib.parallel.comms import Comms
-    from course_lib.parallel.sharding import gather_full
-    from course_lib.parallel.zero3 import FullyShardedDataParallel
+    from course_lib.parallel.zero.sharding import gather_full
+    from course_lib.parallel.zero.zero3 import FullyShardedDataParallel
 
     x, y = toy_batch(B * world_size, seed=7)
     reference = toy()  # one process, the whole batch
@@ -146,7 +146,7 @@ def test_the_modules_parameters_are_the_shards_and_carry_the_gradients_as_in_fsd
 
 def sharded_optimizer_bf16_worker(rank: int, world_size: int) -> dict:
     """ZeRO-1 and -2 on a bf16 model against data parallelism with an fp32 master copy by hand."""
-    from course_lib.parallel.zero import ShardedOptimizer
+    from course_lib.parallel.zero.zero12 import ShardedOptimizer
 
     out = {}
     for stage in (1, 2):
@@ -276,7 +276,7 @@ def test_freeing_gradient_buckets_lowers_peak_gradient_memory():
 def prefetch_run(prefetch: int, rank: int, world_size: int) -> dict:
     """Train with ``prefetch``; record, when each unit starts computing (forward and backward),
     whether the next unit's all-gather was already issued, and how many units were whole."""
-    from course_lib.parallel.zero3 import FullyShardedDataParallel
+    from course_lib.parallel.zero.zero3 import FullyShardedDataParallel
 
     torch.manual_seed(0)
     model = FullyShardedDataParallel(ToyMLP(width=64, n_layers=5), prefetch=prefetch)

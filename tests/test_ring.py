@@ -8,7 +8,7 @@ import torch
 
 from course_lib.launch.spawn import run_ranks
 from course_lib.notebook.rank_tables import BufferSteps
-from course_lib.parallel.ring import chunk_indices, ring_all_reduce, ring_chunks, ring_step
+from course_lib.parallel.data.ring import chunk_indices, ring_all_reduce, ring_chunks, ring_step
 
 
 def _data(rank: int, n: int) -> torch.Tensor:

@@ -32,7 +32,7 @@ def stage_params(n_layer: int, n_embd: int, vocab_size: int, block_size: int, bi
     """Parameters a rank holds, split into "sharded" (divided over tp) and "replicated" (the
     same on every tp rank), for stage ``pp_rank`` of ``pp`` with n_layer / pp layers."""
     h, L = n_embd, n_layer // pp
-    vocab_size = -(-vocab_size // tp) * tp  # padded to a multiple of tp (course_lib.parallel.vocab_parallel)
+    vocab_size = -(-vocab_size // tp) * tp  # padded to a multiple of tp (course_lib.parallel.tensor.vocab)
     sharded = L * (12 * h * h + (7 * h if bias else 0)) // tp  # c_attn, c_fc (with biases), both c_proj
     replicated = L * (6 * h if bias else 2 * h)  # 2 LayerNorms (gains, biases) and the row-parallel biases
     if pp_rank == 0:
@@ -50,7 +50,7 @@ def sent_bytes_per_step(n_layer: int, n_embd: int, vocab_size: int, block_size: 
                         bytes_per_value: int = 4, zero_stage: int = 0, n_tensors: int = 0) -> dict[str, float]:
     """Bytes this rank sends per optimizer step in each group (module docstring). ``n_tensors``:
     the stage's parameter tensors; our DDP sends one presence flag per tensor with the gradients
-    (so ranks agree which parameters got a gradient anywhere: parallel/data_parallel.py). ``zero_stage``
+    (so ranks agree which parameters got a gradient anywhere: parallel/data/ddp.py). ``zero_stage``
     1 or 2: the optimizer holds gradient shards, so the sp and tied-gradient exchanges move
     1/(dp cp) of them. Stage 2 sends what stage 1 does: under gradient accumulation its ``no_sync``
     keeps the micro-batches' gradients and reduce-scatters once, on the last one (as FSDP's no_sync)."""

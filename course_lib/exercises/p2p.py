@@ -21,7 +21,7 @@ COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_in
 
 def _refuse_own_ring(*args, **kwargs):
     # Only literals and builtins: this code object runs with the globals of the function it replaces.
-    raise RuntimeError("the course's own ring all-reduce (course_lib.parallel.ring) is not allowed "
+    raise RuntimeError("the course's own ring all-reduce (course_lib.parallel.data.ring) is not allowed "
                        "here: write the ring yourself")
 
 
@@ -38,13 +38,13 @@ class Sent:
 def p2p_only():
     """Inside, this rank may only use point-to-point sends and receives: the library collectives
     raise, and ``send``/``isend`` (also through ``batch_isend_irecv``) are counted in the
-    yielded :class:`Sent`. The course's own ring (lesson 02's :mod:`course_lib.parallel.ring`)
+    yielded :class:`Sent`. The course's own ring (lesson 02's :mod:`course_lib.parallel.data.ring`)
     raises too, however it was imported (its code is swapped). Restores everything on exit."""
     # torch when the block runs: exercises.grading loads this module on import, torch-free
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    from course_lib.parallel import ring
+    from course_lib.parallel.data import ring
 
     own = [(f, f.__code__) for f in (ring.ring_all_reduce, ring.ring_step)]
 

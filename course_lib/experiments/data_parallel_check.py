@@ -31,7 +31,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from course_lib.analysis.comm_cost import collective_time
 from course_lib.gpt.model import GPT, GPTConfig
-from course_lib.parallel.buckets import bucket_indices
+from course_lib.parallel.data.buckets import bucket_indices
 from course_lib.parallel.step import train_step
 from course_lib.parallel.strategy import build_strategy
 
@@ -155,7 +155,7 @@ def compare_with_single_process(variants: dict[str, tuple[str, dict]] = VARIANTS
 
 def bucket_sizes(tensor_bytes, cap_bytes: float, first_cap_bytes: float | None = None) -> list[int]:
     """Pack tensors (given in backward order) into buckets the way DataParallelBucket does
-    (:func:`course_lib.parallel.buckets.bucket_indices`): bytes per bucket."""
+    (:func:`course_lib.parallel.data.buckets.bucket_indices`): bytes per bucket."""
     sizes = list(tensor_bytes)
     return [sum(sizes[i] for i in group) for group in bucket_indices(sizes, cap_bytes, first_cap_bytes)]
 

@@ -35,7 +35,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.distributed.fsdp import fully_shard
 
 from course_lib.parallel.comms import VOLUME_FACTOR
-from course_lib.parallel.units import default_units
+from course_lib.parallel.zero.units import default_units
 
 # Fabric's names for what this module builds; "fsdp2" is ModelParallelStrategy with fully_shard.
 FABRIC_STRATEGIES = ("single", "ddp", "fsdp2")
@@ -55,7 +55,7 @@ def fabric_package():
 
 def fsdp2_parallelize(units: Callable | None = None) -> Callable:
     """A ``parallelize_fn`` for Fabric's ``ModelParallelStrategy``: FSDP2's ``fully_shard`` on the
-    same units as the course's ZeRO-3 (:func:`course_lib.parallel.units.default_units`: each
+    same units as the course's ZeRO-3 (:func:`course_lib.parallel.zero.units.default_units`: each
     transformer block), then on the whole model, over the mesh's data-parallel dimension."""
     def parallelize(model: torch.nn.Module, mesh) -> torch.nn.Module:
         dp_mesh = mesh["data_parallel"]

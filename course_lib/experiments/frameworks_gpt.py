@@ -8,10 +8,10 @@ one process step by step, with bytes per rank and bytes communicated beside the 
 
 Runs (the same global batch every step, each rank its half):
 
-    course ddp          course_lib.parallel.data_parallel.DDP (our buckets and hooks)
+    course ddp          course_lib.parallel.data.ddp.DDP (our buckets and hooks)
     torch ddp           torch.nn.parallel.DistributedDataParallel (the course's torch_ddp strategy)
     fabric ddp          Fabric's DDPStrategy, i.e. DistributedDataParallel set up by Lightning
-    course zero3        course_lib.parallel.zero3 (our ZeRO-3 / FSDP)
+    course zero3        course_lib.parallel.zero.zero3 (our ZeRO-3 / FSDP)
     fabric fsdp2        Fabric's ModelParallelStrategy with FSDP2's fully_shard on each block
 
 and the reference: one process, the whole global batch per step (the course's ``single``).

@@ -10,8 +10,8 @@ gradients into buckets of ``bucket_cap_mb`` in backward order; a bucket's all-re
 soon as its last gradient is ready. Read here: the bucket sizes DDP logs
 (``_get_ddp_logging_data``), the buckets as they are all-reduced (a communication hook receives
 each ``GradBucket``: its index, its parameters, the time since backward began), the reducer's
-hook entry points; beside them the course's rule (:func:`course_lib.parallel.buckets.bucket_indices`)
-on the same tensors, which ``course_lib.parallel.data_parallel.DataParallelBucket`` applies from
+hook entry points; beside them the course's rule (:func:`course_lib.parallel.data.buckets.bucket_indices`)
+on the same tensors, which ``course_lib.parallel.data.ddp.DataParallelBucket`` applies from
 ``register_post_accumulate_grad_hook``.
 
 FSDP2 (``torch.distributed.fsdp.fully_shard``, PyTorch docs): every parameter becomes a ``DTensor``
@@ -19,7 +19,7 @@ sharded on dim 0 over the data-parallel mesh; before a unit's forward (and again
 backward) its parameters are all-gathered, after it they are freed again, and after its backward
 its gradients are reduce-scattered. Read here: each parameter's full and local shape and
 placement, and the sequence of unit forwards/backwards and collectives of one step, beside the
-course's ZeRO-3 (``course_lib.parallel.zero3.FullyShardedDataParallel._pre_forward`` / ``_pre_backward``).
+course's ZeRO-3 (``course_lib.parallel.zero.zero3.FullyShardedDataParallel._pre_forward`` / ``_pre_backward``).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from course_lib.experiments.frameworks_fabric import (
 from course_lib.experiments.frameworks_gpt import SMALL, adamw_with_lr
 from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.hardware import MiB
-from course_lib.parallel.buckets import bucket_indices
-from course_lib.parallel.units import default_units
+from course_lib.parallel.data.buckets import bucket_indices
+from course_lib.parallel.zero.units import default_units
 
 
 def _batch(cfg: GPTConfig, rank: int, batch: int = 2, seed: int = 0):
@@ -83,7 +83,7 @@ def ddp_inside(rank: int, world: int, bucket_cap_mb: float = 0.05, gpt: dict | N
         per_step.append(list(seen))
         logged[f"after step {len(per_step)}"] = ddp._get_ddp_logging_data()["bucket_sizes"]
     params = [p for p in ddp.module.parameters() if p.requires_grad]
-    backward_order = params[::-1]  # the reverse of definition order (parallel/buckets.py)
+    backward_order = params[::-1]  # the reverse of definition order (parallel/data/buckets.py)
     sizes = [p.numel() * p.element_size() for p in backward_order]
     first_cap = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", None)
     course = bucket_indices(sizes, bucket_cap_mb * MiB, first_cap)

@@ -27,20 +27,19 @@ from course_lib.experiments.profiling import LABELS, _events, labelled
 from course_lib.experiments.step_intervals import STEP, classify_events
 from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.launch.spawn import run_ranks
-from course_lib.parallel.model_parallel import ModelParallel
-from course_lib.parallel.process_groups import ProcessGroupGrid
+from course_lib.parallel.parallelize import parallelize
 from course_lib.parallel.step import train_step
 
 
 def profile_layout_worker(rank: int, world_size: int, spec: dict) -> dict:
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's library is quiet
     lay = spec["layout"]
-    grid = ProcessGroupGrid(dp=world_size // (lay["tp"] * lay["pp"] * lay["cp"]), tp=lay["tp"], pp=lay["pp"],
-                            cp=lay["cp"])
     torch.manual_seed(0)
     cfg = GPTConfig(**spec["gpt"])
-    strategy = ModelParallel(GPT(cfg), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4), grid,
-                             spec["strategy"], lay["sequence_parallel"], lay["pp_schedule"])
+    strategy = parallelize(GPT(cfg), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4), spec["strategy"],
+                           tp=lay["tp"], pp=lay["pp"], cp=lay["cp"], sequence_parallel=lay["sequence_parallel"],
+                           pp_schedule=lay["pp_schedule"], model_parallel=True)
+    grid = strategy.grid
     gen = torch.Generator().manual_seed(1 + grid.dp_rank)  # one batch per dp rank, shared by its tp/pp/cp ranks
     x = torch.randint(cfg.vocab_size, (spec["grad_accum"], spec["batch_size"], cfg.block_size), generator=gen)
 

@@ -10,7 +10,7 @@ process computing the same thing.
   from rank i-1 and sends the result on. Memory per rank 1/N of W, but the ranks work one after
   the other (this is what pipeline parallelism then fills with micro-batches).
 * The same product with all ranks working at once and one all-reduce
-  (:func:`course_lib.parallel.tensor_parallel.split_matmul_example`): tensor parallelism.
+  (:func:`course_lib.parallel.tensor.layers.split_matmul_example`): tensor parallelism.
   :func:`compare_split_weights` runs both and compares them with x @ W on one process.
 * :func:`compare_tensor_parallel`: Megatron's MLP and a whole GPT split over the ranks, against the
   unsplit model: same outputs and gradients, 1/N of the big matrices per rank, and the number of
@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.parallel.comms import Comms
-from course_lib.parallel.pipeline_parallel import Pipeline, gpt_stage
-from course_lib.parallel.tensor_parallel import TensorParallelMLP, split_matmul_example, tensor_parallel_gpt
+from course_lib.parallel.pipeline.schedules import Pipeline, gpt_stage
+from course_lib.parallel.tensor.layers import TensorParallelMLP, split_matmul_example, tensor_parallel_gpt
 
 
 def chain_matmul(x: torch.Tensor, W: torch.Tensor, comms: Comms) -> torch.Tensor:

@@ -12,7 +12,7 @@
 Megatron-LM's MLP split (Shoeybi et al. 2019, Sec. 3, Figure 3a): c_fc, A (C -> 4C), is split by
 columns, so rank i computes GELU(x A_i) with no communication; c_proj, B (4C -> C), by rows, so
 rank i's product GELU(x A_i) B_i is only a part of the output, and one all-reduce (g) sums the
-parts. The layer is :class:`course_lib.parallel.tensor_parallel.TensorParallelMLP`, the one the
+parts. The layer is :class:`course_lib.parallel.tensor.layers.TensorParallelMLP`, the one the
 course's tensor-parallel GPT uses.
 """
 
@@ -23,7 +23,7 @@ from torch import nn
 
 from course_lib.gpt.model import MLP, GPTConfig
 from course_lib.parallel.comms import Comms
-from course_lib.parallel.tensor_parallel import TensorParallelMLP
+from course_lib.parallel.tensor.layers import TensorParallelMLP
 
 
 def dense_mlp(n_embd: int, seed: int = 0) -> MLP:

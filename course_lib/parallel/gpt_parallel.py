@@ -6,12 +6,12 @@ tensor-, sequence- and context-parallel blocks.
 * pp: blocks ``split_layers(n_layer, pp)[pp_rank]``; the embeddings on the first stage, ``ln_f``
   and the LM head on the last (with pp > 1 the last stage keeps its own copy of the tied weight).
 * tp (Megatron-LM, Shoeybi et al. 2019): attention heads and MLP columns split
-  (:mod:`~course_lib.parallel.tensor_parallel`), the tied wte / lm_head split by vocabulary and the
-  loss computed on the split logits (:mod:`~course_lib.parallel.vocab_parallel`).
+  (:mod:`~course_lib.parallel.tensor.layers`), the tied wte / lm_head split by vocabulary and the
+  loss computed on the split logits (:mod:`~course_lib.parallel.tensor.vocab`).
 * sp (Korthikanti et al. 2022): the residual stream between the parallel linears is (B, T/tp, C)
-  (:mod:`~course_lib.parallel.sequence_parallel`); what passes between stages is that too.
+  (:mod:`~course_lib.parallel.tensor.comms`); what passes between stages is that too.
 * cp: this rank's two zigzag chunks of every sequence, (B, T/cp) tokens, attention by ring
-  (:mod:`~course_lib.parallel.context_parallel`); position embeddings at the chunks' positions.
+  (:mod:`~course_lib.parallel.context.ring_attention`); position embeddings at the chunks' positions.
 
 Parameter names are the full model's (``transformer.h.3.attn.c_attn.weight``), so a full state
 dict maps to a stage by name: :func:`shard_spec` says how each tensor is split over tp, and
@@ -25,11 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib.parallel.comms import Comms
-from course_lib.parallel.context_parallel import cp_positions, ring_attention
-from course_lib.parallel.pipeline_parallel import split_layers
-from course_lib.parallel.sequence_parallel import gather_seq, seq_slice
-from course_lib.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, copy_to_tp, divide
-from course_lib.parallel.vocab_parallel import (
+from course_lib.parallel.context.ring_attention import cp_positions, ring_attention
+from course_lib.parallel.pipeline.schedules import split_layers
+from course_lib.parallel.tensor.comms import copy_to_tp, gather_seq, seq_slice
+from course_lib.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, divide
+from course_lib.parallel.tensor.vocab import (
     VocabParallelEmbedding,
     padded_vocab_size,
     vocab_parallel_cross_entropy,

@@ -1,7 +1,8 @@
 """Every parallelism at once: the Strategy that trains a :class:`~course_lib.parallel.gpt_parallel.GPTStage`
 on the dp x pp x cp x tp grid (the "4D parallelism" of Megatron-LM and picotron).
 
-One training step, on every rank::
+It is built by :func:`course_lib.parallel.parallelize.parallelize`, which applies tp/sp, pp, cp
+and then dp/ZeRO in one documented order. One training step, on every rank::
 
     x, y (accum, B, T): this dp rank's samples   -> this cp rank's chunks (accum, B, T/cp)
     forward_backward (Pipeline.train_step): the accum micro-batches through the pp stages (AFAB or 1F1B);
@@ -34,42 +35,35 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib import registry
 from course_lib.gpt.model import GPT
 from course_lib.parallel.comms import Comms
-from course_lib.parallel.context_parallel import cp_split
+from course_lib.parallel.context.ring_attention import cp_split
 from course_lib.parallel.footprint import measure_model_states, peak
 from course_lib.parallel.gpt_parallel import GPTStage, shard_named, shard_spec, unshard_named
-from course_lib.parallel.pipeline_parallel import Pipeline
+from course_lib.parallel.pipeline.comms import exchange_tied_grad
+from course_lib.parallel.pipeline.schedules import Pipeline
 from course_lib.parallel.process_groups import ProcessGroupGrid
 from course_lib.parallel.step import Precision, no_phase
-from course_lib.parallel.strategy import Strategy, build_strategy
+from course_lib.parallel.strategy import Strategy
 
 
 class ModelParallel(Strategy):
     name = "model_parallel"
 
-    def __init__(self, model: nn.Module, make_optimizer, grid: ProcessGroupGrid, dp_strategy: str = "ddp",
-                 sequence_parallel: bool = False, pp_schedule: str = "1f1b"):
-        if dp_strategy not in registry.DP_FLAVOURS:
-            raise ValueError(f"with tp/pp/cp the data-parallel strategy must be one of {', '.join(registry.DP_FLAVOURS)}, "
-                             f"got {dp_strategy!r}")
-        self.grid, self.cfg, self.make_optimizer = grid, model.config, make_optimizer
-        self.comms = {"tp": grid.tp_comms, "sp": Comms(grid.tp_group), "cp": grid.cp_comms, "pp": grid.pp_comms}
-        stage = GPTStage(model.config, grid.pp_rank, grid.pp_world_size, self.comms, sequence_parallel)
-        p0 = next(model.parameters())
-        stage.to(device=p0.device, dtype=p0.dtype)
-        stage.load_full_state(model.state_dict())
-        if dp_strategy == "single" and grid.dp_world_size * grid.cp_world_size > 1:
-            dp_strategy = "ddp"
-        self.inner = build_strategy(dp_strategy, stage, make_optimizer,
-                                    **({"group": grid.dp_cp_group} if dp_strategy != "single" else {}))
-        self.comms["dp"] = getattr(self.inner, "comms", Comms(grid.dp_cp_group))
-        self.module, self.model, self.optimizer = stage, self.inner.model, self.inner.optimizer
-        self.pipeline = Pipeline(stage, grid.pp_comms, pp_schedule, sum_tied=False)
+    def __init__(self, stage: GPTStage, pipeline: Pipeline, inner: Strategy, grid: ProcessGroupGrid,
+                 comms: dict[str, Comms], make_optimizer):
+        """Built by :func:`course_lib.parallel.parallelize.parallelize` (which applies the
+        parallelisms in order): ``stage`` this rank's part of the GPT, ``pipeline`` its schedule,
+        ``inner`` the data-parallel strategy wrapping the stage over the dp x cp group, ``comms``
+        the "tp", "sp", "cp" and "pp" groups' counters; ``make_optimizer`` builds the trainer's
+        optimizer (for the full checkpoint format)."""
+        self.grid, self.cfg, self.make_optimizer = grid, stage.config, make_optimizer
+        self.comms, self.inner, self.pipeline = comms, inner, pipeline
+        self.comms["dp"] = getattr(inner, "comms", Comms(grid.dp_cp_group))
+        self.module, self.model, self.optimizer = stage, inner.model, inner.optimizer
         self.names = {p: n for n, p in stage.named_parameters()}
         self.group, self.dp_rank, self.dp_world_size = grid.dp_cp_group, grid.dp_rank, grid.dp_world_size
-        self.shards = getattr(self.inner.optimizer, "shards", None)  # ZeRO-1/2: gradients live on fp32 shards
+        self.shards = getattr(inner.optimizer, "shards", None)  # ZeRO-1/2: gradients live on fp32 shards
         self.sharded = self.shards is not None
         self._states_after_backward = None
         self.last_stats, self.last_micro = None, 0  # the last step's PipelineStats (bubble) and m
@@ -113,11 +107,7 @@ class ModelParallel(Strategy):
         if stage.tied is not None:  # first <-> last stage: both get the sum
             mine = self._grad(stage.tied)
             other = 0 if stage.is_last else self.grid.pp_world_size - 1
-            theirs = torch.empty_like(mine)
-            work = self.comms["pp"].isend(mine.contiguous(), other)
-            self.comms["pp"].recv(theirs, other)
-            self.comms["pp"].wait(work)
-            mine.add_(theirs)
+            mine.add_(exchange_tied_grad(self.comms["pp"], mine, other))
         partial = [self._grad(p) for p, n in self.names.items() if stage.sp_partial(n)]
         partial = [t for t in partial if t is not None and t.numel()]
         if partial:  # one message for all of them

@@ -23,10 +23,9 @@ from course_lib.gpt.activation_meter import modelled_bytes
 from course_lib.gpt.config import GRAD_COMM_STRATEGIES, TrainConfig
 from course_lib.gpt.data import TrainBatches, eval_batches, load_meta, load_tokens, model_vocab_size
 from course_lib.gpt.model import GPT, GPTConfig, make_adamw
-from course_lib.parallel.model_parallel import ModelParallel
-from course_lib.parallel.process_groups import ProcessGroupGrid
+from course_lib.parallel.parallelize import parallelize
 from course_lib.parallel.step import Precision
-from course_lib.parallel.strategy import Strategy, build_strategy
+from course_lib.parallel.strategy import Strategy
 from course_lib.trainer.process import Runtime
 
 
@@ -73,11 +72,12 @@ def setup_run(cfg: TrainConfig, rt: Runtime) -> Run:
         model.compile()  # in place: parameter names (and checkpoints) stay those of the plain model
     strategy_name = cfg.resolved_strategy(rt.world_size)
     num_params, flops_per_token = model.num_params(), model.flops_per_token()  # before any wrapper
-    dp_rank, dp_world_size = rt.rank, rt.world_size
-    if cfg.model_parallel_size > 1:  # the dp x pp x cp x tp grid; the strategy is the dp flavour
-        strategy, dp_rank, dp_world_size = _model_parallel(cfg, rt, model, strategy_name)
-    else:
-        strategy = build_strategy(strategy_name, model, optimizer_factory(cfg), **strategy_options(cfg, strategy_name))
+    if cfg.model_parallel_size > 1:
+        cfg.check_layout(rt.world_size)  # ranks = dp x tp x pp x cp (the launcher checked it too)
+    strategy = parallelize(model, optimizer_factory(cfg), strategy_name, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp,
+                           sequence_parallel=cfg.sequence_parallel, pp_schedule=cfg.pp_schedule,
+                           **strategy_options(cfg, strategy_name))
+    dp_rank, dp_world_size = strategy.dp_rank, strategy.dp_world_size
     # every rank of a tp/pp/cp group reads its dp rank's samples (cp ranks cut out their chunks)
     batches = TrainBatches(train_tokens, cfg.batch_size, cfg.block_size, cfg.gradient_accumulation_steps,
                            dp_rank, dp_world_size, cfg.seed, rt.device)
@@ -93,14 +93,6 @@ def setup_run(cfg: TrainConfig, rt: Runtime) -> Run:
     if cfg.init_from == "resume":
         _resume(run)
     return run
-
-
-def _model_parallel(cfg: TrainConfig, rt: Runtime, model: GPT, dp_strategy: str):
-    """The ModelParallel strategy on this rank's place of the grid; (strategy, dp_rank, dp)."""
-    cfg.check_layout(rt.world_size)
-    grid = ProcessGroupGrid(dp=rt.world_size // cfg.model_parallel_size, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp)
-    strategy = ModelParallel(model, optimizer_factory(cfg), grid, dp_strategy, cfg.sequence_parallel, cfg.pp_schedule)
-    return strategy, grid.dp_rank, grid.dp_world_size
 
 
 def _resume(run: Run) -> None:

@@ -11,7 +11,7 @@ def test_three_stages(one_f_one_b, max_in_flight):
     _spec = _iu.find_spec('course_lib.exercises.grading')
     grading = _iu.module_from_spec(_spec)
     _spec.loader.exec_module(grading)
-    from course_lib.parallel.pipeline_parallel import schedule_ops
+    from course_lib.parallel.pipeline.schedules import schedule_ops
 
     def check():
         expected = [('F', 0), ('F', 1), ('F', 2), ('B', 0), ('F', 3), ('B', 1), ('B', 2), ('B', 3)]

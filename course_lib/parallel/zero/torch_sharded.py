@@ -8,7 +8,7 @@
 * ``fsdp_full``: ``reshard_after_forward=True``: parameters freed after forward and gathered
   again for backward: ZeRO stage 3.
 
-Units for FSDP are the same as ours (:func:`course_lib.parallel.units.default_units`, then the
+Units for FSDP are the same as ours (:func:`course_lib.parallel.zero.units.default_units`, then the
 root). ``state_dict()`` returns the full state in the unsharded optimizer's format on every rank
 (like ours), so checkpoints move freely between strategies. ``comm_s`` counts only the waiting
 that is visible from outside these wrappers (their collectives run inside backward and step).
@@ -33,9 +33,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from course_lib.parallel.comms import Comms, broadcast_module
-from course_lib.parallel.sharding import optimizer_kwargs
+from course_lib.parallel.zero.sharding import optimizer_kwargs
 from course_lib.parallel.strategy import Strategy, TorchDDP, model_device
-from course_lib.parallel.units import default_units
+from course_lib.parallel.zero.units import default_units
 
 
 class TorchZero1(TorchDDP):

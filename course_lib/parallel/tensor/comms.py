@@ -1,5 +1,12 @@
-"""Sequence parallelism: the tensor-parallel group also splits the sequence (Korthikanti et al. 2022).
+"""The communication of tensor and sequence parallelism: two pairs of conjugate operators, each
+an autograd Function whose backward is its forward's transpose.
 
+Tensor parallelism (Megatron-LM, Shoeybi et al. 2019, Sec. 3, Figure 3):
+
+    f (copy_to_tp):     forward identity,   backward all-reduce     (before a column-parallel layer)
+    g (reduce_from_tp): forward all-reduce, backward identity       (after a row-parallel layer)
+
+Sequence parallelism: the tensor-parallel group also splits the sequence (Korthikanti et al. 2022).
 Under plain tensor parallelism the LayerNorms, dropouts and residual adds between the parallel
 linears run on the full (B, T, C) activation on every rank: replicated work and replicated
 activation memory. Sequence parallelism shards those regions along T: rank ``tp_rank`` keeps
@@ -22,6 +29,43 @@ from __future__ import annotations
 import torch
 
 from course_lib.parallel.comms import Comms
+
+
+class _CopyToTP(torch.autograd.Function):
+    """f: forward identity; backward all-reduce (each rank's input gradient is a partial sum)."""
+
+    @staticmethod
+    def forward(ctx, x, comms):
+        ctx.comms = comms
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        ctx.comms.all_reduce(grad)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """g: forward all-reduce (sum the partial products); backward identity."""
+
+    @staticmethod
+    def forward(ctx, x, comms):
+        x = x.contiguous().clone()
+        comms.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def copy_to_tp(x: torch.Tensor, comms: Comms) -> torch.Tensor:
+    return _CopyToTP.apply(x, comms)
+
+
+def reduce_from_tp(x: torch.Tensor, comms: Comms) -> torch.Tensor:
+    return _ReduceFromTP.apply(x, comms)
 
 
 def _gather_seq(x: torch.Tensor, comms: Comms) -> torch.Tensor:

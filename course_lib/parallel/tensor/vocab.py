@@ -31,8 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib.parallel.comms import Comms
-from course_lib.parallel.sequence_parallel import reduce_scatter_seq
-from course_lib.parallel.tensor_parallel import reduce_from_tp
+from course_lib.parallel.tensor.comms import reduce_from_tp, reduce_scatter_seq
 
 
 def padded_vocab_size(vocab_size: int, tp_world_size: int) -> int:

@@ -23,7 +23,7 @@ time (seconds computing vs seconds per step; waits include the OS scheduling the
 
 Tied weights across stages (GPT's wte on the first stage, lm_head on the last): each stage keeps
 a copy; after backward the two gradients are exchanged and summed, as Megatron-LM does with its
-embedding group, so both copies stay equal.
+embedding group, so both copies stay equal. The messages are in :mod:`course_lib.parallel.pipeline.comms`.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib.parallel.comms import Comms
+from course_lib.parallel.pipeline.comms import exchange_tied_grad, recv_activation, send_activation
 
 SCHEDULES = ("afab", "1f1b")
 FORWARD_TICKS, BACKWARD_TICKS = 1, 2  # backward ~ twice the forward's FLOPs
@@ -199,18 +200,6 @@ class Pipeline:
         self.device = next(stage.parameters()).device  # NCCL sends CUDA tensors only
         self.loss_dtype = torch.promote_types(self.dtype, torch.float32)  # fp32, or fp64 for fp64 models
 
-    def _recv(self, shape, src: int) -> tuple[torch.Tensor, float]:
-        t = torch.empty(shape, dtype=self.dtype, device=self.device)
-        tick = torch.zeros(1, dtype=torch.float64, device=self.device)
-        self.comms.recv(t, src)
-        self.comms.recv(tick, src)
-        return t, tick.item()
-
-    def _send(self, t: torch.Tensor, tick: float, dst: int) -> None:
-        self.sends.append(self.comms.isend(t.contiguous(), dst))
-        self.sends.append(self.comms.isend(
-            torch.tensor([tick], dtype=torch.float64, device=self.device), dst))
-
     def train_step(self, x: torch.Tensor, targets: torch.Tensor, n_micro: int, no_sync=None):
         """Forward and backward of one batch (gradients accumulate in the stage's parameters).
         Returns the batch's mean loss (on every rank) and this rank's :class:`PipelineStats`.
@@ -229,7 +218,8 @@ class Pipeline:
                 if self.is_first:
                     inp = xs[i]
                 else:
-                    inp, ready = self._recv(self.stage.activation_shape(xs[i]), self.pp_rank - 1)
+                    inp, ready = recv_activation(self.comms, self.stage.activation_shape(xs[i]), self.dtype,
+                                                 self.device, self.pp_rank - 1)
                     inp.requires_grad_()
                 t0 = time.perf_counter()
                 with _count_saved(params) as counted:
@@ -243,7 +233,7 @@ class Pipeline:
                 busy_s += time.perf_counter() - t0
                 clock, busy = max(clock, ready) + FORWARD_TICKS, busy + FORWARD_TICKS
                 if not self.is_last:
-                    self._send(out.detach(), clock, self.pp_rank + 1)
+                    self.sends += send_activation(self.comms, out.detach(), clock, self.pp_rank + 1)
                 saved[i] = (inp, out)
                 in_flight += 1
                 peak = max(peak, in_flight)
@@ -251,14 +241,14 @@ class Pipeline:
                 inp, out = saved.pop(i)
                 ready, grad = 0.0, None
                 if not self.is_last:
-                    grad, ready = self._recv(out.shape, self.pp_rank + 1)
+                    grad, ready = recv_activation(self.comms, out.shape, self.dtype, self.device, self.pp_rank + 1)
                 t0 = time.perf_counter()
                 with no_sync() if no_sync is not None and i < n_micro - 1 else contextlib.nullcontext():
                     out.backward(grad)
                 busy_s += time.perf_counter() - t0
                 clock, busy = max(clock, ready) + BACKWARD_TICKS, busy + BACKWARD_TICKS
                 if not self.is_first:
-                    self._send(inp.grad, clock, self.pp_rank - 1)
+                    self.sends += send_activation(self.comms, inp.grad, clock, self.pp_rank - 1)
                 in_flight -= 1
                 held -= micro_bytes.pop(i)
         for work in self.sends:
@@ -275,13 +265,14 @@ class Pipeline:
     def eval_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward only, the whole batch at once (evaluation): its loss, on every rank."""
         loss = torch.zeros((), dtype=self.loss_dtype, device=self.device)
-        inp = x if self.is_first else self._recv(self.stage.activation_shape(x), self.pp_rank - 1)[0]
+        inp = x if self.is_first else recv_activation(self.comms, self.stage.activation_shape(x), self.dtype,
+                                                      self.device, self.pp_rank - 1)[0]
         out = self.stage(inp, targets if self.is_last else None)
         if self.is_last:
             loss += out.to(self.loss_dtype)
         else:
-            self.comms.send(out.contiguous(), self.pp_rank + 1)
-            self.comms.send(torch.zeros(1, dtype=torch.float64, device=self.device), self.pp_rank + 1)
+            for work in send_activation(self.comms, out, 0.0, self.pp_rank + 1):
+                self.comms.wait(work)
         self.comms.broadcast(loss, src=self.pp_world_size - 1)
         return loss
 
@@ -293,8 +284,4 @@ class Pipeline:
             return
         other = 0 if self.is_last else self.pp_world_size - 1
         mine = w.grad.clone() if w.grad is not None else torch.zeros_like(w)
-        work = self.comms.isend(mine, other)
-        theirs = torch.empty_like(w)
-        self.comms.recv(theirs, other)
-        self.comms.wait(work)
-        w.grad = mine + theirs
+        w.grad = mine + exchange_tied_grad(self.comms, mine, other)

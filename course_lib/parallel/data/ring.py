@@ -1,6 +1,6 @@
 """The ring all-reduce written with point-to-point messages, one step at a time.
 
-    from course_lib.parallel.ring import ring_all_reduce, ring_chunks, ring_step
+    from course_lib.parallel.data.ring import ring_all_reduce, ring_chunks, ring_step
     ring_all_reduce(t)                          # t becomes the sum over the ranks, in place
     chunks = ring_chunks(t, world_size)         # or step by step (lesson 02, %%ranks cells):
     ring_step(chunks, "reduce-scatter", 0)      # ... p - 1 steps, then p - 1 "all-gather" steps

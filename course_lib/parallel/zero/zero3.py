@@ -14,7 +14,7 @@ and ``finish_gradient_synchronization()`` they carry their reduced gradients, in
 compute-dtype tensors stand in their place only while their unit is gathered.
 
 Between steps a rank holds 1/N of every parameter, gradient and optimizer state: (4 + 4 + 8) Psi
-/ N bytes for Adam in fp32. The model is cut into units (:mod:`course_lib.parallel.units`):
+/ N bytes for Adam in fp32. The model is cut into units (:mod:`course_lib.parallel.zero.units`):
 
     forward of a unit:   wait for its all-gather -> start the next ``prefetch`` units' -> compute
                          -> free its parameters
@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from course_lib.parallel.comms import Comms, broadcast_module
-from course_lib.parallel.sharding import (
+from course_lib.parallel.zero.sharding import (
     ShardLayout,
     clip_sharded_grad_norm_,
     full_optimizer_state,
@@ -62,7 +62,7 @@ from course_lib.parallel.sharding import (
     split_trainable,
 )
 from course_lib.parallel.strategy import CommsStrategy
-from course_lib.parallel.units import Unit, cast_floating, default_units, owners, tensors_in
+from course_lib.parallel.zero.units import Unit, cast_floating, default_units, owners, tensors_in
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -127,7 +127,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def _show_copies(self, whole: bool) -> None:
         """Replicated parameters computed in another dtype: the 16-bit copy while in use, else the
-        fp32 master (as :meth:`course_lib.parallel.units.Unit.show` does for the sharded ones)."""
+        fp32 master (as :meth:`course_lib.parallel.zero.units.Unit.show` does for the sharded ones)."""
         for module, attr, p, master in self.copy_slots:
             module._parameters[attr] = p if whole else master
 

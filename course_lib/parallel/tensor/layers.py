@@ -18,6 +18,9 @@ same way by heads: Q, K, V column-parallel (each rank owns n_head / tp heads), t
 projection row-parallel. LayerNorms, embeddings and biases after g are replicated; their
 gradients are equal on every rank because g and f make the tensors they see equal.
 
+f and g (and sequence parallelism's pair) live apart, in :mod:`course_lib.parallel.tensor.comms`;
+this module holds the layers that use them.
+
 Vocabulary: ``tp_rank``, ``tp_world_size``; the communication goes through a
 :class:`~course_lib.parallel.comms.Comms` on the tensor-parallel group.
 """
@@ -29,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib.parallel.comms import Comms
-from course_lib.parallel.sequence_parallel import gather_seq, reduce_scatter_seq
+from course_lib.parallel.tensor.comms import copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq
 
 
 def divide(n: int, tp_world_size: int, what: str) -> int:
@@ -37,43 +40,6 @@ def divide(n: int, tp_world_size: int, what: str) -> int:
         raise ValueError(f"{what} ({n}) must be divisible by the tensor-parallel size "
                          f"tp_world_size ({tp_world_size}); choose a tp that divides it")
     return n // tp_world_size
-
-
-class _CopyToTP(torch.autograd.Function):
-    """f: forward identity; backward all-reduce (each rank's input gradient is a partial sum)."""
-
-    @staticmethod
-    def forward(ctx, x, comms):
-        ctx.comms = comms
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        ctx.comms.all_reduce(grad)
-        return grad, None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """g: forward all-reduce (sum the partial products); backward identity."""
-
-    @staticmethod
-    def forward(ctx, x, comms):
-        x = x.contiguous().clone()
-        comms.all_reduce(x)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-def copy_to_tp(x: torch.Tensor, comms: Comms) -> torch.Tensor:
-    return _CopyToTP.apply(x, comms)
-
-
-def reduce_from_tp(x: torch.Tensor, comms: Comms) -> torch.Tensor:
-    return _ReduceFromTP.apply(x, comms)
 
 
 def split_matmul_example(x: torch.Tensor, W: torch.Tensor, comms: Comms) -> torch.Tensor:
@@ -92,7 +58,7 @@ class ColumnParallelLinear(nn.Module):
     ``fused`` > 1 is for a weight that stacks several matrices along its output (c_attn stacks
     Q, K and V): each of them is split, so a rank gets matching columns of all of them.
     ``sequence_parallel``: x arrives split along the sequence, (B, T/tp, in), and is all-gathered
-    (g_bar) instead of passing f (:mod:`course_lib.parallel.sequence_parallel`).
+    (g_bar) instead of passing f (:mod:`course_lib.parallel.tensor.comms`).
     """
 
     def __init__(self, in_features: int, out_features: int, comms: Comms, bias: bool = True,

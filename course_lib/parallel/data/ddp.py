@@ -31,7 +31,7 @@ import contextlib
 import torch
 from torch import nn
 
-from course_lib.parallel.buckets import bucket_params
+from course_lib.parallel.data.buckets import bucket_params
 from course_lib.parallel.comms import Comms, broadcast_module
 from course_lib.parallel.strategy import CommsStrategy
 

@@ -1,6 +1,6 @@
 """How ZeRO cuts parameters into shards, and packs a group of them so that one collective moves all.
 
-Used by both ZeRO wrappers (:mod:`course_lib.parallel.zero`, :mod:`course_lib.parallel.zero3`).
+Used by both ZeRO wrappers (:mod:`course_lib.parallel.zero.zero12`, :mod:`course_lib.parallel.zero.zero3`).
 A parameter of n elements is flattened and zero-padded to N * s with s = ceil(n / N); rank r owns
 flat elements [r s, (r+1) s) clipped to n (the last ranks' shards may be short or empty). This is
 FSDP's per-parameter ("dim-0 of the flattened tensor") sharding, Zhao et al. 2023 Sec. 3.2.

@@ -20,8 +20,8 @@ gradients and optimizer states (Adam in fp32: 4 + 4 + 8 bytes per parameter, 16 
   4 + (4 + 8)/N.
 
 Communication per rank and step: reduce-scatter (Psi) + all-gather (Psi) = 2 Psi, the volume of
-one all-reduce (paper Sec. 7.2.1). Sharding is :mod:`course_lib.parallel.sharding`'s; buckets
-follow :mod:`course_lib.parallel.buckets`. ``param_groups`` hold this rank's shards, so a learning
+one all-reduce (paper Sec. 7.2.1). Sharding is :mod:`course_lib.parallel.zero.sharding`'s; buckets
+follow :mod:`course_lib.parallel.data.buckets`. ``param_groups`` hold this rank's shards, so a learning
 rate schedule or a GradScaler acts on what is stepped.
 
 Precision: the shards are fp32 master weights. With 16-bit parameters (``model.to(bfloat16)``)
@@ -45,9 +45,9 @@ import contextlib
 import torch
 from torch import nn
 
-from course_lib.parallel.buckets import bucket_params
+from course_lib.parallel.data.buckets import bucket_params
 from course_lib.parallel.comms import Comms, broadcast_module
-from course_lib.parallel.sharding import (
+from course_lib.parallel.zero.sharding import (
     ShardLayout,
     clip_sharded_grad_norm_,
     full_optimizer_state,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from course_lib.parallel.sharding import ShardLayout
+from course_lib.parallel.zero.sharding import ShardLayout
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:

@@ -19,7 +19,8 @@ key chunk b) pair is full for b < a, causal for b = a, and skipped for b > a.
 Backward: the ring shift is an autograd function whose backward sends the gradient the other way
 round, so autograd differentiates the ring exactly. It keeps every K/V block of the forward
 (cp times the local K/V); the paper's implementation instead recomputes and sends dK/dV blocks
-around the ring in backward, which keeps memory constant.
+around the ring in backward, which keeps memory constant. The ring's send/recv is in
+:mod:`course_lib.parallel.context.comms`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from course_lib.parallel.comms import Comms
+from course_lib.parallel.context.comms import ring_shift
 
 
 def zigzag_chunks(cp_rank: int, cp_world_size: int) -> tuple[int, int]:
@@ -51,28 +53,6 @@ def cp_split(t: torch.Tensor, cp_rank: int, cp_world_size: int) -> torch.Tensor:
     if cp_world_size == 1:
         return t
     return t[:, cp_positions(t.shape[1], cp_rank, cp_world_size).to(t.device)]
-
-
-class _RingShift(torch.autograd.Function):
-    """Forward: send to the next rank, receive from the previous. Backward: the reverse."""
-
-    @staticmethod
-    def forward(ctx, x, comms):
-        ctx.comms = comms
-        return _shift(x, comms, +1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _shift(grad, ctx.comms, -1), None
-
-
-def _shift(x: torch.Tensor, comms: Comms, step: int) -> torch.Tensor:
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    work = comms.isend(x, (comms.rank + step) % comms.world_size)
-    comms.recv(out, (comms.rank - step) % comms.world_size)
-    comms.wait(work)
-    return out
 
 
 def _block_attention(q, k, v, causal: bool):
@@ -115,5 +95,5 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comms: Com
                     o_b, lse_b = _block_attention(qs[i], ks[j], vs[j], causal=b == a)
                     acc[i] = _merge(acc[i], o_b, lse_b)
         if hop < cp - 1:
-            kv = _RingShift.apply(kv, comms)
+            kv = ring_shift(kv, comms)
     return torch.cat([acc[0][0], acc[1][0]], dim=2).to(q.dtype)
