@@ -33,6 +33,8 @@ ALLOWED = {
     ("course_lib/experiments/model_parallel_check.py", "compare_tensor_parallel"):
         "the gradients of one backward, tensor-parallel against dense; no optimizer step",
     ("course_lib/experiments/precision.py", "_grads"): "one backward's gradients at several loss scales; no step",
+    ("course_lib/experiments/debugging.py", "step"):
+        "lesson 12's hand-written data-parallel step, with the bugs students write, to be found by check_replicas",
     ("course_lib/experiments/frameworks_fabric.py", "fabric_step"):
         "Lightning Fabric's own step (fabric.backward, its optimizer): the framework set beside the course's step",
 }
