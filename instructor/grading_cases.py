@@ -86,7 +86,7 @@ MISTAKES = {
         "q2_fix_the_deadlock": (
             "    if dist.get_rank() < peer:  # the lower rank of the pair sends first: no cycle of waits\n",
             "    if dist.get_rank() == 0:  # rank 0 sends first: right for 2 ranks only\n",
-            "Timed out"),  # ranks 2 and 3 both receive first: gloo's timeout (the test's 5 s) ends it
+            "did not complete"),  # ranks 2 and 3 both receive first: the hidden test names the deadlock
     },
 }
 HUNG = {("01_collectives", "q1_ring_all_reduce"), ("04_pram", "q1_erew_prefix_sum")}

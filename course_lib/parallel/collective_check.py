@@ -14,13 +14,14 @@ descriptors differ, every rank raises :class:`CollectiveMismatchError` naming ea
 and the real collective is never called: gloo does not abort the process, the group stays usable.
 What a rank can see alone is refused at once, without an exchange: a peer that is not a rank
 (``send(t, dst=5)`` on 2 ranks), a send to itself, an ``all_gather`` list or ``reduce_scatter``
-input of the wrong length or size. A point-to-point pair exchanges its descriptors through the side
-group too (sender and receiver must agree on shape and dtype).
+input of the wrong length or size. A point-to-point pair is checked only this way (its peer): its
+descriptors are not exchanged, since a ``recv`` cannot know whether its sender used ``send`` or an
+unchecked ``isend``.
 
 Not caught: a collective that one rank never calls (there is nothing to compare: the exchange
 waits, the pool's time limit names the waiting rank), calls on a sub-group (only the default group
 is checked), calls made inside PyTorch (DDP's buckets call c10d directly, not ``dist.X``), and
-asynchronous ``isend``/``irecv`` pairs beyond the peer-range check. PyTorch's own
+point-to-point pairs (``send``/``recv``, ``isend``/``irecv``) beyond the peer-range check. PyTorch's own
 ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (set before ``init_process_group``) wraps the process group and
 checks op type, shapes and dtypes of collectives, internal ones included (so it does catch DDP's),
 but not the root of a broadcast, nor send/recv, and it reports after a collective was issued.
@@ -192,42 +193,22 @@ def problem(code: list[int], world: int, me: int) -> str | None:
     return None
 
 
-def _compare(name: str, code: list[int], root: int) -> None:
-    """Exchange descriptors on the side group; raise on every rank if they differ."""
+def _compare(code: list[int]) -> None:
+    """Exchange a collective's descriptors on the side group; raise on every rank if they differ."""
     __tracebackhide__ = True  # read by IPython: the error, not this frame, is the news
     mine = torch.tensor(code, dtype=torch.int64)
-    if name in ("send", "recv"):  # the pair: the receiver compares and answers the sender
-        verdict = torch.zeros(1, dtype=torch.int64)
-        if name == "send":
-            c10d.send(mine, root, group=_STATE.side)
-            c10d.recv(verdict, root, group=_STATE.side)
-            theirs = torch.zeros(_WIDTH, dtype=torch.int64)
-            if verdict.item():
-                c10d.recv(theirs, root, group=_STATE.side)
-            codes = {dist.get_rank(): code, root: theirs.tolist()} if verdict.item() else {}
-        else:
-            theirs = torch.zeros(_WIDTH, dtype=torch.int64)
-            c10d.recv(theirs, root, group=_STATE.side)
-            sent = theirs.tolist()  # dtype and shape must agree, the peers are each other
-            bad = [sent[2], *sent[5:6 + _MAX_NDIM]] != [code[2], *code[5:6 + _MAX_NDIM]]
-            c10d.send(torch.tensor([int(bad)]), root, group=_STATE.side)
-            if bad:
-                c10d.send(mine, root, group=_STATE.side)
-            codes = {root: theirs.tolist(), dist.get_rank(): code} if bad else {}
-    else:
-        gathered = [torch.zeros(_WIDTH, dtype=torch.int64) for _ in range(dist.get_world_size())]
-        c10d.all_gather(gathered, mine, group=_STATE.side)
-        rows = [g.tolist() for g in gathered]
-        wrong = {r: problem(row, len(rows), r) for r, row in enumerate(rows)}
-        wrong = {r: text for r, text in wrong.items() if text}
-        if wrong:
-            raise CollectiveMismatchError(f"collective #{code[0]}: " + "; ".join(
-                f"rank {r}: {text}" for r, text in wrong.items()), wrong)
-        codes = {} if all(r[1:] == rows[0][1:] for r in rows) else dict(enumerate(rows))
+    gathered = [torch.zeros(_WIDTH, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    c10d.all_gather(gathered, mine, group=_STATE.side)
+    rows = [g.tolist() for g in gathered]
+    wrong = {r: problem(row, len(rows), r) for r, row in enumerate(rows)}
+    wrong = {r: text for r, text in wrong.items() if text}
+    if wrong:
+        raise CollectiveMismatchError(f"collective #{code[0]}: " + "; ".join(
+            f"rank {r}: {text}" for r, text in wrong.items()), wrong)
+    codes = {} if all(r[1:] == rows[0][1:] for r in rows) else dict(enumerate(rows))
     if codes:
         calls = {r: describe(c) for r, c in sorted(codes.items())}
-        what = "the send/recv pair" if name in ("send", "recv") else f"collective #{code[0]}"
-        raise CollectiveMismatchError(f"{what} does not match across ranks: "
+        raise CollectiveMismatchError(f"collective #{code[0]} does not match across ranks: "
                                       + "; ".join(f"rank {r}: {c}" for r, c in calls.items()), calls)
 
 
@@ -248,8 +229,11 @@ def _checked(fn, name: str):
                 alone = problem(code, dist.get_world_size(), me) if name in ("send", "recv") else None
                 if alone:  # no exchange: the peer may not exist
                     raise CollectiveMismatchError(f"rank {me}: {alone}", {me: alone})
-                if _STATE.side is not None:
-                    _compare(name, code, code[3])
+                # A point-to-point pair is not exchanged: a receiver cannot tell a blocking send
+                # from an isend (unchecked), and waiting for a descriptor that an isend never
+                # posts would turn a working ring (isend, then recv: lesson 02) into a deadlock.
+                if _STATE.side is not None and name not in ("send", "recv"):
+                    _compare(code)
             result = fn(*args, **kwargs)
         except BaseException as e:
             entry["state"] = f"failed: {type(e).__name__}"
