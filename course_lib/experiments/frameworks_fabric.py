@@ -17,8 +17,11 @@ Fabric trains on the course's own group. :func:`make_fabric` names ``LightningEn
 explicitly, so that a notebook running inside a SLURM allocation does not take the job's srun
 variables for its own (under ``srun`` itself, :mod:`frameworks_job` lets Fabric find SLURM).
 
-Everything here imports ``lightning`` inside functions: the package is the optional extra
-``course-lib[frameworks]``, and nothing else in course_lib needs it.
+``lightning`` is the optional extra ``course-lib[frameworks]``, and nothing else in course_lib
+needs it: this module imports it when it is installed (:func:`fabric_package` says what to install
+when it is not). A kernel that imported it before its first ``run_ranks`` has the rank runner's fork
+server import it once (:data:`course_lib.launch.ranks.PRELOAD_IF_IMPORTED`), instead of every rank
+of every run: about 4.5 s a rank on a laptop CPU.
 """
 
 from __future__ import annotations
@@ -37,6 +40,11 @@ from torch.distributed.fsdp import fully_shard
 from course_lib.parallel.comms import VOLUME_FACTOR
 from course_lib.parallel.zero.units import default_units
 
+try:  # the optional extra (module docstring)
+    import lightning.fabric as _fabric
+except ImportError:
+    _fabric = None
+
 # Fabric's names for what this module builds; "fsdp2" is ModelParallelStrategy with fully_shard.
 FABRIC_STRATEGIES = ("single", "ddp", "fsdp2")
 LIGHTNING_NAMED = ("dp", "fsdp", "deepspeed")  # what the labs ran, by Lightning's names
@@ -45,12 +53,10 @@ MISSING = ("Lightning is not installed: pip install 'course-lib[frameworks]' "
 
 
 def fabric_package():
-    try:
-        # here, not at the top: lightning is the optional extra (module docstring)
-        import lightning.fabric as fabric_pkg
-    except ImportError as e:
-        raise ImportError(MISSING) from e
-    return fabric_pkg
+    """``lightning.fabric``, or an ImportError that says what to install."""
+    if _fabric is None:
+        raise ImportError(MISSING)
+    return _fabric
 
 
 def fsdp2_parallelize(units: Callable | None = None) -> Callable:
