@@ -76,6 +76,22 @@ def test_every_strategy_name_is_accepted_and_auto_resolves():
     assert TrainConfig(nproc=2).resolved_strategy(2) == "ddp"  # ours is the default for nproc > 1
 
 
+def test_the_dp_flavours_beside_tp_pp_cp_are_the_registrys():
+    """One fact, one home (issue 30 item 3): the configuration allows beside tp/pp/cp exactly the
+    strategies the registry marks so (before: gpt/layout.py said auto, ddp, zero1, zero2 and the
+    registry single, ddp, zero1, zero2)."""
+    from course_lib import registry
+
+    allowed = set()
+    for name in STRATEGY_NAMES + ("auto",):
+        try:
+            TrainConfig(strategy=name, nproc=2, tp=2)
+            allowed.add(name)
+        except ConfigError as e:
+            assert "does not combine with tp/pp/cp" in str(e)
+    assert allowed == {"auto", *registry.DP_FLAVOURS}
+
+
 def test_frozen_and_json_round_trip(tmp_path):
     cfg = make_config("shakespeare_char", {"nproc": 2, "out_dir": str(tmp_path)})
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -8,8 +8,11 @@ ring attention), the sequence shards of sequence parallelism over tp.
 
 from __future__ import annotations
 
+from course_lib.registry import DP_FLAVOURS
+
 PP_SCHEDULES = ("1f1b", "afab")
-MODEL_PARALLEL_STRATEGIES = ("auto", "ddp", "zero1", "zero2")  # the dp flavour under tp/pp/cp
+# the dp flavour under tp/pp/cp: one fact, in the registry ("auto" resolves to one of them)
+MODEL_PARALLEL_STRATEGIES = ("auto", *DP_FLAVOURS)
 
 
 def layout_error(cfg) -> str | None:

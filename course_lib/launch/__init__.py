@@ -9,11 +9,12 @@
 
 Modules:
 
-    api         launch(), LaunchResult: any script or module on N ranks, supervised
-    training    the one training path: check_request, run_training behind launch_training()
+    api         launch(target, args, LaunchSpec), LaunchResult: any script or module on N ranks, supervised
+    training    the one training path: run_training behind launch_training()
                 and ``course train``
     train_cli   ``course train``
-    checks      refusing bad launches before anything is spawned
+    checks      the one home of every check, run before anything is spawned: check_launch
+                (a LaunchSpec), check_request and CHECKS (a training request)
     mpi         mpirun(): the same for MPI ranks (mpi4py), with the mpiexec of mpi4py's MPI library
     ranks       the one local rank runner (run_local): N processes started clean from a fork
                 server, a function sent by value, one rendezvous, one barrier; behind
@@ -51,6 +52,7 @@ import importlib
 _EXPORTS = {
     "launch": "course_lib.launch.api",
     "LaunchResult": "course_lib.launch.api",
+    "LaunchSpec": "course_lib.launch.api",
     "LaunchError": "course_lib.launch.api",
     "LaunchConfigError": "course_lib.launch.placement",
     "launch_training": "course_lib.launch.training",
