@@ -21,7 +21,7 @@ Modules:
                 notebook_launcher, run_ranks and the grading helpers
     rank_child  what each of those local ranks runs: join, call, send back value or traceback
     forked      notebook_launcher(): a notebook function on N local CPU ranks (via ranks)
-    spawn       run_ranks(fn, world_size): a function on N local gloo processes, for the tests,
+    spawn       run_ranks(fn, nproc, *args): a function on N local gloo processes, for the tests,
                 the lessons and the exercises (via ranks)
     magics      the %%torchrun and %%mpirun cell magics
     placement   where ranks run: the device of each rank and the backend, decided before any start
