@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from course_lib.gpt.config import STRATEGY_NAMES, TRAIN_PRESETS, ConfigError, TrainConfig, make_config
-from course_lib.gpt.config_args import parse_overrides
+from course_lib.gpt.config import (STRATEGY_NAMES, TRAIN_PRESETS, ConfigError, TrainConfig, make_config,
+                                   parse_overrides)
 from course_lib.launch.train_cli import build_config, cli
 
 

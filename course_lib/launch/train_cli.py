@@ -21,8 +21,7 @@ import argparse
 import sys
 
 from course_lib.gpt.checkpoint import CheckpointError
-from course_lib.gpt.config import ConfigError, TrainConfig
-from course_lib.gpt.config_args import arg_parser, config_from_args
+from course_lib.gpt.config import ConfigError, TrainConfig, arg_parser, config_from_args
 from course_lib.gpt.data import DataError
 from course_lib.launch.training import run_training
 
