@@ -34,8 +34,7 @@ Modules:
     cluster     ``course submit``: SLURM and PBS batch scripts
     allocation  the SLURM or PBS job this process runs in
     slurm_local a real two-node SLURM on this machine, to try ``course submit`` (make slurm-local)
-    torchrun    the torchrun command lines
-    agent       torchrun with its stores on loopback only
+    torchrun    the torchrun command lines, and the agent (torchrun with its stores on loopback only)
     bootstrap   what each rank runs first (logs, process group, the target)
     supervise   the launcher's loop: wait, stop on the first failure, explain it
     monitor     watching a running launch: per-rank output, rank states, where a hung rank waits
