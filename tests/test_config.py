@@ -10,7 +10,7 @@ import pytest
 
 from course_lib.gpt.config import (STRATEGY_NAMES, TRAIN_PRESETS, ConfigError, TrainConfig, make_config,
                                    parse_overrides)
-from course_lib.launch.train_cli import build_config, cli
+from course_lib.launch.training import build_config, cli
 
 
 def test_presets_are_nanogpts_recipes():

@@ -106,14 +106,13 @@ def test_course_train_on_one_gpu_keeps_the_gpu_recipe_on_the_gpu(one_gpu, monkey
     (before: 2 CPU ranks, silently). What reaches launch() is the plan check_request made."""
     from course_lib.gpt.config import TrainConfig
     from course_lib.gpt.data import prepare
-    from course_lib.launch import train_cli
 
     cpu = checks.detect("cpu")
     monkeypatch.setattr(checks, "detect", lambda device=None: cpu)  # no CUDA here to ask
     launched = {}
     monkeypatch.setattr(training, "launch", lambda target, args, **kw: launched.update(kw) or _Ok())
     prepare("shakespeare_char", data_dir=tmp_path / "data", quiet=True)
-    code = train_cli.cli(["--config=shakespeare_char", "--nproc=2", "--max_iters=2", "--dtype=float32",
+    code = training.cli(["--config=shakespeare_char", "--nproc=2", "--max_iters=2", "--dtype=float32",
                           f"--out_dir={tmp_path / 'run'}", f"--data_dir={tmp_path / 'data'}"])
     assert code == 0
     assert (launched["nproc"], launched["device"], launched["backend"]) == (2, "cuda", "gloo")

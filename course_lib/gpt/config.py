@@ -11,7 +11,7 @@ its config into the run directory as ``config.json``; every worker loads it from
 The command line of a training run is generated from the fields here too (:func:`arg_parser`,
 :func:`config_from_args`: a preset or a config.json, ``--resume``, then any field as
 ``--field=value``; an unknown field is an error with a suggestion). ``course train`` (the host,
-launch/train_cli.py) and ``python -m course_lib.trainer.loop --config-file RUN_DIR/config.json``
+launch/training.py) and ``python -m course_lib.trainer.loop --config-file RUN_DIR/config.json``
 (each worker, trainer/loop.py) both parse with them, so a field means the same everywhere.
 """
 

@@ -10,9 +10,7 @@
 Modules:
 
     api         launch(target, args, LaunchSpec), LaunchResult: any script or module on N ranks, supervised
-    training    the one training path: run_training behind launch_training()
-                and ``course train``
-    train_cli   ``course train``
+    training    the one training path: run_training behind launch_training() and ``course train`` (cli)
     checks      the one home of every check, run before anything is spawned: check_launch
                 (a LaunchSpec), check_request and CHECKS (a training request)
     mpi         mpirun(): the same for MPI ranks (mpi4py), with the mpiexec of mpi4py's MPI library

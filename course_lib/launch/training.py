@@ -1,4 +1,9 @@
-"""launch_training(config) and ``course train``: one way to run the course trainer on N ranks.
+"""course train --config=shakespeare_char_cpu --nproc=2 --out_dir=runs/x
+
+launch_training(config) and ``course train``: one way to run the course trainer on N ranks.
+
+    course train --resume --out_dir=runs/x --max_iters=3000
+    course train --help                      # every field, its default and the presets
 
     from course_lib.gpt.config import make_config
     from course_lib.launch import launch_training
@@ -10,7 +15,7 @@ Both front ends are :func:`run_training`, and differ only in how the run is show
 
 * ``display="notebook"`` (:func:`launch_training`): rank-prefixed live output and a tqdm bar in
   the launcher that follows ``RUN_DIR/metrics.csv``; the workers draw no bar.
-* ``display="terminal"`` (``course train``, :mod:`course_lib.launch.train_cli`): rank 0's own
+* ``display="terminal"`` (``course train``, :func:`cli`): rank 0's own
   output byte for byte, its own progress bar included, as if it ran in this terminal.
 
 Either way: :func:`course_lib.launch.checks.check_request` refuses a bad request before anything is spawned, with one line
@@ -23,9 +28,13 @@ after the same checks: :func:`train_in_process`.
 
 from __future__ import annotations
 
+import argparse
+import sys
 from pathlib import Path
 
-from course_lib.gpt.config import TrainConfig
+from course_lib.gpt.checkpoint import CheckpointError
+from course_lib.gpt.config import ConfigError, TrainConfig, arg_parser, config_from_args
+from course_lib.gpt.data import DataError
 from course_lib.launch import checks
 from course_lib.launch.api import LaunchResult, launch
 from course_lib.launch.checks import TrainRequest, check_request
@@ -111,3 +120,33 @@ def launch_training(config: TrainConfig, *, nproc=None, nnodes: int = 1, timeout
     return run_training(config, display="notebook", nproc=nproc, nnodes=nnodes, overwrite=overwrite,
                         progress=progress, timeout=timeout, show_ranks=show_ranks, env=env, check=check,
                         **launch_kwargs)
+
+
+# --- ``course train``: the same, from the terminal -------------------------------------------------
+
+def build_config(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
+    """``course train``'s arguments: the worker's (preset or file, ``--resume``, fields) and ``--overwrite``."""
+    parser = arg_parser("course train", "Train the nanoGPT-style model on N workers (torchrun), checked first.")
+    parser.add_argument("--overwrite", action="store_true", help="start again in an out_dir that holds a run")
+    return config_from_args(parser, argv)
+
+
+def cli(argv: list[str]) -> int:
+    try:
+        cfg, args = build_config(argv)
+        result = run_training(cfg, display="terminal", overwrite=args.overwrite, progress=not args.no_progress,
+                              recipe=args.config or "")
+    except (ConfigError, DataError, CheckpointError) as e:
+        print(f"course train: error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 1
+    except KeyboardInterrupt:
+        print("course train: interrupted", file=sys.stderr)
+        return 130
+    if not result.ok:
+        print(f"course train: error: {result.error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli(sys.argv[1:]))
