@@ -40,7 +40,6 @@ from course_lib.launch.api import LaunchResult, launch
 from course_lib.launch.checks import TrainRequest, check_request
 from course_lib.launch.monitor import MetricsProgress
 from course_lib.launch.placement import LaunchConfigError
-from course_lib.trainer.loop import train
 
 TRAIN_MODULE = "course_lib.trainer.loop"
 RUN_FILES = ("last.pt", "best.pt", "metrics.csv", "summary.json", "run.json", "config.json")
@@ -71,6 +70,9 @@ def train_in_process(config: TrainConfig, *, overwrite: bool = False, progress: 
     if req.world_size > 1 or req.strategy != "single":
         raise LaunchConfigError(f"{req.world_size} rank(s) with strategy {req.strategy} need workers: "
                                 "use launch_training (or course train)")
+    # the trainer (torch, every strategy) only for a run in this process: course train's launcher loads none of it
+    from course_lib.trainer.loop import train
+
     return train(req.config, progress=progress)
 
 
