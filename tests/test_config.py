@@ -8,8 +8,7 @@ import json
 
 import pytest
 
-from course_lib.gpt.config import (STRATEGY_NAMES, TRAIN_PRESETS, ConfigError, TrainConfig, make_config,
-                                   parse_overrides)
+from course_lib.gpt.config import STRATEGY_NAMES, TRAIN_PRESETS, ConfigError, TrainConfig, make_config, parse_overrides
 from course_lib.launch.training import build_config, cli
 
 

@@ -16,7 +16,7 @@ from course_lib.gpt import checkpoint as ckpt_io
 from course_lib.gpt.config import ConfigError, make_config
 from course_lib.gpt.data import DataError, prepare
 from course_lib.hardware import cpu_autocast_dtypes, gpu_count
-from course_lib.launch import checks, launch_training, training
+from course_lib.launch import checks, launch_training
 from course_lib.launch.training import cli
 
 TINY = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32, "batch_size": 4, "max_iters": 4,

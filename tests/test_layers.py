@@ -257,7 +257,7 @@ MAX_LAUNCHER_FILES, MAX_WORKER_FILES, MAX_FILES = 17, 24, 35
 
 def test_course_train_to_the_step_opens_few_files(tmp_path):
     proc = subprocess.run([sys.executable, "-c", _TRACE_FILES, str(tmp_path / "trace.json"), str(tmp_path / "run")],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+                          capture_output=True, text=True, cwd=ROOT, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = json.loads((tmp_path / "trace.json").read_text())
     launcher, worker = sorted(seen["launcher"]), sorted(seen["worker"])

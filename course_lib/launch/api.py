@@ -192,7 +192,7 @@ def launch(target, args: Sequence[str] = (), spec: LaunchSpec | None = None, **f
                         f"{', '.join(LAUNCH_FIELDS)}")
     spec = (spec or LaunchSpec()).replace(**fields)
     plan, target, is_module, timeout, collective_timeout = checks.check_launch(target, spec)
-    nproc, nnodes, device = plan.nproc, spec.nnodes, plan.device_type
+    nproc, nnodes = plan.nproc, spec.nnodes
     rdzv, rdzv_endpoint, rdzv_id, grace = spec.rdzv, spec.rdzv_endpoint, spec.rdzv_id, spec.grace
     nccl_debug, nccl_debug_subsys, nccl_debug_file = spec.nccl_debug, spec.nccl_debug_subsys, spec.nccl_debug_file
     run_dir, env, init_process_group, err, progress = spec.run_dir, spec.env, spec.init_process_group, spec.err, spec.progress
