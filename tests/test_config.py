@@ -91,6 +91,19 @@ def test_the_dp_flavours_beside_tp_pp_cp_are_the_registrys():
     assert allowed == {"auto", *registry.DP_FLAVOURS}
 
 
+def test_every_field_has_a_docstring_and_help_prints_it(capsys):
+    """Issue 30 item 1 (in part): each field of the configuration has a docstring, and the command
+    line generated from the fields prints it."""
+    from course_lib.gpt.config import FIELDS, field_docs
+
+    docs = field_docs()
+    assert set(docs) == set(FIELDS), sorted(set(FIELDS) - set(docs))
+    assert all(len(doc) > 5 for doc in docs.values())
+    with pytest.raises(SystemExit):
+        build_config(["--help"])
+    assert docs["pp_schedule"] in " ".join(capsys.readouterr().out.split())
+
+
 def test_frozen_and_json_round_trip(tmp_path):
     cfg = make_config("shakespeare_char", {"nproc": 2, "out_dir": str(tmp_path)})
     with pytest.raises(dataclasses.FrozenInstanceError):

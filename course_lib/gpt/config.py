@@ -16,6 +16,7 @@ launch/training.py) and ``python -m course_lib.trainer.loop --config-file RUN_DI
 """
 
 import argparse
+import ast
 import dataclasses
 import difflib
 import json
@@ -46,57 +47,100 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class TrainConfig:
     # I/O
-    out_dir: str = "out"  # the run directory: config.json, metrics.csv, checkpoints
-    eval_interval: int = 250  # evaluate (and checkpoint) every this many iterations
-    log_interval: int = 10  # one metrics.csv row every this many iterations
-    eval_iters: int = 20  # batches per split in each evaluation
-    init_from: str = "scratch"  # 'scratch' or 'resume' (continue the run in out_dir)
+    out_dir: str = "out"
+    """The run directory: config.json, metrics.csv, checkpoints."""
+    eval_interval: int = 250
+    """Evaluate (and checkpoint) every this many iterations."""
+    log_interval: int = 10
+    """One metrics.csv row every this many iterations."""
+    eval_iters: int = 20
+    """Batches per split in each evaluation."""
+    init_from: str = "scratch"
+    """'scratch' or 'resume' (continue the run in out_dir)."""
     # data
-    data_dir: str = ""  # '' = the default data folder (course_lib.utils.default_data_dir)
+    data_dir: str = ""
+    """'' = the default data folder (course_lib.utils.default_data_dir)."""
     dataset: str = "shakespeare_char"
+    """The prepared dataset: 'shakespeare_char' (characters) or 'shakespeare' (GPT-2 BPE)."""
     gradient_accumulation_steps: int = 1
-    batch_size: int = 12  # micro-batch per rank; global batch = batch_size * accum * world size
+    """Micro-batches per optimizer step (and per rank)."""
+    batch_size: int = 12
+    """Micro-batch per rank; global batch = batch_size * accum * world size."""
     block_size: int = 64
+    """Tokens per sequence (the context length)."""
     # model
     n_layer: int = 4
+    """Transformer blocks."""
     n_head: int = 4
+    """Attention heads per block."""
     n_embd: int = 128
+    """Width of the residual stream."""
     dropout: float = 0.0
+    """Dropout probability (0: none)."""
     bias: bool = False
+    """Biases in the Linear and LayerNorm layers (GPT-2 has them; nanoGPT's default leaves them out)."""
     # AdamW
     learning_rate: float = 1e-3
+    """Peak learning rate (after warmup)."""
     max_iters: int = 2000
+    """Optimizer steps of the run."""
     weight_decay: float = 0.1
+    """AdamW's decoupled weight decay (matrices only)."""
     beta1: float = 0.9
+    """AdamW's first-moment decay."""
     beta2: float = 0.99
-    grad_clip: float = 1.0  # clip the global gradient norm to this; 0 disables
+    """AdamW's second-moment decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables."""
     # learning-rate schedule: linear warmup, then cosine decay to min_lr
     decay_lr: bool = True
+    """Cosine decay after warmup (False: constant learning_rate)."""
     warmup_iters: int = 100
+    """Linear warmup steps."""
     lr_decay_iters: int = 2000
+    """Step at which the decay reaches min_lr."""
     min_lr: float = 1e-4
+    """The learning rate at the end of the decay."""
     # system
-    device: str = "auto"  # 'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:N'
-    dtype: str = "auto"  # 'auto' = from the hardware profile (bf16 / fp16 + scaler / fp32)
-    compile: bool = False  # torch.compile the model
-    recompute: str = "none"  # activations: 'none', 'selective' (attention core) or 'full' (per block)
-    grad_comm_dtype: str = "float32"  # data-parallel gradient all-reduce in 'float32' or 'bfloat16'
+    device: str = "auto"
+    """'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:N'."""
+    dtype: str = "auto"
+    """'auto' = from the hardware profile (bf16 / fp16 + scaler / fp32)."""
+    compile: bool = False
+    """torch.compile the model."""
+    recompute: str = "none"
+    """Activations: 'none', 'selective' (attention core) or 'full' (per block)."""
+    grad_comm_dtype: str = "float32"
+    """Data-parallel gradient all-reduce in 'float32' or 'bfloat16'."""
     seed: int = 1337
+    """Seed of the model's initialisation, the batches and the evaluation sets (per rank: seed + rank after setup)."""
     # distributed (ours)
-    nproc: int = 1  # worker processes on this host; > 1 launches them through torchrun
-    strategy: str = "auto"  # 'auto' = 'single' for one process, else data parallel
-    threads: int = 0  # intra-op threads per CPU worker; 0 = cores // workers on this host
-    timeout_s: float = 600.0  # how long a collective may wait before the run fails
-    check_collectives: bool = False  # teaching mode: each collective compared across ranks before it runs
-    #   (op, dtype, shape, root; parallel.collective_check): a mismatch is named instead of hanging or aborting
-    check_replicas_every: int = 0  # every this many steps, the data-parallel replicas compared (parameters,
-    #   optimizer state, each rank's batch; parallel.replicas); the run stops, naming the first tensor that differs
-    run_name: str = ""  # a label for progress bars and plots; '' = the out_dir's name
-    tp: int = 1  # tensor-parallel degree (Megatron-LM); dp = nproc / (tp * pp * cp) (parallel.model_parallel)
-    pp: int = 1  # pipeline stages; the micro-batches are the gradient_accumulation_steps
-    cp: int = 1  # context-parallel degree: the sequence split, attention by ring
-    sequence_parallel: bool = False  # tp also splits the LayerNorm regions along the sequence
-    pp_schedule: str = "1f1b"  # 'afab' (GPipe: all forward, all backward) or '1f1b'
+    nproc: int = 1
+    """Worker processes on this host; > 1 launches them through torchrun."""
+    strategy: str = "auto"
+    """'auto' = 'single' for one process, else data parallel."""
+    threads: int = 0
+    """Intra-op threads per CPU worker; 0 = cores // workers on this host."""
+    timeout_s: float = 600.0
+    """How long a collective may wait before the run fails."""
+    check_collectives: bool = False
+    """Teaching mode: each collective compared across ranks before it runs (op, dtype, shape, root;
+    parallel.collective_check): a mismatch is named instead of hanging or aborting."""
+    check_replicas_every: int = 0
+    """Every this many steps, the data-parallel replicas compared (parameters, optimizer state, each
+    rank's batch; parallel.replicas); the run stops, naming the first tensor that differs."""
+    run_name: str = ""
+    """A label for progress bars and plots; '' = the out_dir's name."""
+    tp: int = 1
+    """Tensor-parallel degree (Megatron-LM); dp = nproc / (tp * pp * cp) (parallel.model_parallel)."""
+    pp: int = 1
+    """Pipeline stages; the micro-batches are the gradient_accumulation_steps."""
+    cp: int = 1
+    """Context-parallel degree: the sequence split, attention by ring."""
+    sequence_parallel: bool = False
+    """tp also splits the LayerNorm regions along the sequence."""
+    pp_schedule: str = "1f1b"
+    """'afab' (GPipe: all forward, all backward) or '1f1b'."""
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -329,8 +373,22 @@ def config_from_args(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[
     return make_config(args.config, overrides, base=base), args
 
 
+def field_docs() -> dict[str, str]:
+    """Each field's docstring (the string literal under it in :class:`TrainConfig`), read from this
+    file's source: what ``--help`` prints for it."""
+    tree = ast.parse(Path(__file__).read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TrainConfig")
+    docs = {}
+    for field, doc in zip(cls.body, cls.body[1:]):
+        if (isinstance(field, ast.AnnAssign) and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+                and isinstance(doc.value.value, str)):
+            docs[field.target.id] = " ".join(doc.value.value.split())
+    return docs
+
+
 def _help_epilog() -> str:
-    d = TrainConfig()
-    fields = "\n".join(f"  {f'--{name}={getattr(d, name)!r}':<42} {f.type.__name__}" for name, f in FIELDS.items())
+    d, docs = TrainConfig(), field_docs()
+    fields = "\n".join(f"  {f'--{name}={getattr(d, name)!r}':<42} {f.type.__name__:<6} {docs.get(name, '')}"
+                       for name, f in FIELDS.items())
     return (f"presets (--config=NAME): {', '.join(TRAIN_PRESETS)}\n\nfields (default values; any one as --field=value):\n"
             f"{fields}\n\nbool fields also accept a bare --field (true); --nproc=auto uses every GPU, or 2 CPU workers.")
