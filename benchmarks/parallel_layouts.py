@@ -88,7 +88,7 @@ def main(argv: list[str]) -> int:
         for name, lay in LAYOUTS[n].items():
             if args.only and name not in args.only.split(","):
                 continue
-            res = run_ranks(worker, n, args=(lay, args))
+            res = run_ranks(worker, n, lay, args)
             ms = max(r["ms"] for r in res)
             f = [r["figures"] for r in res]
             top = {k: max(x.get(k, 0) for x in f) / 2**20 for k in f[0] if k.startswith(("sent", "model", "peak"))}

@@ -101,7 +101,7 @@ def grad_comm_table(steps: int) -> list[dict]:
     from course_lib.experiments.precision import grad_comm_worker
     from course_lib.launch.spawn import run_ranks
 
-    res = run_ranks(grad_comm_worker, 2, args=(("ddp", "torch_ddp"), ("float32", "bfloat16"), None, steps))[0]
+    res = run_ranks(grad_comm_worker, 2, ("ddp", "torch_ddp"), ("float32", "bfloat16"), None, steps)[0]
     rows = []
     for name in ("ddp", "torch_ddp"):
         fp32, bf16 = res[(name, "float32")], res[(name, "bfloat16")]

@@ -11,7 +11,8 @@
     exercises    building and grading the exercises
     cli          ``course``: dispatches to the command each package implements
     hardware     hardware profiles, peak FLOP/s, ``course info``
-    registry     the facts about the training strategies, torch-free (names, classes, ZeRO stage, ...)
+    registry     the facts about the training strategies, torch-free (names, classes, ZeRO stage, ...),
+                 and the configuration's torch-free pieces (ConfigError, ParallelConfig: the parallel layout)
     utils        free ports, atomic writes, the process group, where the course is published
 
 ARCHITECTURE.md (top of the repository) shows how they depend on each other. Importing this

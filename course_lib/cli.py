@@ -14,7 +14,7 @@ import sys
 # name -> (module:function, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "data": ("course_lib.gpt.data:cli", "prepare datasets (course data prepare shakespeare_char)"),
-    "train": ("course_lib.launch.train_cli:cli", "train the nanoGPT-style model, one process or distributed"),
+    "train": ("course_lib.launch.training:cli", "train the nanoGPT-style model, one process or distributed"),
     "sample": ("course_lib.gpt.sample:cli", "generate text from a run directory's checkpoint"),
     "info": ("course_lib.hardware:cli", "show the detected hardware and what it implies"),
     "submit": ("course_lib.launch.cluster:cli", "write (and submit) a SLURM or PBS batch script"),

@@ -12,10 +12,28 @@ strategy is built), what it does in one line, the ZeRO stage of its memory (Rajb
 takes a 16-bit gradient all-reduce (``grad_comm_dtype``: only the strategies that all-reduce whole
 gradients), and whether it can be the data-parallel flavour beside tensor, pipeline or context
 parallelism (:class:`course_lib.parallel.model_parallel.ModelParallel`).
+
+And the configuration's torch-free pieces, which every layer may read without torch or the model:
+:class:`ConfigError`, the field machinery (:func:`check_types`, :func:`field_docs`: a docstring per
+field, what ``--help`` prints), and the parallel layout of a run, :class:`ParallelConfig`, with its
+rules. After torchtitan's ``job_config`` (each component owns a typed configuration): the run's
+:class:`course_lib.gpt.config.TrainConfig` is made of five, flat, so that ``--n_layer=4`` and
+config.json stay as they are: the model, the data, the optimizer and the run
+(:mod:`course_lib.gpt.config`) and the parallel layout here. The layout's rules are in two parts:
+:meth:`ParallelConfig.check` (the layout alone: degrees, the strategy beside tp/pp/cp, the
+schedule) and :func:`layout_error` (what the layout asks of the model and the data: heads over tp,
+blocks over pp, every sequence in 2 cp chunks, sequence shards over tp). The process-group grid
+itself is :class:`course_lib.parallel.process_groups.ProcessGroupGrid`.
+
+    from course_lib.registry import ParallelConfig
+    ParallelConfig(nproc=4, tp=2, pp=2)          # checked now: one line per refusal (ConfigError)
 """
 
-from __future__ import annotations
-
+import ast
+import dataclasses
+import inspect
+import itertools
+import textwrap
 from dataclasses import dataclass
 
 
@@ -68,3 +86,160 @@ def strategy_rows() -> list[dict]:
     return [{"strategy": name, "what it does": s.does, "ZeRO stage": "-" if s.zero_stage is None else s.zero_stage,
              "whose": s.whose, "with tp/pp/cp": "yes" if s.beside_model_parallel else "no", "class": s.cls}
             for name, s in STRATEGIES.items()]
+
+
+# --- the configuration's torch-free pieces: its error, its fields, the parallel layout -------------
+
+PP_SCHEDULES = ("1f1b", "afab")
+# the dp flavour under tp/pp/cp: one fact, in the registry ("auto" resolves to one of them)
+MODEL_PARALLEL_STRATEGIES = ("auto", *DP_FLAVOURS)
+GRAD_COMM_DTYPES = ("float32", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the field and says what is allowed."""
+
+
+def choice(name: str, value: str, allowed) -> None:
+    """ConfigError unless ``value`` is one of ``allowed``."""
+    if value not in allowed:
+        raise ConfigError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def at_least(cfg, low: float, names) -> None:
+    """ConfigError naming the first of ``names`` whose value is below ``low`` (or not a number >= it)."""
+    for name in names:
+        if not getattr(cfg, name) >= low:
+            raise ConfigError(f"{name} must be >= {low:g}, got {getattr(cfg, name)}")
+
+
+def check_types(cfg) -> None:
+    """Every field of the dataclass ``cfg`` holds its declared type (an int is taken for a float)."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.type is float and type(value) is int:
+            object.__setattr__(cfg, f.name, float(value))  # JSON writes 1.0 as 1
+        elif type(value) is not f.type:
+            raise ConfigError(f"{f.name}: expected {f.type.__name__}, got {type(value).__name__} {value!r}")
+
+
+def field_docs(cls) -> dict[str, str]:
+    """Each field's docstring (the string literal under it) of the dataclass ``cls`` and of the
+    dataclasses it is made of, read from their source: what ``--help`` prints for the field."""
+    docs = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        for field, doc in itertools.pairwise(body):
+            if (isinstance(field, ast.AnnAssign) and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+                    and isinstance(doc.value.value, str)):
+                docs[field.target.id] = " ".join(doc.value.value.split())
+    return docs
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How a run is spread over processes: ranks, the data-parallel strategy, the dp x pp x cp x tp grid."""
+
+    nproc: int = 1
+    """Worker processes on this host; > 1 launches them through torchrun."""
+    strategy: str = "auto"
+    """'auto' = 'single' for one process, else data parallel (course_lib.STRATEGIES)."""
+    threads: int = 0
+    """Intra-op threads per CPU worker; 0 = cores // workers on this host."""
+    timeout_s: float = 600.0
+    """How long a collective may wait before the run fails."""
+    check_collectives: bool = False
+    """Teaching mode: each collective compared across ranks before it runs (op, dtype, shape, root;
+    parallel.collective_check): a mismatch is named instead of hanging or aborting."""
+    check_replicas_every: int = 0
+    """Every this many steps, the data-parallel replicas compared (parameters, optimizer state, each
+    rank's batch; parallel.replicas); the run stops, naming the first tensor that differs."""
+    grad_comm_dtype: str = "float32"
+    """Data-parallel gradient all-reduce in 'float32' or 'bfloat16'."""
+    tp: int = 1
+    """Tensor-parallel degree (Megatron-LM); dp = nproc / (tp * pp * cp) (parallel.model_parallel)."""
+    pp: int = 1
+    """Pipeline stages; the micro-batches are the gradient_accumulation_steps."""
+    cp: int = 1
+    """Context-parallel degree: the sequence split, attention by ring."""
+    sequence_parallel: bool = False
+    """tp also splits the LayerNorm regions along the sequence."""
+    pp_schedule: str = "1f1b"
+    """'afab' (GPipe: all forward, all backward) or '1f1b'."""
+
+    def __post_init__(self):
+        check_types(self)
+        ParallelConfig.check(self)
+
+    def check(self) -> None:
+        """The layout's own rules (what it asks of the model: :func:`layout_error`)."""
+        at_least(self, 1, ("nproc", "tp", "pp", "cp"))
+        at_least(self, 0, ("threads", "check_replicas_every"))
+        if not self.timeout_s > 0:
+            raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
+        choice("strategy", self.strategy, ("auto",) + STRATEGY_NAMES)
+        choice("grad_comm_dtype", self.grad_comm_dtype, GRAD_COMM_DTYPES)
+        if self.grad_comm_dtype != "float32" and self.strategy not in ("auto",) + GRAD_COMM_STRATEGIES:
+            raise ConfigError(f"grad_comm_dtype={self.grad_comm_dtype} is for data-parallel gradient all-reduce "
+                              f"({', '.join(GRAD_COMM_STRATEGIES)}); strategy {self.strategy} shards gradients")
+        choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("sequence_parallel splits the sequence over the tp ranks: it needs tp > 1")
+        if self.model_parallel_size > 1 and self.strategy not in MODEL_PARALLEL_STRATEGIES:
+            raise ConfigError(f"strategy {self.strategy!r} does not combine with tp/pp/cp; choose one of "
+                              f"{', '.join(MODEL_PARALLEL_STRATEGIES)} (the data-parallel flavour across dp)")
+        if self.strategy == "single" and self.nproc > 1 and self.model_parallel_size == 1:
+            raise ConfigError(f"strategy 'single' runs one process but nproc={self.nproc}; "
+                              "use --strategy=ddp (or auto) or --nproc=1")
+        info = STRATEGIES.get(self.strategy)
+        if self.check_replicas_every and (self.model_parallel_size > 1 or (info and (info.zero_stage or 0) >= 3)):
+            raise ConfigError(f"check_replicas_every compares data-parallel replicas; strategy {self.strategy} with "
+                              f"tp={self.tp}, pp={self.pp}, cp={self.cp} shards the parameters (they are meant to differ)")
+
+    @property
+    def model_parallel_size(self) -> int:  # ranks of one model replica (1: plain data parallelism)
+        return self.tp * self.pp * self.cp
+
+    def resolved_strategy(self, world_size: int) -> str:
+        """'auto' -> 'single' for one process, else our DDP."""
+        if self.strategy != "auto":
+            return self.strategy
+        return "single" if world_size == 1 else "ddp"
+
+    def check_layout(self, world_size: int) -> None:  # ranks = dp*tp*pp*cp: launchers check, workers again
+        """The grid must fill the world: world_size = dp * tp * pp * cp."""
+        n = self.model_parallel_size
+        if world_size % n:
+            raise ConfigError(f"nproc ({world_size} ranks) must be divisible by tp*pp*cp = "
+                              f"{self.tp}*{self.pp}*{self.cp} = {n} (dp = ranks / (tp*pp*cp))")
+
+
+def layout_error(cfg) -> str | None:
+    """The first rule that the layout of ``cfg`` (a TrainConfig) sets the model, data and run and
+    that they break, or None."""
+    tp, pp, cp = cfg.tp, cfg.pp, cfg.cp
+    if cfg.n_head % tp:
+        return f"n_head ({cfg.n_head}) must be divisible by tp ({tp}): each rank holds n_head/tp heads"
+    if cfg.n_layer % pp:
+        return f"n_layer ({cfg.n_layer}) must be divisible by pp ({pp}): each stage holds n_layer/pp blocks"
+    if cp > 1 and cfg.block_size % (2 * cp):
+        return (f"block_size ({cfg.block_size}) must be divisible by 2*cp ({2 * cp}): "
+                "each cp rank holds 2 chunks of every sequence")
+    if cfg.sequence_parallel and (cfg.block_size // cp) % tp:
+        return (f"sequence_parallel: the {cfg.block_size // cp} tokens per cp rank (block_size / cp) "
+                f"must be divisible by tp ({tp})")
+    if tp * pp * cp == 1:
+        return None
+    if cfg.dropout:
+        return (f"dropout={cfg.dropout} with tp/pp/cp is not supported (the tp ranks would need one "
+                "shared random stream); use --dropout=0")
+    if cfg.compile:
+        return "compile with tp/pp/cp is not supported (collectives inside autograd functions); use --compile=false"
+    if cfg.recompute != "none":
+        return f"recompute={cfg.recompute} with tp/pp/cp is not supported yet (the stages keep their activations)"
+    if cfg.grad_comm_dtype not in ("float32", "auto"):
+        return (f"grad_comm_dtype={cfg.grad_comm_dtype} with tp/pp/cp is not supported: the dp gradients of a "
+                "model-parallel run are reduced in their own dtype")
+    return None

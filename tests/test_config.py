@@ -8,9 +8,8 @@ import json
 
 import pytest
 
-from course_lib.gpt.config import STRATEGY_NAMES, TRAIN_PRESETS, ConfigError, TrainConfig, make_config
-from course_lib.gpt.config_args import parse_overrides
-from course_lib.launch.train_cli import build_config, cli
+from course_lib.gpt.config import STRATEGY_NAMES, TRAIN_PRESETS, ConfigError, TrainConfig, make_config, parse_overrides
+from course_lib.launch.training import build_config, cli
 
 
 def test_presets_are_nanogpts_recipes():
@@ -74,6 +73,70 @@ def test_every_strategy_name_is_accepted_and_auto_resolves():
         TrainConfig(strategy=name, nproc=1 if name == "single" else 2)
     assert TrainConfig().resolved_strategy(1) == "single"
     assert TrainConfig(nproc=2).resolved_strategy(2) == "ddp"  # ours is the default for nproc > 1
+
+
+def test_the_dp_flavours_beside_tp_pp_cp_are_the_registrys():
+    """One fact, one home (issue 30 item 3): the configuration allows beside tp/pp/cp exactly the
+    strategies the registry marks so (before: gpt/layout.py said auto, ddp, zero1, zero2 and the
+    registry single, ddp, zero1, zero2)."""
+    from course_lib import registry
+
+    allowed = set()
+    for name in STRATEGY_NAMES + ("auto",):
+        try:
+            TrainConfig(strategy=name, nproc=2, tp=2)
+            allowed.add(name)
+        except ConfigError as e:
+            assert "does not combine with tp/pp/cp" in str(e)
+    assert allowed == {"auto", *registry.DP_FLAVOURS}
+
+
+def test_every_field_has_a_docstring_and_help_prints_it(capsys):
+    """Issue 30 item 1 (in part): each field of the configuration has a docstring, and the command
+    line generated from the fields prints it."""
+    from course_lib.gpt.config import FIELDS
+    from course_lib.registry import field_docs
+
+    docs = field_docs(TrainConfig)
+    assert set(docs) == set(FIELDS), sorted(set(FIELDS) - set(docs))
+    assert all(len(doc) > 5 for doc in docs.values())
+    with pytest.raises(SystemExit):
+        build_config(["--help"])
+    assert docs["pp_schedule"] in " ".join(capsys.readouterr().out.split())
+
+
+def test_configurations_are_owned_by_their_components():
+    """Issue 30 item 1: model, data, optimizer, parallel layout and run each own their fields (a
+    docstring each) and check them on their own; the parallel layout is torch-free and outside
+    gpt/; TrainConfig is made of them, flat, and unknown keys stay errors."""
+    import subprocess
+    import sys
+
+    from course_lib import registry
+    from course_lib.gpt.config import COMPONENTS, FIELDS, DataConfig, ModelConfig, OptimizerConfig, RunConfig
+    from course_lib.registry import ParallelConfig, field_docs
+
+    owned = [f.name for cls in COMPONENTS.values() for f in dataclasses.fields(cls)]
+    assert sorted(owned) == sorted(FIELDS) and len(owned) == len(set(owned))  # each field in one component
+    assert ParallelConfig.__module__ == "course_lib.registry" and set(field_docs(ParallelConfig)) >= {"tp", "strategy"}
+    for cls, bad, message in [(ModelConfig, {"n_embd": 30, "n_head": 4}, "divisible by n_head"),
+                              (DataConfig, {"dataset": "owt"}, "dataset must be one of"),
+                              (OptimizerConfig, {"beta2": 1.0}, r"beta2 must be in \[0, 1\)"),
+                              (RunConfig, {"device": "tpu"}, "device must be"),
+                              (ParallelConfig, {"tp": 2, "strategy": "zero3"}, "does not combine with tp/pp/cp")]:
+        with pytest.raises(ConfigError, match=message):
+            cls(**bad)
+        with pytest.raises(ConfigError, match=message):  # the same check, run by the whole
+            TrainConfig(**bad)
+    cfg = TrainConfig(n_layer=2, tp=2, nproc=2, learning_rate=3e-4)
+    assert (cfg.model.n_layer, cfg.parallel.tp, cfg.optimizer.learning_rate) == (2, 2, 3e-4)
+    assert cfg.parallel == ParallelConfig(nproc=2, tp=2) and cfg.run == RunConfig()
+    with pytest.raises(ConfigError, match="unknown field"):
+        TrainConfig.from_dict({**cfg.to_dict(), "n_layers": 3})
+    code = "import sys, course_lib.registry as r; r.ParallelConfig(tp=2); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+    assert registry.ParallelConfig(nproc=3).resolved_strategy(3) == "ddp"
 
 
 def test_frozen_and_json_round_trip(tmp_path):

@@ -21,7 +21,7 @@ def _worker(rank, world_size, variants):
 def test_variants_match_one_process_and_count_their_messages():
     from course_lib.gpt.model import GPT, GPTConfig
 
-    results = run_ranks(_worker, 2, args=(VARIANTS,))
+    results = run_ranks(_worker, 2, VARIANTS)
     model = GPT(GPTConfig(**SMALL_GPT))
     n_tensors = len(list(model.parameters()))
     grad_mb = sum(p.numel() for p in model.parameters()) * 4 / 1e6

@@ -302,7 +302,7 @@ def test_the_trainer_checks_collectives_and_replicas_when_asked(tmp_path):
     prepare("shakespeare_char", tmp_path / "data", quiet=True)
     cfg = make_config("shakespeare_char_cpu", {**TINY, "data_dir": str(tmp_path / "data"), "out_dir": str(tmp_path / "run"),
                                                "check_collectives": True, "check_replicas_every": 2})
-    results = run_ranks(trainer_checks_worker, 2, args=(cfg.to_dict(), [str(tmp_path / "s0"), str(tmp_path / "s1")]),
+    results = run_ranks(trainer_checks_worker, 2, cfg.to_dict(), [str(tmp_path / "s0"), str(tmp_path / "s1")],
                         timeout=120)
     for _, mismatch, drift in results:
         assert "rank 0: all_reduce float32[2]; rank 1: all_reduce float32[3]" in mismatch

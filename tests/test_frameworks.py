@@ -33,7 +33,7 @@ from course_lib.gpt.data import prepare
 @pytest.fixture(scope="module")
 def gpt_runs(tmp_path_factory):
     data = prepare("shakespeare_char", tmp_path_factory.mktemp("data"), quiet=True).parent
-    return run_ranks(compare_runs, 2, args=(data, tuple(RUNS), None, 3), timeout=120)  # 3 steps
+    return run_ranks(compare_runs, 2, data, tuple(RUNS), None, 3, timeout=120)  # 3 steps
 
 
 def test_every_run_equals_one_process_step_by_step(gpt_runs):
@@ -110,7 +110,7 @@ def test_bert_on_two_ranks_is_the_one_rank_program():
     def both(rank, world):  # one start of 2 ranks for both strategies
         return train_qa(rank, world, "ddp", BERT_TINY, 3), train_qa(rank, world, "fsdp2", BERT_TINY, 3)
 
-    one = run_ranks(train_qa, 1, args=("single", BERT_TINY, 3), timeout=200)
+    one = run_ranks(train_qa, 1, "single", BERT_TINY, 3, timeout=200)
     two, fsdp = map(list, zip(*run_ranks(both, 2, timeout=200)))
     for run in (two, fsdp):
         assert run[0]["losses"] == pytest.approx(one[0]["losses"], rel=1e-5)

@@ -15,7 +15,7 @@ LOSS_TOL = 2e-3
 
 
 def test_bf16_gradient_communication_halves_bytes_and_keeps_the_loss():
-    ranks = run_ranks(grad_comm_worker, 2, args=(("ddp", "ddp_naive", "torch_ddp"), ("float32", "bfloat16")))
+    ranks = run_ranks(grad_comm_worker, 2, ("ddp", "ddp_naive", "torch_ddp"), ("float32", "bfloat16"))
     r = ranks[0]
     assert all(ranks[0][k]["losses"] == ranks[1][k]["losses"] for k in r)  # ranks agree
     for name in ("ddp", "ddp_naive"):

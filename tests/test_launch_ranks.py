@@ -104,7 +104,7 @@ def test_what_cannot_be_sent_is_named_before_any_process_starts(monkeypatch, tmp
     monkeypatch.setattr(ranks, "_context", no_start)
     lock = threading.Lock()
     with pytest.raises(SendError, match=r"cannot send argument 1 \(a lock\).*_thread.lock"):
-        run_ranks(_module_state, 2, args=(1, lock))
+        run_ranks(_module_state, 2, 1, lock)
     generator = (i for i in range(3))
 
     def uses_a_generator(rank, world_size):

@@ -16,8 +16,8 @@ from course_lib.gpt import checkpoint as ckpt_io
 from course_lib.gpt.config import ConfigError, make_config
 from course_lib.gpt.data import DataError, prepare
 from course_lib.hardware import cpu_autocast_dtypes, gpu_count
-from course_lib.launch import launch_training, training
-from course_lib.launch.train_cli import cli
+from course_lib.launch import checks, launch_training
+from course_lib.launch.training import cli
 
 TINY = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32, "batch_size": 4, "max_iters": 4,
         "lr_decay_iters": 4, "warmup_iters": 1, "eval_interval": 2, "eval_iters": 1, "device": "cpu", "threads": 1}
@@ -67,7 +67,7 @@ def test_device_ranks_dtype_strategy_memory(small_data, tmp_path):
     cfg = tiny(small_data, tmp_path / "run")
     refused(cfg.replace(device="cuda"), ConfigError, r"no GPU|GPU\(s\)", nproc=gpu_count() + 1)
     if "float16" in cpu_autocast_dtypes():  # torch 2.13: CPU fp16 autocast exists, the lesson uses it
-        training.check_request(cfg.replace(dtype="float16"))
+        checks.check_request(cfg.replace(dtype="float16"))
     else:
         refused(cfg.replace(dtype="float16"), ConfigError, "dtype: float16 autocast is not supported on CPU")
     refused(cfg.replace(strategy="single"), ConfigError, "strategy 'single' runs one process but 2 ranks", nnodes=2)
@@ -88,9 +88,9 @@ def test_resume_and_a_run_already_there(small_data, tmp_path):
     # another layout resumes only with the same global batch (batch_size x accumulation x dp)
     refused(resume.replace(nproc=2), ConfigError, "global batch of 4 sequences per step, this layout has 8")
     refused(resume, ConfigError, "global batch of 4 sequences per step, this layout has 8", nnodes=2)
-    training.check_request(resume.replace(nproc=2, batch_size=2))  # 2 ranks x 2: the same 4 sequences
+    checks.check_request(resume.replace(nproc=2, batch_size=2))  # 2 ranks x 2: the same 4 sequences
     refused(resume.replace(max_iters=1), ConfigError, "at iteration 2, past max_iters=1")
-    req = training.check_request(resume)  # and the same request, right, passes every check
+    req = checks.check_request(resume)  # and the same request, right, passes every check
     assert (req.world_size, req.strategy, req.device) == (1, "single", "cpu")
 
 
@@ -112,11 +112,11 @@ def test_a_new_check_plugs_in(small_data, tmp_path, monkeypatch):
     """What a tensor-parallel helper does: append a function of the request to CHECKS."""
     def check_even_ranks(req):
         if req.world_size % 2:
-            raise training.LaunchConfigError(f"{req.world_size} ranks: this layout needs an even number")
+            raise checks.LaunchConfigError(f"{req.world_size} ranks: this layout needs an even number")
 
-    monkeypatch.setattr(training, "CHECKS", [*training.CHECKS, check_even_ranks])
+    monkeypatch.setattr(checks, "CHECKS", [*checks.CHECKS, check_even_ranks])
     refused(tiny(small_data, tmp_path / "run", nproc=3), ConfigError, "3 ranks: this layout needs an even number")
-    assert training.check_request(tiny(small_data, tmp_path / "run", nproc=2)).world_size == 2
+    assert checks.check_request(tiny(small_data, tmp_path / "run", nproc=2)).world_size == 2
 
 
 def test_the_worker_imports_no_launch_code():

@@ -6,6 +6,7 @@ Processes here are plain Python (no torch import), so these tests take a few sec
 import faulthandler
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import psutil
 import pytest
 
 from course_lib.launch import checks, monitor, procs, torchrun
-from course_lib.launch.api import launch
+from course_lib.launch.api import LaunchSpec, launch
 from course_lib.launch.bootstrap import diagnose
 from course_lib.launch.supervise import pick_failure
 
@@ -192,6 +193,25 @@ def test_refuses_bad_options(nothing_spawned, script):
         launch(script, nproc=2, nnodes=0, run_dir=nothing_spawned)
     with pytest.raises(ValueError, match="NCCL debug level"):
         launch(script, nproc=2, nccl_debug="LOUD", run_dir=nothing_spawned)
+
+
+def test_launch_takes_a_typed_spec_and_refuses_unknown_fields(nothing_spawned, script):
+    """Issue 30 item 3: launch(target, args, spec, **fields), at most 10 parameters; every field of
+    the spec has a docstring; an unknown keyword is an error, before anything is spawned."""
+    import dataclasses
+    import inspect
+
+    assert len(inspect.signature(launch).parameters) <= 10
+    assert list(inspect.signature(launch).parameters) == ["target", "args", "spec", "fields"]
+    source = inspect.getsource(LaunchSpec)
+    for f in dataclasses.fields(LaunchSpec):  # each field line is followed by its docstring
+        assert re.search(rf"\n    {f.name}: [^\n]+\n    \"\"\"", source), f"{f.name} has no docstring"
+    with pytest.raises(TypeError, match=r"unknown field\(s\) nprocs"):
+        launch(script, nprocs=2, run_dir=nothing_spawned)
+    with pytest.raises(checks.LaunchConfigError, match="timeout must be"):  # a spec's fields are checked too
+        launch(script, (), LaunchSpec(nproc=2, timeout=-1, run_dir=nothing_spawned))
+    with pytest.raises(checks.LaunchConfigError, match="output must be"):  # keywords change a given spec
+        launch(script, (), LaunchSpec(nproc=2, run_dir=nothing_spawned), output="loud")
 
 
 def test_refuses_nodes_beyond_the_slurm_allocation(nothing_spawned, script, monkeypatch):

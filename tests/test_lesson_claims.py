@@ -179,7 +179,7 @@ def bubble_worker(rank: int, world_size: int, n_micros: tuple[int, ...]) -> dict
 @pytest.mark.timeout(120)
 def test_bubble_over_ideal_time_is_narayanans_p_minus_1_over_m():
     p, n_micros = 2, (1, 2, 4, 8)
-    for per_rank in run_ranks(bubble_worker, p, args=(n_micros,)):
+    for per_rank in run_ranks(bubble_worker, p, n_micros):
         for m in n_micros:
             busy, total, share = per_rank[m]
             b = (total - busy) / busy  # idle time over ideal (busy) time, on the schedule's clock

@@ -102,6 +102,21 @@ def test_each_public_name_is_defined_once():
     assert not problems, "\n".join(problems)
 
 
+def test_one_way_to_run_a_function_on_n_local_ranks_has_one_signature():
+    """Issue 30 item 2: run_ranks(fn, nproc, *args), fn(rank, world_size, *args), in the library and
+    in the grader's copy alike (its keywords a subset: the grader fixes the backend and threads)."""
+    import inspect
+
+    from course_lib.exercises import grading
+    from course_lib.launch import spawn
+
+    ours, graders = inspect.signature(spawn.run_ranks), inspect.signature(grading.run_ranks)
+    positional = [(p.name, p.kind) for p in ours.parameters.values() if p.kind != p.KEYWORD_ONLY]
+    assert positional == [(p.name, p.kind) for p in graders.parameters.values() if p.kind != p.KEYWORD_ONLY]
+    assert [name for name, _ in positional] == ["fn", "nproc", "args"]
+    assert {n for n, p in graders.parameters.items() if p.kind == p.KEYWORD_ONLY} <= set(ours.parameters)
+
+
 def test_the_check_sees_a_second_definition(tmp_path):
     pkg = tmp_path / "course_lib"
     (pkg / "gpt").mkdir(parents=True)

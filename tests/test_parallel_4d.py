@@ -149,7 +149,7 @@ def assert_figures_match_the_models(name: str, lay: dict, dtype, figures: dict):
 
 @pytest.mark.timeout(300)
 def test_layouts_on_4_ranks_equal_one_process_and_resume_across_layouts():
-    results = run_ranks(layouts_worker, 4, args=(LAYOUTS_4,))
+    results = run_ranks(layouts_worker, 4, LAYOUTS_4)
     for name, (lay, dtype) in LAYOUTS_4.items():
         assert_equal_to_one_process(name, results[0][name], dtype, lay["dp"])
         assert all(r[name][0] == results[0][name][0] for r in results[1:]), name  # same loss everywhere
@@ -171,7 +171,7 @@ def test_layouts_on_4_ranks_equal_one_process_and_resume_across_layouts():
 
 @pytest.mark.timeout(300)
 def test_tp_pp_cp_together_on_8_ranks_equals_one_process():
-    results = run_ranks(layouts_worker, 8, args=(LAYOUTS_8,))
+    results = run_ranks(layouts_worker, 8, LAYOUTS_8)
     for name, (lay, dtype) in LAYOUTS_8.items():
         assert_equal_to_one_process(name, results[0][name], dtype, lay["dp"])
         for r in results:
@@ -257,7 +257,7 @@ def test_activation_memory_against_korthikanti_and_the_schedules():
     input. With 4 micro-batches on 2 stages, AFAB's first stage holds all 4, 1F1B's 2."""
     one, tp2, sp2 = (1, 1, False, "1f1b", 1), (2, 1, False, "1f1b", 1), (2, 1, True, "1f1b", 1)
     afab, ofob = (1, 2, False, "afab", 4), (1, 2, False, "1f1b", 4)
-    got = run_ranks(activations_worker, 2, args=([one, tp2, sp2, afab, ofob],))[0]
+    got = run_ranks(activations_worker, 2, [one, tp2, sp2, afab, ofob])[0]
     for measured, (tp, *_rest) in zip(got[:2], (one, tp2)):
         want = activation_bytes(ACT_CFG.n_layer, 64, 8, 64, 4, 65, t=tp, bytes_per_value=4, dropout=False,
                                 flash_attention=True)

@@ -19,7 +19,7 @@ from test_parallel_trainer import TINY, losses, numbers, run
 from course_lib.gpt.checkpoint import CheckpointError
 from course_lib.gpt.config import ConfigError, make_config
 from course_lib.gpt.data import prepare
-from course_lib.launch.training import check_request
+from course_lib.launch.checks import check_request
 
 ITERS, HALF = 10, 5
 BASE = {**TINY, "max_iters": ITERS, "lr_decay_iters": ITERS, "eval_interval": HALF}

@@ -200,14 +200,14 @@ def check_equivalence(results: list[dict]) -> None:
 @pytest.mark.timeout(240)
 def test_ours_and_pytorchs_equal_single_process_2_ranks():
     assert set(OURS + TORCH) <= set(STRATEGIES)
-    results = run_ranks(equivalence_worker, 2, args=(OURS + TORCH, PAIRS))
+    results = run_ranks(equivalence_worker, 2, OURS + TORCH, PAIRS)
     assert len(results[0]) == 2 * len(OURS + TORCH) + 2 * len(PAIRS)
     check_equivalence(results)
 
 
 @pytest.mark.timeout(240)
 def test_ours_equal_single_process_4_ranks():
-    check_equivalence(run_ranks(equivalence_worker, 4, args=(OURS, [])))
+    check_equivalence(run_ranks(equivalence_worker, 4, OURS, []))
 
 
 def corners_worker(rank: int, world_size: int, names: list[str]) -> dict:
@@ -237,7 +237,7 @@ CORNER_TOL = {"corners": 2e-6, "corners-bf16": 5e-2}
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_corners_equal_single_process(world_size):
-    results = run_ranks(corners_worker, world_size, args=(OURS,))
+    results = run_ranks(corners_worker, world_size, OURS)
     bad = [f"rank {r} {name}/{kind}: {what} differs by {d:.2e}"
            for r, res in enumerate(results) for (name, kind), diffs in res.items()
            for what, d in diffs.items()

@@ -52,7 +52,7 @@ def run(configs: list, world_size: int) -> None:
     stores = [os.path.join(os.path.dirname(c.out_dir), f".store-{os.path.basename(c.out_dir)}-{i}")
               for i, c in enumerate(configs)]
     # a hang (a rank stuck while the other moved on) fails in 2 minutes with the ranks named
-    run_ranks(trainer_worker, world_size, args=([c.to_dict() for c in configs], stores), timeout=120)
+    run_ranks(trainer_worker, world_size, [c.to_dict() for c in configs], stores, timeout=120)
 
 
 def losses(out_dir) -> dict[int, tuple]:

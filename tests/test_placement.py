@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from course_lib.hardware import BACKEND_ENV, RANK_DEVICES_ENV, gpu_count, planned_device, planned_gpu_share
-from course_lib.launch import placement, training
+from course_lib.launch import checks, placement, training
 from course_lib.launch.api import launch
 from course_lib.launch.placement import PlanError, plan_ranks
 from course_lib.notebook import demo
@@ -106,14 +106,13 @@ def test_course_train_on_one_gpu_keeps_the_gpu_recipe_on_the_gpu(one_gpu, monkey
     (before: 2 CPU ranks, silently). What reaches launch() is the plan check_request made."""
     from course_lib.gpt.config import TrainConfig
     from course_lib.gpt.data import prepare
-    from course_lib.launch import train_cli
 
-    cpu = training.detect("cpu")
-    monkeypatch.setattr(training, "detect", lambda device=None: cpu)  # no CUDA here to ask
+    cpu = checks.detect("cpu")
+    monkeypatch.setattr(checks, "detect", lambda device=None: cpu)  # no CUDA here to ask
     launched = {}
     monkeypatch.setattr(training, "launch", lambda target, args, **kw: launched.update(kw) or _Ok())
     prepare("shakespeare_char", data_dir=tmp_path / "data", quiet=True)
-    code = train_cli.cli(["--config=shakespeare_char", "--nproc=2", "--max_iters=2", "--dtype=float32",
+    code = training.cli(["--config=shakespeare_char", "--nproc=2", "--max_iters=2", "--dtype=float32",
                           f"--out_dir={tmp_path / 'run'}", f"--data_dir={tmp_path / 'data'}"])
     assert code == 0
     assert (launched["nproc"], launched["device"], launched["backend"]) == (2, "cuda", "gloo")
@@ -126,13 +125,13 @@ def test_pipeline_ranks_sharing_a_gpu_are_refused(one_gpu, monkeypatch, tmp_path
     """pp and cp send activations point to point; gloo cannot send CUDA tensors."""
     from course_lib.gpt.config import make_config
 
-    cpu = training.detect("cpu")
-    monkeypatch.setattr(training, "detect", lambda device=None: cpu)
+    cpu = checks.detect("cpu")
+    monkeypatch.setattr(checks, "detect", lambda device=None: cpu)
     cfg = make_config("shakespeare_char", {"nproc": 2, "pp": 2, "n_layer": 2, "dtype": "float32", "dropout": 0.0,
                                            "out_dir": str(tmp_path / "run")})
     with pytest.raises(placement.LaunchConfigError, match=r"gloo cannot do with CUDA tensors \(plan: 2 ranks · cuda:0, "
                                                        r"cuda:0 .*\); use one rank per GPU \(NCCL\) or --device=cpu"):
-        training.check_request(cfg)
+        checks.check_request(cfg)
 
 
 def test_demo_on_one_gpu_picks_the_gpu_recipe_for_shared_ranks(one_gpu, monkeypatch, tmp_path):

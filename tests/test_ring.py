@@ -35,7 +35,7 @@ def _ring_rank(rank: int, world_size: int, n: int):
 @pytest.mark.parametrize(("world_size", "n"), [(2, 6), (3, 7), (4, 8)])
 def test_ring_all_reduce_equals_one_process_sum(world_size, n):
     expected = sum(_data(r, n) for r in range(world_size))  # one process adds the ranks' tensors
-    results = run_ranks(_ring_rank, world_size, (n,), timeout=60)
+    results = run_ranks(_ring_rank, world_size, n, timeout=60)
     for rank, (full, owned, again, reference) in enumerate(results):
         assert torch.equal(full, expected) and torch.equal(again, expected) and torch.equal(reference, expected)
         assert torch.equal(owned, ring_chunks(expected.clone(), world_size)[(rank + 1) % world_size])

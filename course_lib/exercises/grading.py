@@ -83,7 +83,7 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float | N
     timeout = default_timeout() if timeout is None else float(timeout)
     if not timeout > 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
-    return _spawn.run_ranks(fn, nproc, args, timeout=timeout)
+    return _spawn.run_ranks(fn, nproc, *args, timeout=timeout)
 
 
 # --------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ one process step by step, with bytes per rank and bytes communicated beside the 
 
     from course_lib.launch.spawn import run_ranks
     from course_lib.experiments.frameworks_gpt import RUNS, compare_runs, rows
-    results = run_ranks(compare_runs, 2, args=(data_dir,))      # results[0]: rank 0's dict
+    results = run_ranks(compare_runs, 2, data_dir)      # results[0]: rank 0's dict
     rows(results[0])                                            # one table row per run
 
 Runs (the same global batch every step, each rank its half):
@@ -129,7 +129,7 @@ def _fabric_run(name, cfg, data, lr, world):
 
 def compare_runs(rank: int, world: int, data_dir, runs=tuple(RUNS), gpt: dict | None = None,
                  steps: int = 4, batch: int = 4, lr: float = 1e-3, seed: int = 0) -> dict:
-    """On every rank (``run_ranks(compare_runs, 2, args=(data_dir,))``): each run of ``runs`` and the
+    """On every rank (``run_ranks(compare_runs, 2, data_dir)``): each run of ``runs`` and the
     one-process reference. Returns {"reference": losses, "num_params": Psi, run: {losses, step_ms,
     held (bytes of model states on this rank), held_model, comm (bytes this rank moved in the last
     step), comm_model}}."""

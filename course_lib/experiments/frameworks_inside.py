@@ -1,7 +1,7 @@
 """What Fabric's strategies do inside, read from the framework's own objects (notebook 11).
 
     from course_lib.experiments.frameworks_inside import ddp_inside, fsdp2_inside
-    ddp = run_ranks(ddp_inside, 2, args=(0.05,))[0]      # DDP's hooks and buckets
+    ddp = run_ranks(ddp_inside, 2, 0.05)[0]             # DDP's hooks and buckets
     fsdp = run_ranks(fsdp2_inside, 2)[0]                 # what FSDP2 shards, and when it gathers
 
 DDP (Li et al. 2020, "PyTorch Distributed", Sec. 3.2): ``DistributedDataParallel`` builds a C++

@@ -2,8 +2,8 @@
 Lightning Fabric's strategies, timed against ONE baseline, the same program on one rank (notebook 11).
 
     from course_lib.experiments.frameworks_qa import qa_examples, train_qa, strategy_table
-    one = run_ranks(train_qa, 1, args=("single", BERT_TINY))        # the baseline
-    two = run_ranks(train_qa, 2, args=("ddp", BERT_TINY))           # the same program on 2 ranks
+    one = run_ranks(train_qa, 1, "single", BERT_TINY)      # the baseline
+    two = run_ranks(train_qa, 2, "ddp", BERT_TINY)         # the same program on 2 ranks
     strategy_table({"single": one, "ddp": two}, refused={...})
 
 The data set is built from the shipped Tiny Shakespeare, nothing downloaded: a context is a few

@@ -85,7 +85,7 @@ def probe(device: str = "cuda") -> dict:
     threading.Thread(target=stop.wait, daemon=True).start()  # a kernel has threads of its own
     out = {"device": device, "cuda_initialized": torch.cuda.is_initialized()}
     calls = {
-        "run_ranks": (lambda: run_ranks(_all_reduce_rank, 2, (device,), timeout=60), [[3.0, 3.0]] * 2),
+        "run_ranks": (lambda: run_ranks(_all_reduce_rank, 2, device, timeout=60), [[3.0, 3.0]] * 2),
         "notebook_launcher": (lambda: notebook_launcher(_launcher_rank, nproc=2, timeout=60), [3.0, 3.0]),
         "isolated": (lambda: grading.isolated(_isolated_check, timeout=60), 6.0),
     }

@@ -28,7 +28,7 @@ from course_lib.gpt.checkpoint import load_checkpoint
 from course_lib.gpt.data import prepare
 from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.hardware import PROFILES, GiB, detect, pick_dtype
-from course_lib.launch.train_cli import build_config
+from course_lib.launch.training import build_config
 from course_lib.parallel.step import Precision, train_step
 from course_lib.parallel.strategy import build_strategy
 

@@ -73,4 +73,4 @@ def profile_layout(world_size: int = 4, tp: int = 1, pp: int = 1, cp: int = 1, s
     gpt = {"block_size": 64, "vocab_size": 65, "n_layer": 4, "n_head": 4, "n_embd": 128, "dropout": 0.0, **(gpt or {})}
     spec = {"layout": {"tp": tp, "pp": pp, "cp": cp, "sequence_parallel": sequence_parallel, "pp_schedule": pp_schedule},
             "strategy": strategy, "gpt": gpt, "batch_size": batch_size, "grad_accum": grad_accum, "warmup": warmup}
-    return run_ranks(profile_layout_worker, world_size, args=(spec,))
+    return run_ranks(profile_layout_worker, world_size, spec)

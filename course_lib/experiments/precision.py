@@ -148,7 +148,7 @@ def grad_comm_worker(rank: int, world_size: int, strategies=("ddp", "torch_ddp")
                      dtypes=("float32", "bfloat16"), gpt_kwargs: dict | None = None, steps: int = 10,
                      batch_size: int = 4, lr: float = 3e-3, seed: int = 0) -> dict:
     """One rank of a data-parallel run per (strategy, gradient communication dtype), from the same
-    weights on the same data: ``run_ranks(grad_comm_worker, 2, args=(...))``.
+    weights on the same data: ``run_ranks(grad_comm_worker, 2, ...)``.
 
     Per run: ``losses`` (mean over ranks, per step), ``volume`` (bytes the strategy's Comms
     counted for one step's gradients, ZeRO accounting; None for PyTorch DDP, whose C++ reducer

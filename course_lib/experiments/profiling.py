@@ -123,7 +123,7 @@ def profile_training_step(strategy: str = "ddp", world_size: int = 2, gpt: dict 
     spec = {"strategy": strategy, "gpt": gpt, "batch_size": batch_size, "grad_accum": grad_accum,
             "warmup": warmup, "trace_dir": str(trace_dir) if trace_dir is not None else None,
             "devices": plan.devices, "strategy_kwargs": strategy_kwargs}
-    results = run_ranks(profile_worker, world_size, args=(spec,), backend=plan.backend, threads=threads,
+    results = run_ranks(profile_worker, world_size, spec, backend=plan.backend, threads=threads,
                         start_method="spawn" if device == "cuda" else None)  # a forked child cannot use CUDA
     if trace_dir is not None:
         merge_traces([r["trace"] for r in results], Path(trace_dir) / "trace.json")

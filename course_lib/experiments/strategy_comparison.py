@@ -97,7 +97,7 @@ def one_run(strategy: str, ranks: int, iters: int, warmup: int, scaling: str, th
     if scaling == "strong":
         overrides["batch_size"] = recipe.batch_size // ranks
     spec = {"strategy": strategy, "overrides": overrides, "iters": iters, "warmup": warmup, "threads": threads}
-    per_rank = run_ranks(bench_worker, ranks, args=(spec,), threads=threads)
+    per_rank = run_ranks(bench_worker, ranks, spec, threads=threads)
     return {"strategy": strategy, "ranks": ranks,
             "s": max(r["s_per_iter"] for r in per_rank),  # the slowest rank sets the pace
             "comm": max(r["comm_s"] for r in per_rank),

@@ -5,9 +5,9 @@ imports nothing above it.
 
     model       GPTConfig, GPT: GPT-2 architecture, optimizer groups, FLOPs, generation
     data        dataset preparation (characters, GPT-2 BPE from the shipped ranks), batches
-    config      TrainConfig: the one frozen config of a run; presets
-    config_args its command line: a preset or config.json, --resume, --field=value (host and workers)
-    layout      what tp, pp, cp and sequence_parallel ask of the model and the ranks
+    config      TrainConfig: the one frozen config of a run, made of its components (model, data,
+                optimizer, run here; the parallel layout in course_lib.registry); presets; its command line, generated
+                from the fields (--config, --config-file, --resume, --field=value; host and workers)
     checkpoint  atomic checkpoints and exact resume
     activation_meter  the activations a forward keeps for backward, measured (metrics.csv act_mb)
     sample      text from a run's checkpoint (course sample)

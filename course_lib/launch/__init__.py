@@ -9,18 +9,17 @@
 
 Modules:
 
-    api         launch(), LaunchResult: any script or module on N ranks, supervised
-    training    the one training path: check_request, run_training behind launch_training()
-                and ``course train``
-    train_cli   ``course train``
-    checks      refusing bad launches before anything is spawned
+    api         launch(target, args, LaunchSpec), LaunchResult: any script or module on N ranks, supervised
+    training    the one training path: run_training behind launch_training() and ``course train`` (cli)
+    checks      the one home of every check, run before anything is spawned: check_launch
+                (a LaunchSpec), check_request and CHECKS (a training request)
     mpi         mpirun(): the same for MPI ranks (mpi4py), with the mpiexec of mpi4py's MPI library
     ranks       the one local rank runner (run_local): N processes started clean from a fork
                 server, a function sent by value, one rendezvous, one barrier; behind
                 notebook_launcher, run_ranks and the grading helpers
     rank_child  what each of those local ranks runs: join, call, send back value or traceback
     forked      notebook_launcher(): a notebook function on N local CPU ranks (via ranks)
-    spawn       run_ranks(fn, world_size): a function on N local gloo processes, for the tests,
+    spawn       run_ranks(fn, nproc, *args): a function on N local gloo processes, for the tests,
                 the lessons and the exercises (via ranks)
     magics      the %%torchrun and %%mpirun cell magics
     placement   where ranks run: the device of each rank and the backend, decided before any start
@@ -33,8 +32,7 @@ Modules:
     cluster     ``course submit``: SLURM and PBS batch scripts
     allocation  the SLURM or PBS job this process runs in
     slurm_local a real two-node SLURM on this machine, to try ``course submit`` (make slurm-local)
-    torchrun    the torchrun command lines
-    agent       torchrun with its stores on loopback only
+    torchrun    the torchrun command lines, and the agent (torchrun with its stores on loopback only)
     bootstrap   what each rank runs first (logs, process group, the target)
     supervise   the launcher's loop: wait, stop on the first failure, explain it
     monitor     watching a running launch: per-rank output, rank states, where a hung rank waits
@@ -51,6 +49,7 @@ import importlib
 _EXPORTS = {
     "launch": "course_lib.launch.api",
     "LaunchResult": "course_lib.launch.api",
+    "LaunchSpec": "course_lib.launch.api",
     "LaunchError": "course_lib.launch.api",
     "LaunchConfigError": "course_lib.launch.placement",
     "launch_training": "course_lib.launch.training",

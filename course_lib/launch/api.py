@@ -1,7 +1,7 @@
 """launch(): run a script or module on N ranks through torchrun, from Python or a notebook.
 
     from course_lib.launch import launch
-    result = launch("train.py", ["--lr", "3e-4"], nproc=2, timeout=600)
+    result = launch("train.py", ["--lr", "3e-4"], nproc=2, timeout=600)  # or launch(target, args, LaunchSpec(...))
     result.returncode, result.failed_rank, result.traceback, result.metrics
 
 The call blocks, streams output live (rank 0's in full, every rank's stderr), and returns a
@@ -13,16 +13,17 @@ KeyboardInterrupt propagates; :func:`launch_training` runs the course trainer wi
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from course_lib.hardware import threads_per_rank
-from course_lib.launch import allocation, checks, placement, torchrun
+from course_lib.launch import checks, torchrun
 from course_lib.launch.supervise import Agent, RankFailure, supervise
 
 
@@ -109,54 +110,92 @@ def base_env(env: Mapping[str, str] | None, nproc_per_node: int, run_id: str, *,
     return out
 
 
-def launch(target, args: Sequence[str] = (), *, nproc="auto", nnodes: int = 1,
-           module: bool | None = None, device: str = "auto", backend: str = "auto", recipe: str = "",
-           timeout: float | None = None,
-           collective_timeout: float = 60.0, env: Mapping[str, str] | None = None, run_dir=None,
-           init_process_group: bool = False, show_ranks: Sequence[int] | str = (0,),
-           rdzv: str = "c10d", rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
-           nccl_debug: str | None = None, nccl_debug_subsys: str | None = None,
-           nccl_debug_file=None, grace: float = 5.0, progress=None, output: str = "ranks",
-           check: bool = False, out=None, err=None) -> LaunchResult:
-    """Run ``target`` (a .py path or a module name) on ``nproc`` ranks per node via torchrun.
+@dataclass(frozen=True)
+class LaunchSpec:
+    """How to run a target on N ranks: what :func:`launch` takes besides the target and its args.
 
-    nproc: int or "auto" (one rank per GPU, else 2 CPU ranks, threads split between them).
-    device / backend: 'auto', 'cpu' or 'cuda' / 'auto', 'gloo' or 'nccl': with more ranks than
-        GPUs the ranks share the GPUs over gloo (NCCL is refused there); the decision
-        (:mod:`course_lib.launch.placement`) is printed once, as one line, before the ranks start.
-    recipe: what the plan line calls the run (default: the target's name).
-    nnodes: >1 without ``rdzv_endpoint`` starts that many torchrun agents on this host, meeting
-        in a c10d rendezvous on 127.0.0.1 (the course's stand-in for a cluster); with
-        ``rdzv_endpoint="HOST:PORT"`` and ``rdzv_id`` this host joins a real multi-node job.
-    timeout: wall-clock limit for the whole run (None: none). On expiry the ranks still running
-        print where they are, then everything is stopped.
-    collective_timeout: seconds a collective may wait; used by the process group that
-        ``init_process_group=True`` creates (as ``%%torchrun`` does) and passed to the trainer
-        in ``COURSE_COLLECTIVE_TIMEOUT``.
-    show_ranks: whose stdout is streamed (stderr of every rank always is): (0,), [0, 1], "all".
-    nccl_debug / nccl_debug_subsys / nccl_debug_file: NCCL_DEBUG, NCCL_DEBUG_SUBSYS, NCCL_DEBUG_FILE.
-    progress: a callable(run_dir) -> object with poll() and close() (training progress bar).
-    output: "ranks" (each line prefixed ``[rankK]``) or "raw" (rank 0's stdout and stderr byte
-        for byte, as a terminal would show that process, its progress bar included; other
-        ranks' stderr still prefixed).
+    Build one (``LaunchSpec(nproc=2, timeout=60)``) or pass its fields to ``launch`` as keywords;
+    an unknown field is an error. Every field is checked by
+    :func:`course_lib.launch.checks.check_launch` before anything is spawned.
     """
-    nnodes = checks.check_nnodes(nnodes)
-    plan = placement.plan(nproc, device, backend, recipe or Path(os.fspath(target)).name, nnodes,
-                       same_host=rdzv_endpoint is None)
-    nproc, device = plan.nproc, plan.device_type
-    timeout = checks.check_timeout("timeout", timeout)
-    collective_timeout = checks.check_timeout("collective_timeout", collective_timeout, False)
-    target, is_module = checks.resolve_target(target, module)
-    if rdzv not in torchrun.RDZV_BACKENDS:
-        raise placement.LaunchConfigError(f"rdzv must be one of {torchrun.RDZV_BACKENDS}, got {rdzv!r}")
-    if nnodes > 1 and rdzv != "c10d":
-        raise placement.LaunchConfigError("several nodes need the c10d rendezvous (rdzv='c10d')")
-    if rdzv_endpoint and not rdzv_id:
-        raise placement.LaunchConfigError("rdzv_endpoint needs rdzv_id: the same id on every node")
-    if output not in ("ranks", "raw"):
-        raise placement.LaunchConfigError(f"output must be 'ranks' or 'raw', got {output!r}")
-    allocation.check_scheduler(nnodes, plan.gpus_per_node or nproc, device)  # in a SLURM/PBS job: what it was given
-    torchrun.nccl_debug_env(nccl_debug, nccl_debug_subsys, nccl_debug_file)  # validates
+
+    nproc: int | str = "auto"
+    """Ranks per node: an int, or "auto" (one rank per GPU, else 2 CPU ranks, threads split between them)."""
+    nnodes: int = 1
+    """Nodes. >1 without ``rdzv_endpoint`` starts that many torchrun agents on this host, meeting in a c10d
+    rendezvous on 127.0.0.1 (the course's stand-in for a cluster)."""
+    module: bool | None = None
+    """The target is a module name (True), a .py path (False), or None: guess from the target."""
+    device: str = "auto"
+    """'auto', 'cpu' or 'cuda': with more ranks than GPUs the ranks share the GPUs over gloo."""
+    backend: str = "auto"
+    """'auto', 'gloo' or 'nccl' (NCCL is refused when ranks share a GPU); the decision
+    (:mod:`course_lib.launch.placement`) is printed once, as one line, before the ranks start."""
+    recipe: str = ""
+    """What the plan line calls the run (default: the target's name)."""
+    timeout: float | None = None
+    """Wall-clock limit for the whole run in seconds (None: none). On expiry the ranks still running
+    print where they are, then everything is stopped."""
+    collective_timeout: float = 60.0
+    """Seconds a collective may wait: the process group of ``init_process_group=True`` uses it, and the
+    trainer reads it from ``COURSE_COLLECTIVE_TIMEOUT``."""
+    env: Mapping[str, str] | None = None
+    """Extra environment variables for every rank."""
+    run_dir: object = None
+    """Where the logs go (RUN_DIR/logs); None: a new runs/launch/TIMESTAMP-ID."""
+    init_process_group: bool = False
+    """Each rank joins the default process group before the target runs (as ``%%torchrun`` does)."""
+    show_ranks: Sequence[int] | str = (0,)
+    """Whose stdout is streamed (every rank's stderr always is): (0,), [0, 1], "all"."""
+    rdzv: str = "c10d"
+    """torchrun's rendezvous backend (one of ``torchrun.RDZV_BACKENDS``; several nodes need c10d)."""
+    rdzv_endpoint: str | None = None
+    """"HOST:PORT" of a real multi-node job this host joins (with ``rdzv_id``); None: this host only."""
+    rdzv_id: str | None = None
+    """The rendezvous id, the same on every node (needed with ``rdzv_endpoint``)."""
+    nccl_debug: str | None = None
+    """NCCL_DEBUG for the ranks (checked: one of NCCL's levels)."""
+    nccl_debug_subsys: str | None = None
+    """NCCL_DEBUG_SUBSYS for the ranks."""
+    nccl_debug_file: object = None
+    """NCCL_DEBUG_FILE for the ranks."""
+    grace: float = 5.0
+    """Seconds between SIGTERM and SIGKILL when the ranks are stopped."""
+    progress: Callable | None = None
+    """A callable(run_dir) -> object with poll() and close(): the training progress bar."""
+    output: str = "ranks"
+    """"ranks" (each line prefixed ``[rankK]``) or "raw" (rank 0's stdout and stderr byte for byte, as a
+    terminal would show that process, its progress bar included; other ranks' stderr still prefixed)."""
+    check: bool = False
+    """Raise :class:`LaunchError` on failure instead of returning the failed LaunchResult."""
+    out: object = None
+    """Where streamed stdout goes (None: sys.stdout)."""
+    err: object = None
+    """Where streamed stderr and the launcher's lines go (None: sys.stderr)."""
+
+    def replace(self, **changes) -> LaunchSpec:
+        return dataclasses.replace(self, **changes)
+
+
+LAUNCH_FIELDS = tuple(f.name for f in dataclasses.fields(LaunchSpec))
+
+
+def launch(target, args: Sequence[str] = (), spec: LaunchSpec | None = None, **fields) -> LaunchResult:
+    """Run ``target`` (a .py path or a module name) with ``args`` on ``spec.nproc`` ranks per node via torchrun.
+
+    ``spec`` is a :class:`LaunchSpec`; keyword ``fields`` build one (or change the given one):
+    ``launch("train.py", nproc=2, timeout=600)``. An unknown keyword is an error.
+    """
+    unknown = sorted(set(fields) - set(LAUNCH_FIELDS))
+    if unknown:
+        raise TypeError(f"launch() got unknown field(s) {', '.join(unknown)}; a LaunchSpec has "
+                        f"{', '.join(LAUNCH_FIELDS)}")
+    spec = (spec or LaunchSpec()).replace(**fields)
+    plan, target, is_module, timeout, collective_timeout = checks.check_launch(target, spec)
+    nproc, nnodes = plan.nproc, spec.nnodes
+    rdzv, rdzv_endpoint, rdzv_id, grace = spec.rdzv, spec.rdzv_endpoint, spec.rdzv_id, spec.grace
+    nccl_debug, nccl_debug_subsys, nccl_debug_file = spec.nccl_debug, spec.nccl_debug_subsys, spec.nccl_debug_file
+    run_dir, env, init_process_group, err, progress = spec.run_dir, spec.env, spec.init_process_group, spec.err, spec.progress
 
     run_dir = _prepare_run_dir(run_dir or default_run_dir())
     log_dir = str(run_dir / "logs")
@@ -196,15 +235,15 @@ def launch(target, args: Sequence[str] = (), *, nproc="auto", nnodes: int = 1,
         print(f"[launch] on every other node run:\n  {' '.join(agents[0].argv)}", file=err or sys.stderr)
 
     print(f"[launch] {plan.line()}", file=err or sys.stderr)
-    outcome = supervise(agents, full_env, log_dir, show=show_ranks, timeout=timeout, grace=grace,
+    outcome = supervise(agents, full_env, log_dir, show=spec.show_ranks, timeout=timeout, grace=grace,
                         collective_timeout=collective_timeout, progress=progress(run_dir) if progress else None,
-                        raw=output == "raw", out=out, err=err)
+                        raw=spec.output == "raw", out=spec.out, err=err)
     result = LaunchResult(
         returncode=outcome.returncode, run_dir=run_dir, nproc=nproc, nnodes=nnodes,
         stdout=outcome.stdout, stderr=outcome.stderr, failure=outcome.failure,
         timed_out=outcome.timed_out, error=outcome.error,
         duration_s=outcome.duration_s, command=agents[0].argv, metrics=_read_metrics(run_dir))
-    if check:
+    if spec.check:
         result.raise_for_status()
     return result
 

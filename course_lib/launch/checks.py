@@ -1,19 +1,33 @@
 """Refuse bad launches before anything is spawned, with a message that says what to change.
 
-Checked here: the number of nodes, the script or module to run, the timeouts and strategy names.
-The number of ranks, their devices and the backend are checked where they are decided
-(:func:`course_lib.launch.placement.plan`), the batch job (SLURM/PBS) the launch runs in by
-:func:`course_lib.launch.allocation.check_scheduler`. A whole training request (data, dtype,
-memory, resume) is checked by :func:`course_lib.launch.training.check_request`, which builds on these.
+The one home of the launcher's checks, all run before anything is spawned or written:
+
+* :func:`check_launch`: a :class:`course_lib.launch.api.LaunchSpec` (nodes, the script or module
+  to run, timeouts, rendezvous, output, NCCL debugging; the ranks' devices and backend through
+  :func:`course_lib.launch.placement.plan`, where they are decided; the SLURM/PBS job through
+  :func:`course_lib.launch.allocation.check_scheduler`).
+* :func:`check_request`: a whole training request, one function per kind of check in
+  :data:`CHECKS` (the job, strategy vs ranks, dtype, the tp/pp/cp layout, memory, data, out_dir
+  and resume). The configuration's own fields are checked by the configuration itself
+  (:class:`course_lib.gpt.config.TrainConfig`), once, where it is built.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from course_lib.launch.placement import LaunchConfigError
+import psutil
+
+from course_lib.analysis.memory import ModelShape, breakdown
+from course_lib.gpt import data
+from course_lib.gpt.config import TrainConfig
+from course_lib.hardware import detect, pick_dtype
+from course_lib.launch import allocation, placement, torchrun
+from course_lib.launch.placement import LaunchConfigError, RankPlan
 from course_lib.registry import STRATEGIES
 
 
@@ -55,3 +69,166 @@ def resolve_target(target, module: bool | None = None) -> tuple[str, bool]:
 def check_strategy(name: str) -> None:
     if name not in STRATEGIES:
         raise LaunchConfigError(f"unknown strategy {name!r}; choose one of {sorted(STRATEGIES)}")
+
+
+def check_launch(target, spec) -> tuple[placement.RankPlan, str, bool, float | None, float]:
+    """Every check of a :class:`~course_lib.launch.api.LaunchSpec` and its target, before anything
+    is spawned: (the rank plan, the resolved target, is it a module, timeout, collective timeout)."""
+    nnodes = check_nnodes(spec.nnodes)
+    plan = placement.plan(spec.nproc, spec.device, spec.backend, spec.recipe or Path(os.fspath(target)).name,
+                          nnodes, same_host=spec.rdzv_endpoint is None)
+    timeout = check_timeout("timeout", spec.timeout)
+    collective_timeout = check_timeout("collective_timeout", spec.collective_timeout, False)
+    target, is_module = resolve_target(target, spec.module)
+    if spec.rdzv not in torchrun.RDZV_BACKENDS:
+        raise LaunchConfigError(f"rdzv must be one of {torchrun.RDZV_BACKENDS}, got {spec.rdzv!r}")
+    if nnodes > 1 and spec.rdzv != "c10d":
+        raise LaunchConfigError("several nodes need the c10d rendezvous (rdzv='c10d')")
+    if spec.rdzv_endpoint and not spec.rdzv_id:
+        raise LaunchConfigError("rdzv_endpoint needs rdzv_id: the same id on every node")
+    if spec.output not in ("ranks", "raw"):
+        raise LaunchConfigError(f"output must be 'ranks' or 'raw', got {spec.output!r}")
+    allocation.check_scheduler(nnodes, plan.gpus_per_node or plan.nproc, plan.device_type)  # in a SLURM/PBS job
+    torchrun.nccl_debug_env(spec.nccl_debug, spec.nccl_debug_subsys, spec.nccl_debug_file)  # validates
+    return plan, target, is_module, timeout, collective_timeout
+
+
+# --- a training request: the checks, in order; each raises a one-line error (LaunchConfigError is a
+# ConfigError). A new kind of parallelism adds its own function to CHECKS.
+
+@dataclass(frozen=True)
+class TrainRequest:
+    """A training run as asked for: the config (``nproc`` resolved), nodes, device and overwrite."""
+    config: TrainConfig
+    nnodes: int
+    device: str  # 'cpu' or 'cuda'
+    overwrite: bool = False
+    plan: RankPlan | None = None  # each rank's device and the backend (launch.placement)
+
+    @property
+    def world_size(self) -> int:
+        return self.config.nproc * self.nnodes
+
+    @property
+    def strategy(self) -> str:
+        return self.config.resolved_strategy(self.world_size)
+
+
+# --- the checks, in order; each raises a one-line error (LaunchConfigError is a ConfigError). A new
+# kind of parallelism adds its own function to CHECKS.
+
+def check_strategy_world(req: TrainRequest) -> None:
+    check_strategy(req.strategy)
+    cfg = req.config  # 'single' beside tp/pp: one model replica, no data parallelism (dp = cp = 1)
+    if req.strategy == "single" and req.world_size > 1 and not (cfg.cp == 1 and req.world_size == cfg.tp * cfg.pp):
+        raise LaunchConfigError(f"strategy 'single' runs one process but {req.world_size} ranks were asked for; "
+                                "use strategy 'auto' or 'ddp', or nproc=1")
+
+
+def check_dtype(req: TrainRequest) -> None:
+    try:
+        pick_dtype(detect(req.device), req.config.dtype)
+    except ValueError as e:
+        raise LaunchConfigError(f"dtype: {e}") from None
+
+
+def check_data(req: TrainRequest) -> None:
+    """The dataset is prepared (else DataError: how to prepare it) and longer than one block."""
+    cfg = req.config
+    data.load_meta(cfg.data_dir or None, cfg.dataset)
+    if data.load_tokens(cfg.data_dir or None, cfg.dataset, "val").numel() <= cfg.block_size + 1:
+        raise LaunchConfigError(f"block_size {cfg.block_size} is longer than the {cfg.dataset} val split")
+
+
+def check_memory(req: TrainRequest) -> None:
+    """The model fits: estimated bytes per rank vs the GPU's memory, or this host's RAM / ranks."""
+    profile = detect(req.device)
+    dtype = pick_dtype(profile, req.config.dtype)
+    need = estimate_bytes(req.config, req.world_size, dtype)
+    if req.device == "cuda":
+        share = req.plan.ranks_per_device if req.plan else 1  # ranks sharing one GPU share its memory
+        have, where = profile.memory_bytes / share, f"the GPU ({profile.name})" + (f" / {share} ranks" if share > 1 else "")
+    else:
+        have = psutil.virtual_memory().total / req.config.nproc
+        where = f"this machine's RAM / {req.config.nproc} ranks"
+    if need > have:
+        raise LaunchConfigError(
+            f"this config needs about {need / 1e9:.2f} GB per rank (course_lib.analysis.memory estimate, "
+            f"{dtype}) but {where} has {have / 1e9:.2f} GB; lower batch_size or block_size, "
+            "use a ZeRO strategy or more ranks, or a smaller model")
+
+
+def check_out_dir(req: TrainRequest) -> None:
+    """A resume matches its checkpoint (fields, ranks); a new run does not overwrite one unasked."""
+    from course_lib.gpt import checkpoint as ckpt_io  # torch: launch() (this module's other user) loads none
+
+    cfg, last = req.config, Path(req.config.out_dir) / ckpt_io.LAST
+    if cfg.init_from == "resume":
+        ckpt_io.check_resume(ckpt_io.load_checkpoint(last, mmap=True), cfg, last, req.world_size)
+    elif last.exists() and not req.overwrite:
+        raise LaunchConfigError(f"{cfg.out_dir} already holds a run (last.pt); pass --resume to continue it, "
+                                "--overwrite to start it again, or choose another --out_dir")
+
+
+def check_layout(req: TrainRequest) -> None:
+    """tp/pp/cp: the grid fills the ranks, and the precision is one the pipeline runs."""
+    cfg = req.config
+    if cfg.model_parallel_size == 1:
+        return
+    try:
+        cfg.check_layout(req.world_size)
+    except ValueError as e:
+        raise LaunchConfigError(str(e)) from None
+    if pick_dtype(detect(req.device), cfg.dtype) == "float16":
+        raise LaunchConfigError("float16 needs loss scaling, which the tp/pp/cp pipeline does not do; "
+                                "use --dtype=bfloat16 or --dtype=float32")
+    if (cfg.pp > 1 or cfg.cp > 1) and req.device == "cuda" and req.plan and req.plan.backend == "gloo":
+        # torch.distributed docs, "Backends": gloo has no send/recv of CUDA tensors
+        raise LaunchConfigError(f"pp/cp send activations point to point, which gloo cannot do with CUDA tensors "
+                                f"({req.plan.line()}); use one rank per GPU (NCCL) or --device=cpu")
+
+
+def check_job(req: TrainRequest) -> None:
+    """Inside a SLURM/PBS job: the nodes and GPUs it was given."""
+    allocation.check_scheduler(req.nnodes, (req.plan and req.plan.gpus_per_node) or req.config.nproc, req.device)
+
+
+CHECKS: list[Callable[[TrainRequest], None]] = [check_job, check_strategy_world, check_dtype, check_layout,
+                                                 check_memory, check_data, check_out_dir]
+
+
+def check_request(config: TrainConfig, *, nproc=None, nnodes: int = 1, overwrite: bool = False,
+                  recipe: str = "") -> TrainRequest:
+    """Every check of a training request, before anything is spawned or written.
+
+    The config validated its own fields; here: the ranks' devices and backend
+    (:mod:`course_lib.launch.placement`: ranks beyond the GPUs share them over gloo), then CHECKS.
+    Errors: LaunchConfigError (a ConfigError), DataError, CheckpointError, each one line.
+    ``nproc``: None = ``config.nproc``; an int, or "auto" (one rank per GPU, else 2 CPU ranks).
+    """
+    if not isinstance(config, TrainConfig):
+        raise LaunchConfigError(f"expected a TrainConfig (course_lib.gpt.config.make_config), got {type(config).__name__}")
+    nproc = config.nproc if nproc is None else nproc
+    plan = placement.plan(nproc, config.device, recipe=recipe or config.name, nnodes=check_nnodes(nnodes),
+                       same_host=True)
+    req = TrainRequest(config.replace(nproc=plan.nproc), plan.nnodes, plan.device_type, overwrite, plan)
+    for check in CHECKS:
+        check(req)
+    return req
+
+
+
+def _vocab_size(config: TrainConfig) -> int:
+    """The model's vocabulary: from the prepared dataset, else 65 characters / 50304 GPT-2 tokens."""
+    try:
+        return data.model_vocab_size(data.load_meta(config.data_dir or None, config.dataset))
+    except data.DataError:  # not prepared: check_data says so
+        return 65 if config.dataset.endswith("_char") else 50304
+
+
+def estimate_bytes(config: TrainConfig, world_size: int, dtype: str) -> float:
+    """Per-device training memory of ``config``: ZeRO model states + Korthikanti activations."""
+    shape = ModelShape("config", config.n_layer, config.n_head, config.n_embd, config.block_size,
+                       _vocab_size(config), config.batch_size, bias=config.bias, dropout=config.dropout)
+    return breakdown(preset=shape, dp=world_size, stage=STRATEGIES[config.resolved_strategy(world_size)].zero_stage or 0,
+                     dtype="fp32" if dtype == "float32" else "mixed").total

@@ -6,6 +6,11 @@
         return t
     results = notebook_launcher(step, (10.0,), nproc=2)   # [tensor([30., 30.]), tensor([30., 30.])]
 
+The course's one way to run a function on N local ranks is :func:`course_lib.launch.spawn.run_ranks`
+(``run_ranks(fn, nproc, *args)``, ``fn(rank, world_size, *args)``); this is the same runner under
+the name and calling convention of accelerate's ``notebook_launcher`` (``fn(*args)``, the rank
+from the environment), kept as a documented alias for code written against accelerate.
+
 For short CPU exercises (the idea of accelerate's notebook_launcher), a front-end of the one
 local rank runner, :func:`course_lib.launch.ranks.run_local`: the ranks start from a clean fork
 server, not from the kernel, so they work whatever the kernel did before (CUDA initialised, a

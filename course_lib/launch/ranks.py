@@ -4,9 +4,12 @@
     values = run_local(fn, 2, args=(x,), pass_rank=True)        # fn(rank, world_size, x) on 2 gloo ranks
     value, = run_local(check, 1, backend=None, time_limit=10)   # one child, no process group
 
-``run_ranks`` (:mod:`course_lib.launch.spawn`), ``notebook_launcher``
-(:mod:`course_lib.launch.forked`) and the grading helpers (``course_lib.exercises.grading``)
-are front-ends of :func:`run_local`.
+This is the engine, not a way for users: the course runs a function on N local ranks one way,
+``run_ranks(fn, nproc, *args)`` (:mod:`course_lib.launch.spawn`; the exercises' grader has its
+copy with the same signature, ``course_lib.exercises.grading``), with ``notebook_launcher``
+(:mod:`course_lib.launch.forked`) as accelerate's name for the same, and ``RankPool``
+(:mod:`course_lib.launch.rank_pool`) for ranks that live across cells. All are front-ends of
+:func:`run_local`.
 
 Not forked from the caller. A notebook kernel that initialised CUDA, ran a backward (autograd's
 device threads) or started any thread cannot be forked safely: the child inherits a CUDA context

@@ -2,8 +2,14 @@
 graded exercises): the course's ``run_ranks``.
 
     from course_lib.launch.spawn import run_ranks
-    results = run_ranks(fn, world_size=2, args=(...))   # fn(rank, world_size, *args) -> value
-    results = run_ranks(fn, 2, timeout=10)               # never longer than ~10 s + start-up
+    results = run_ranks(fn, 2, x, y)           # fn(rank, world_size, x, y) on 2 ranks -> [value of rank 0, 1]
+    results = run_ranks(fn, 2, timeout=10)     # never longer than ~10 s + start-up
+
+The one signature for running a function on N local ranks, the same as the exercises'
+:func:`course_lib.exercises.grading.run_ranks` (the grader's copy, with its own time limit);
+:func:`course_lib.launch.forked.notebook_launcher` is the same runner under accelerate's name
+and calling convention (``fn(*args)``, ``nproc=``), and :class:`course_lib.launch.rank_pool.RankPool`
+the persistent one (ranks that live across cells).
 
 A front-end of the one local rank runner, :func:`course_lib.launch.ranks.run_local`: the ranks
 start from a clean fork server, not from this process (so CUDA, autograd's threads or any other
@@ -35,18 +41,17 @@ def _hang_message(world_size: int, timeout: float, stuck: list[int], detail: str
             f"a receive that some rank never joined?){who}" + (f"\n{detail}" if detail else ""))
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), backend: str = "gloo",
-              threads: int = 1, start_method: str | None = None,
-              timeout: float | None = None) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return their results.
+def run_ranks(fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "gloo", threads: int = 1,
+              start_method: str | None = None, timeout: float | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``nproc`` processes; return their results by rank.
 
     ``timeout`` (seconds, default none) bounds every collective and, plus 5 s, the run.
     ``start_method``: leave it to the runner ("forkserver", or "spawn" where there is none);
     "fork" only to measure what it costs (benchmarks/rank_start.py): it inherits this
     process's state. Raises :class:`SendError` when ``fn`` or ``args`` cannot be sent.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size!r} (a whole number of ranks)")
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc!r} (a whole number of ranks)")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' (CPU) or 'nccl' (one GPU per rank), got {backend!r}")
     if timeout is not None and not timeout > 0:
@@ -56,21 +61,21 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), backend
         import torch
 
         gpus = torch.cuda.device_count()  # asks NVML: no CUDA context in the parent
-        if gpus < world_size:
-            raise ValueError(f"NCCL needs one GPU per rank: {world_size} ranks, {gpus} GPU(s) "
+        if gpus < nproc:
+            raise ValueError(f"NCCL needs one GPU per rank: {nproc} ranks, {gpus} GPU(s) "
                              "here; use backend='gloo' or fewer ranks")
     limit = None if timeout is None else timeout + TIMEOUT_GRACE_S
     try:
-        return run_local(fn, world_size, args, backend=backend, pass_rank=True, timeout=timeout,
+        return run_local(fn, nproc, args, backend=backend, pass_rank=True, timeout=timeout,
                          time_limit=limit, threads=threads, method=start_method)
     except RanksTimeoutError as e:
         if e.phase == "start":
             raise
-        raise RanksTimeoutError(_hang_message(world_size, timeout, e.stuck), e.stuck) from None
+        raise RanksTimeoutError(_hang_message(nproc, timeout, e.stuck), e.stuck) from None
     except RankError as e:
         # When one rank's collective times out it raises, and the ranks still waiting on it see
         # their connection close: which report arrives first is a race, so judge by the clock.
         if timeout is not None and e.elapsed >= timeout:
             stuck = e.waiting or [e.rank]
-            raise RanksTimeoutError(_hang_message(world_size, timeout, stuck, str(e)), stuck) from None
+            raise RanksTimeoutError(_hang_message(nproc, timeout, stuck, str(e)), stuck) from None
         raise

@@ -20,8 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from course_lib.gpt.config import ConfigError, make_config
-from course_lib.gpt.config_args import parse_overrides
+from course_lib.gpt.config import ConfigError, make_config, parse_overrides
 from course_lib.gpt.data import DataError, prepare
 from course_lib.gpt.sample import sample
 from course_lib.launch import placement

@@ -34,8 +34,7 @@ import torch.distributed as dist
 from course_lib import registry
 from course_lib.gpt.activation_meter import SavedTensorMeter
 from course_lib.gpt.checkpoint import CheckpointError
-from course_lib.gpt.config import ConfigError, TrainConfig
-from course_lib.gpt.config_args import arg_parser, config_from_args
+from course_lib.gpt.config import ConfigError, TrainConfig, arg_parser, config_from_args
 from course_lib.gpt.data import DataError
 from course_lib.parallel.replicas import ReplicaMismatchError, check_replicas
 from course_lib.parallel.step import Precision
