@@ -45,10 +45,22 @@ def train(model, opt, rank, world_size, finish=lambda: None):
         opt.zero_grad(set_to_none=True)
 
 
-def fsdp_vs_pytorch_worker(rank: int, world_size: int) -> dict:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+def fsdp2_toy(world_size: int):
+    """The toy under PyTorch's FSDP2: each layer a unit, then the root; bf16 compute, fp32 reduction."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    theirs = toy()
+    mesh = init_device_mesh("cpu", (world_size,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in theirs.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(theirs, mesh=mesh, mp_policy=policy)
+    return theirs
+
+
+def fsdp_vs_pytorch_worker(rank: int, world_size: int) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from course_lib.parallel.zero.zero3 import FullyShardedDataParallel
 
@@ -61,12 +73,7 @@ def fsdp_vs_pytorch_worker(rank: int, world_size: int) -> dict:
     with ours.summon_full_params() as full_module:
         summoned = {n: p.detach().clone() for n, p in full_module.named_parameters()}
 
-    theirs = toy()
-    mesh = init_device_mesh("cpu", (world_size,))
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in theirs.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(theirs, mesh=mesh, mp_policy=policy)
+    theirs = fsdp2_toy(world_size)
     train(theirs, torch.optim.AdamW(theirs.parameters(), lr=1e-2), rank, world_size)
     reference = get_model_state_dict(theirs, options=StateDictOptions(full_state_dict=True))
     mine = ours.state_dict()
@@ -93,8 +100,6 @@ def test_our_fsdp_mixed_precision_equals_pytorchs_fsdp2():
 
 def grad_convention_worker(rank: int, world_size: int) -> dict:
     """After backward, whose parameters carry the gradients: ours and FSDP2's."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from course_lib.parallel.comms import Comms
     from course_lib.parallel.zero.sharding import gather_full
@@ -118,12 +123,7 @@ def grad_convention_worker(rank: int, world_size: int) -> dict:
             "dtypes": {(p.dtype, p.grad.dtype) for _, p in shown},
             "grad shapes": all(p.grad.shape == p.shape for _, p in shown),
             "diff": max((full[n].float() - want[n]).abs().max().item() for n in want)}
-    theirs = toy()
-    mesh = init_device_mesh("cpu", (world_size,))
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in theirs.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(theirs, mesh=mesh, mp_policy=policy)
+    theirs = fsdp2_toy(world_size)
     theirs(my_slice(x, rank, world_size), my_slice(y, rank, world_size))[1].backward()
     out["FSDP2 dtypes"] = {(p.dtype, p.grad.dtype) for p in theirs.parameters()}
     out["FSDP2 shards"] = all(hasattr(p, "to_local") and hasattr(p.grad, "to_local") for p in theirs.parameters())

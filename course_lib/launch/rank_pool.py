@@ -47,6 +47,7 @@ from course_lib.launch.rank_pool_recover import (
 from course_lib.launch.rank_pool_view import RankBoard, error_line
 
 DEFAULT_TIMEOUT_S = 30.0
+OUTPUT_WAIT_S = 5.0  # after a cell's replies: the most the pool waits for the rest of its output
 __all__ = ["DEFAULT_TIMEOUT_S", "GRACE_S", "PG_MARGIN_S", "RankDiedError", "RankHangError", "RankPool",
            "RankPoolError"]
 
@@ -174,6 +175,9 @@ class RankPool(PoolRecovery):
             dead = [r for r in targets if not health.alive(self._pids[r])]
             if dead:
                 self._after_death(ar, targets, dead, board)
+            # a rank's stdout travels on IOPub and can arrive after its reply: wait for it, or the
+            # last lines of a cell (all of a short one) would be missing from the board
+            ar.wait_for_output(OUTPUT_WAIT_S)
         except KeyboardInterrupt:
             running = self._running(ar, targets)
             for line in self._interrupt(ar, targets):
