@@ -26,10 +26,7 @@ of every run: about 4.5 s a rank on a laptop CPU.
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import warnings
-from collections import defaultdict
 from collections.abc import Callable
 
 import torch
@@ -37,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.fsdp import fully_shard
 
-from course_lib.parallel.comms import VOLUME_FACTOR
+from course_lib.experiments.memory_measure import CommCounter
 from course_lib.parallel.zero.units import default_units
 
 try:  # the optional extra (module docstring)
@@ -142,20 +139,15 @@ def inner_optimizer(optimizer) -> torch.optim.Optimizer:
 
 
 # function name in torch.distributed -> (op, which argument holds the full buffer)
-WATCHED = {"all_reduce": ("all_reduce", 0), "broadcast": ("broadcast", 0),
-           "all_gather_single": ("all_gather", 0), "all_gather_into_tensor": ("all_gather", 0),
-           "reduce_scatter_single": ("reduce_scatter", 1), "reduce_scatter_tensor": ("reduce_scatter", 1)}
-
-
-class CollectiveCounter:
-    """Calls and bytes of the collectives this process starts through ``torch.distributed``'s
-    Python functions (FSDP2's all-gathers and reduce-scatters), in the ZeRO paper's accounting of
-    :mod:`course_lib.parallel.comms`; DDP's reducer calls its process group from C++, so DDP is
-    counted with a communication hook instead (:func:`ddp_counting_hook`)."""
+class CollectiveCounter(CommCounter):
+    """The collectives run inside ``with counter:`` (FSDP2's all-gathers and reduce-scatters),
+    counted by :class:`course_lib.experiments.memory_measure.CommCounter` in the ZeRO paper's
+    accounting, plus the order they came in (``events``) beside what :meth:`note` adds. DDP's
+    reducer calls its process group from C++, out of the counter's sight, so DDP is counted with a
+    communication hook instead (:func:`ddp_counting_hook`)."""
 
     def __init__(self):
-        self.calls: dict[str, int] = defaultdict(int)
-        self.volume: dict[str, int] = defaultdict(int)
+        super().__init__()
         self.events: list[tuple[str, str, int]] = []  # (kind, what, bytes) in the order they happened
 
     @property
@@ -163,35 +155,12 @@ class CollectiveCounter:
         return sum(self.volume.values())
 
     def count(self, op: str, nbytes: int) -> None:
-        self.calls[op] += 1
-        self.volume[op] += VOLUME_FACTOR[op] * nbytes
+        super().count(op, nbytes)
         self.events.append(("collective", op, nbytes))
 
     def note(self, kind: str, what: str) -> None:
         """Put something else that happened (a module's forward, say) in line with the collectives."""
         self.events.append((kind, what, 0))
-
-    @contextlib.contextmanager
-    def watching(self):
-        """Wrap the watched functions of ``torch.distributed`` in this process, then restore them."""
-        saved = {name: getattr(dist, name) for name in WATCHED if hasattr(dist, name)}
-
-        def wrap(name, fn):
-            op, index = WATCHED[name]
-            signature = inspect.signature(fn)
-
-            def counted(*args, **kwargs):  # FSDP2 passes output= and input= by keyword
-                t = list(signature.bind(*args, **kwargs).arguments.values())[index]
-                self.count(op, t.numel() * t.element_size())
-                return fn(*args, **kwargs)
-            return counted
-        try:
-            for name, fn in saved.items():
-                setattr(dist, name, wrap(name, fn))
-            yield self
-        finally:
-            for name, fn in saved.items():
-                setattr(dist, name, fn)
 
 
 def ddp_counting_hook(counter: CollectiveCounter, bucket):

@@ -118,7 +118,7 @@ def _fabric_run(name, cfg, data, lr, world):
         t0 = time.perf_counter()
         # FSDP2's collectives go through torch.distributed's Python functions; DDP's are counted
         # by the hook alone (its default all-reduce would otherwise be counted twice)
-        with counter.watching() if name == "fsdp2" else contextlib.nullcontext():
+        with counter if name == "fsdp2" else contextlib.nullcontext():
             loss = fabric_step(fabric, model, opt, x, y)
         seconds.append(time.perf_counter() - t0)
         losses.append(_global_mean(loss, world))

@@ -118,7 +118,7 @@ def fsdp2_inside(rank: int, world: int, gpt: dict | None = None) -> dict:
             handles.append(unit.register_full_backward_pre_hook(
                 lambda m, g, label=label: counter.note("backward", label)))
     x, y = _batch(cfg, rank)
-    with counter.watching():
+    with counter:
         fabric_step(fabric, model, opt, x, y)
     for h in handles:
         h.remove()

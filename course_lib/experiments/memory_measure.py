@@ -145,6 +145,11 @@ class CommCounter(TorchDispatchMode):
         self.calls: dict[str, int] = defaultdict(int)
         self.volume: dict[str, int] = defaultdict(int)
 
+    def count(self, op: str, nbytes: int) -> None:
+        """One collective of ``nbytes`` (its full-size side): a call, and its volume."""
+        self.calls[op] += 1
+        self.volume[op] += VOLUME_FACTOR[op] * nbytes
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func._schema.name
@@ -155,9 +160,7 @@ class CommCounter(TorchDispatchMode):
                 side = args[0] if op == "all_gather" else args[1] if op == "reduce_scatter" else args[0]
                 tensors = side if isinstance(side, (list, tuple)) else [side]
                 flat = [t for x in tensors for t in (x if isinstance(x, (list, tuple)) else [x])]
-                nbytes = sum(t.numel() * t.element_size() for t in flat if torch.is_tensor(t))
-                self.calls[op] += 1
-                self.volume[op] += VOLUME_FACTOR[op] * nbytes
+                self.count(op, sum(t.numel() * t.element_size() for t in flat if torch.is_tensor(t)))
         return func(*args, **kwargs)
 
     @property
