@@ -60,8 +60,8 @@ def reference(cfg: GPTConfig, dp: int):
     return losses, model.state_dict(), dropped
 
 
-def layout(tp=1, ep=1, capacity_factor=0.0, padded=False):
-    return {"tp": tp, "ep": ep, "capacity_factor": capacity_factor, "padded": padded}
+def layout(tp=1, ep=1, cp=1, capacity_factor=0.0, padded=False):
+    return {"tp": tp, "ep": ep, "cp": cp, "capacity_factor": capacity_factor, "padded": padded}
 
 
 LAYOUTS_4 = {  # dp = 4 / tp; the experts' replicas dp / ep
@@ -69,6 +69,7 @@ LAYOUTS_4 = {  # dp = 4 / tp; the experts' replicas dp / ep
     "dp4-ep2": layout(ep=2),
     "dp4-ep4": layout(ep=4),
     "tp2-dp2-ep2": layout(tp=2, ep=2),
+    "cp2-dp2-ep2": layout(cp=2, ep=2),
     "dp4-ep2-capacity": layout(ep=2, capacity_factor=1.0),
     "dp4-ep4-padded": layout(ep=4, padded=True),
 }
@@ -79,8 +80,8 @@ def train_layout(lay: dict):
     """Every rank: the strategy on its place of the grid, STEPS steps; losses, state, dropped, bytes."""
     cfg = dataclasses.replace(CFG, capacity_factor=lay["capacity_factor"])
     torch.manual_seed(0)
-    strategy = parallelize(GPT(cfg).double(), optimizer_factory(TRAIN), "ddp", tp=lay["tp"], ep=lay["ep"],
-                           ep_padded=lay["padded"])
+    strategy = parallelize(GPT(cfg).double(), optimizer_factory(TRAIN), "ddp", tp=lay["tp"], cp=lay["cp"],
+                           ep=lay["ep"], ep_padded=lay["padded"])
     g = strategy.grid
     losses, dropped = [], []
     for s in range(STEPS):
@@ -90,18 +91,32 @@ def train_layout(lay: dict):
         dist.all_reduce(loss)  # tp ranks hold equal losses, dp ranks their part
         losses.append(loss.item() / g.world_size)
         d = moe_stats(strategy.module)["dropped"] * (g.tp_rank == 0)  # one copy per tp group
+        # (cp ranks hold different tokens: their counts add up)
         dist.all_reduce(d)
         dropped.append(d)
     figures = strategy.figures()
     state = strategy.state_dict()
-    return losses, state if g.rank == 0 else None, dropped, figures
+    return losses, state, dropped, figures
+
+
+def reload(state: dict, lay: dict) -> bool:
+    """A full state dict loaded into another layout (its ep shards) gives back the same full state."""
+    torch.manual_seed(1)  # other initial weights: everything must come from ``state``
+    strategy = parallelize(GPT(CFG).double(), optimizer_factory(TRAIN), "ddp", tp=lay["tp"], ep=lay["ep"])
+    strategy.load_state_dict(state)
+    again = strategy.state_dict()
+    same_model = all(torch.equal(again["model"][k], v) for k, v in state["model"].items())
+    same_opt = all(torch.equal(torch.as_tensor(again["optimizer"]["state"][i][k]), torch.as_tensor(v))
+                   for i, st in state["optimizer"]["state"].items() for k, v in st.items())
+    return same_model and same_opt and again["optimizer"]["param_groups"] == state["optimizer"]["param_groups"]
 
 
 def layouts_worker(rank: int, world_size: int, layouts: dict) -> dict:
     out = {name: train_layout(lay) for name, lay in layouts.items()}
     if world_size == 4:
         out["a2a"] = a2a_bytes(rank, world_size)
-    return out
+        out["reload"] = reload(out["dp4-ep2"][1], layout(ep=4)) and reload(out["dp4-ep4"][1], layout(tp=2, ep=2))
+    return {k: v if rank == 0 or k in ("a2a", "reload") else (v[0], None, v[2], v[3]) for k, v in out.items()}
 
 
 def a2a_bytes(rank: int, world_size: int) -> dict:
@@ -131,7 +146,7 @@ def results_4():
 
 
 def assert_equal_to_one_process(name: str, lay: dict, results: list, world_size: int):
-    dp = world_size // lay["tp"]
+    dp = world_size // (lay["tp"] * lay["cp"])
     cfg = dataclasses.replace(CFG, capacity_factor=lay["capacity_factor"])
     ref_losses, ref_state, ref_dropped = reference(cfg, dp)
     losses, state, dropped, _ = results[0][name]
@@ -185,6 +200,11 @@ def test_all_to_all_bytes_equal_their_arithmetic(results_4):
                 want_volume = ep * n_local * 8 + 2 * (M + R) * C * e
             assert got["sent"] == want_sent, (rank, padded)
             assert got["volume"] == want_volume, (rank, padded)
+
+
+def test_a_full_state_moves_between_ep_layouts(results_4):
+    """dp4-ep2's full state into dp4-ep4, dp4-ep4's into tp2-dp2-ep2: the same full state back."""
+    assert all(r["reload"] for r in results_4)
 
 
 @pytest.mark.timeout(300)
