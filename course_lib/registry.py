@@ -275,7 +275,8 @@ def moe_layout_error(cfg) -> str | None:
         return "n_expert with sequence_parallel is not supported yet (routing statistics over the tp group)"
     if cfg.capacity_factor and cfg.cp > 1:
         return "capacity_factor with cp > 1 is not supported: which tokens are dropped would depend on cp"
-    if cfg.nproc > 1 and cfg.strategy not in ("auto", "single", "ddp"):
-        return (f"strategy {cfg.strategy!r} with n_expert on several ranks: use ddp (or auto); the experts "
-                "are synchronised over their own data-parallel group (parallel.expert)")
+    if cfg.nproc > 1 and cfg.strategy not in MODEL_PARALLEL_STRATEGIES:
+        return (f"strategy {cfg.strategy!r} with n_expert on several ranks: use one of "
+                f"{', '.join(MODEL_PARALLEL_STRATEGIES)} (ZeRO-1/2 shard the other parameters; the experts "
+                "are averaged over their own data-parallel group, parallel.expert)")
     return None

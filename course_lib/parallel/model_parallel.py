@@ -100,7 +100,7 @@ class ModelParallel(Strategy):
 
     def _grad(self, p: nn.Parameter) -> torch.Tensor | None:
         """The gradient the optimizer will use: p's, or its ZeRO shard's."""
-        return self.shards[p].grad if self.sharded else p.grad
+        return self.shards.get(p, p).grad if self.sharded else p.grad  # experts are not sharded
 
     @torch.no_grad()
     def finish_grads(self) -> None:
