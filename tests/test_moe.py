@@ -21,7 +21,7 @@ from test_parallel_trainer import TINY, losses, run
 
 from course_lib.gpt.config import ConfigError, make_config
 from course_lib.gpt.data import prepare
-from course_lib.gpt.model import GPT, GPTConfig
+from course_lib.gpt.model import GPT, GPTConfig, adamw_param_groups
 from course_lib.gpt.moe import MoE, capacity, moe_stats, router_imbalance, upcycle_state_dict
 from course_lib.launch.checks import check_request
 from course_lib.trainer.metrics import announce_run
@@ -50,6 +50,14 @@ def test_one_expert_with_top1_is_the_dense_model():
         else:
             assert torch.allclose(p.grad, got[name], atol=1e-14, rtol=0), name
     assert moe.num_params() == dense.num_params() + SMALL["n_layer"] * SMALL["n_embd"]  # + the routers
+
+
+def test_expert_biases_get_no_weight_decay_though_they_are_2d():
+    model = GPT(GPTConfig(**SMALL, n_expert=2))
+    names = {id(p): n for n, p in model.named_parameters()}
+    decay, no_decay = ([names[id(p)] for p in g["params"]] for g in adamw_param_groups(model, 0.1))
+    assert "transformer.h.0.mlp.experts.w_fc" in decay and "transformer.h.0.mlp.router.weight" in decay
+    assert {"transformer.h.0.mlp.experts.b_fc", "transformer.h.0.mlp.experts.b_proj"} <= set(no_decay)
 
 
 def test_capacity_drops_what_the_rule_says():

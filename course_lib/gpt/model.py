@@ -232,11 +232,13 @@ class GPT(nn.Module):
 def adamw_param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
     """The course's one AdamW grouping: decay matrices (Linear and embedding weights, dim >= 2),
     never biases or LayerNorm gains (dim < 2), as nanoGPT's ``configure_optimizers``; decoupled
-    weight decay is Loshchilov & Hutter 2019. Trainable parameters only: a frozen one gets no
+    weight decay is Loshchilov & Hutter 2019. The stacked biases of a mixture of experts (E, n) are
+    biases too (flagged ``is_bias``). Trainable parameters only: a frozen one gets no
     optimizer state. A tied weight appears once (``parameters()`` skips repeats)."""
     params = [p for p in module.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    decay = [p.dim() >= 2 and not getattr(p, "is_bias", False) for p in params]  # stacked experts' biases: (E, n)
+    return [{"params": [p for p, d in zip(params, decay) if d], "weight_decay": weight_decay},
+            {"params": [p for p, d in zip(params, decay) if not d], "weight_decay": 0.0}]
 
 
 def make_adamw(module: nn.Module, lr: float, weight_decay: float,

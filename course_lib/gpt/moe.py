@@ -86,6 +86,9 @@ class Experts(nn.Module):
         self.w_proj = nn.Parameter(torch.empty(n_expert, n_embd, H))
         self.b_fc = nn.Parameter(torch.zeros(n_expert, H)) if bias else None
         self.b_proj = nn.Parameter(torch.zeros(n_expert, n_embd)) if bias else None
+        for b in (self.b_fc, self.b_proj):
+            if b is not None:
+                b.is_bias = True  # no weight decay (model.adamw_param_groups), though 2-D
 
     @torch.no_grad()
     def reset_parameters(self, std: float, proj_std: float) -> None:
