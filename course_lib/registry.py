@@ -269,8 +269,6 @@ def moe_layout_error(cfg) -> str | None:
         return f"n_expert ({cfg.n_expert}) must be divisible by ep ({cfg.ep}): each rank holds n_expert/ep experts"
     if cfg.ep > cfg.nproc:
         return f"ep ({cfg.ep}) cannot exceed nproc ({cfg.nproc})"
-    if cfg.pp > 1:
-        return "n_expert with pp > 1 is not supported yet (the load-balancing loss of earlier stages)"
     if cfg.sequence_parallel:
         return "n_expert with sequence_parallel is not supported yet (routing statistics over the tp group)"
     if cfg.capacity_factor and cfg.cp > 1:

@@ -61,10 +61,10 @@ def reference(cfg: GPTConfig, dp: int, dtype=torch.float64):
     return losses, model.state_dict(), dropped
 
 
-def layout(tp=1, ep=1, cp=1, capacity_factor=0.0, padded=False, strategy="ddp"):
+def layout(tp=1, ep=1, cp=1, pp=1, capacity_factor=0.0, padded=False, strategy="ddp"):
     """ZeRO keeps fp32 master shards: its layouts train in float32, the others in float64."""
     dtype = torch.float32 if strategy.startswith("zero") else torch.float64
-    return {"tp": tp, "ep": ep, "cp": cp, "capacity_factor": capacity_factor, "padded": padded,
+    return {"tp": tp, "ep": ep, "cp": cp, "pp": pp, "capacity_factor": capacity_factor, "padded": padded,
             "strategy": strategy, "dtype": dtype}
 
 
@@ -74,6 +74,7 @@ LAYOUTS_4 = {  # dp = 4 / tp; the experts' replicas dp / ep
     "dp4-ep4": layout(ep=4),
     "tp2-dp2-ep2": layout(tp=2, ep=2),
     "cp2-dp2-ep2": layout(cp=2, ep=2),
+    "pp2-dp2-ep2": layout(pp=2, ep=2),  # the first stage's load-balancing loss through the pipeline
     "dp4-ep2-capacity": layout(ep=2, capacity_factor=1.0),
     "dp4-ep4-padded": layout(ep=4, padded=True),
     "dp4-ep2-zero1": layout(ep=2, strategy="zero1"),  # ZeRO on the other parameters, experts apart
@@ -87,7 +88,7 @@ def train_layout(lay: dict):
     cfg = dataclasses.replace(CFG, capacity_factor=lay["capacity_factor"])
     torch.manual_seed(0)
     strategy = parallelize(GPT(cfg).to(lay["dtype"]), optimizer_factory(TRAIN), lay["strategy"], tp=lay["tp"],
-                           cp=lay["cp"], ep=lay["ep"], ep_padded=lay["padded"])
+                           cp=lay["cp"], pp=lay["pp"], ep=lay["ep"], ep_padded=lay["padded"])
     g = strategy.grid
     losses, dropped = [], []
     for s in range(STEPS):
@@ -97,7 +98,10 @@ def train_layout(lay: dict):
         dist.all_reduce(loss)  # tp ranks hold equal losses, dp ranks their part
         losses.append(loss.item() / g.world_size)
         d = moe_stats(strategy.module)["dropped"] * (g.tp_rank == 0)  # one copy per tp group
-        # (cp ranks hold different tokens: their counts add up)
+        if g.pp_world_size > 1:  # stage r holds blocks [r L/pp, (r+1) L/pp): its rows of (L, E)
+            per = CFG.n_layer // g.pp_world_size
+            d = torch.cat([torch.zeros(g.pp_rank * per, CFG.n_expert, dtype=d.dtype), d,
+                           torch.zeros(CFG.n_layer - (g.pp_rank + 1) * per, CFG.n_expert, dtype=d.dtype)])
         dist.all_reduce(d)
         dropped.append(d)
     figures = strategy.figures()
@@ -152,7 +156,7 @@ def results_4():
 
 
 def assert_equal_to_one_process(name: str, lay: dict, results: list, world_size: int):
-    dp = world_size // (lay["tp"] * lay["cp"])
+    dp = world_size // (lay["tp"] * lay["cp"] * lay["pp"])
     cfg = dataclasses.replace(CFG, capacity_factor=lay["capacity_factor"])
     ref_losses, ref_state, ref_dropped = reference(cfg, dp, lay["dtype"])
     losses, state, dropped, _ = results[0][name]

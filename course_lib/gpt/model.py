@@ -175,8 +175,8 @@ class GPT(nn.Module):
             return self.lm_head(x[:, [-1], :]), None
         logits = self.lm_head(x)  # (B, T, V)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
-        if self.config.n_expert:  # + the load-balancing loss of every MoE block (gpt/moe.py)
-            loss = loss + self.config.aux_loss_coef * aux_loss(self)
+        if self.config.n_expert and self.training:  # + every MoE block's load-balancing loss (gpt/moe.py);
+            loss = loss + self.config.aux_loss_coef * aux_loss(self)  # evaluation: the cross-entropy alone
         return logits, loss
 
     def param_groups(self, weight_decay: float) -> list[dict]:

@@ -23,7 +23,8 @@ a differentiable proxy for f):
                                  P_i = mean router probability of expert i over the N tokens
 
 It is 1 when the router is uniform; ``GPT.forward`` adds ``aux_loss_coef * sum over blocks of aux``
-to the cross-entropy (Switch: alpha = 0.01). f counts the tokens of ALL data-parallel ranks (the
+to the cross-entropy in training (Switch: alpha = 0.01), so the training loss includes it; in
+evaluation (``model.eval()``) the loss is the cross-entropy alone, comparable with a dense model's. f counts the tokens of ALL data-parallel ranks (the
 router's ``token_counts`` hook gives the global counts); P is this rank's mean, so the data-parallel
 average of the ranks' losses is the global batch's loss (aux is linear in P once f is fixed).
 

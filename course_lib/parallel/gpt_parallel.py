@@ -159,6 +159,7 @@ class GPTStage(nn.Module):
         self.config, self.sequence_parallel = cfg, sequence_parallel
         self.tp_comms, self.sp_comms, self.cp_comms = comms["tp"], comms["sp"], comms["cp"]
         self.ep_comms = comms.get("ep")
+        self.has_extra_loss = bool(cfg.n_expert)  # the load-balancing loss (pipeline.schedules)
         self.is_first, self.is_last = pp_rank == 0, pp_rank == pp_world_size - 1
         sp_tp = self.sp_comms if sequence_parallel else self.tp_comms
         layers = split_layers(cfg.n_layer, pp_world_size)[pp_rank]
@@ -211,9 +212,13 @@ class GPTStage(nn.Module):
         logits = F.linear(x, self.lm_head.weight)  # (B, T/cp, V/tp): never the full vocabulary
         loss = vocab_parallel_cross_entropy(logits, targets, self.vocab_start, self.tp_comms,
                                             vocab_size=self.config.vocab_size)
-        if self.config.n_expert:  # + the load-balancing losses (one stage: every block is here)
-            loss = loss + self.config.aux_loss_coef * aux_loss(self)
-        return loss
+        return loss + self.extra_loss() if self.training else loss
+
+    def extra_loss(self) -> torch.Tensor | float:
+        """The load-balancing loss of this stage's MoE blocks in its last forward, weighted
+        (gpt/moe.py; 0.0 without experts): the last stage adds it to its loss, the pipeline adds
+        the others' (pipeline.schedules)."""
+        return self.config.aux_loss_coef * aux_loss(self) if self.config.n_expert else 0.0
 
     def sp_partial(self, name: str) -> bool:
         """Under sequence parallelism, parameters replicated over tp see only this rank's tokens:
