@@ -134,14 +134,18 @@ def test_bad_expert_layouts_are_refused_before_spawning(tmp_path, overrides, mes
 
 @pytest.mark.timeout(300)
 def test_trainer_with_experts_ep2_equals_one_process_and_logs_the_router(tmp_path, capsys):
-    """The recipe, tiny: one process (batch 16) and ep=2 on 2 ranks (batch 8 each), dropless."""
+    """The recipe, tiny: one process (batch 16) and ep=2 on 2 ranks (batch 8 each), dropless; a
+    one-process checkpoint continued under ep=2 (its experts cut out of the full state)."""
     prepare("shakespeare_char", quiet=True)
-    run([cfg(tmp_path, "single", batch_size=16)], 1)
-    run([cfg(tmp_path, "ep2", nproc=2, ep=2, batch_size=8)], 2)
-    got, want = losses(tmp_path / "ep2"), losses(tmp_path / "single")
-    assert sorted(got) == list(range(11))
-    for it in range(10):
-        assert float(got[it][0]) == pytest.approx(float(want[it][0]), rel=1e-5), it
+    run([cfg(tmp_path, "single", batch_size=16), cfg(tmp_path, "single-to-ep2", batch_size=16, max_iters=5)], 1)
+    run([cfg(tmp_path, "ep2", nproc=2, ep=2, batch_size=8),  # and the half run continued under ep=2
+         cfg(tmp_path, "single-to-ep2", nproc=2, ep=2, batch_size=8, init_from="resume")], 2)
+    want = losses(tmp_path / "single")
+    for name, start in (("ep2", 0), ("single-to-ep2", 0)):
+        got = losses(tmp_path / name)
+        assert sorted(got) == list(range(11)), name
+        for it in range(start, 10):
+            assert float(got[it][0]) == pytest.approx(float(want[it][0]), rel=1e-5), (name, it)
     for name in ("single", "ep2"):
         with open(tmp_path / name / "metrics.csv") as f:
             rows = [r for r in csv.DictReader(f) if r["moe_tokens_e0"]]
