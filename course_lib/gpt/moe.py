@@ -174,7 +174,7 @@ class MoE(nn.Module):
         per_expert = torch.bincount(flat_expert, minlength=E)  # (E,) kept assignments
         y = self.run_experts(h[token], per_expert)  # (M, C)
         # combine: gate-weighted sum of each token's experts (a dropped choice adds nothing)
-        out = torch.zeros_like(h).index_add(0, token, y * flat_gate.unsqueeze(-1).to(y.dtype))
+        out = h.new_zeros(N, C, dtype=y.dtype).index_add(0, token, y * flat_gate.unsqueeze(-1).to(y.dtype))
         if self.shared is not None:
             out = out + self.shared(x).reshape(N, C)
         routed = counts.sum(0).detach()
