@@ -14,6 +14,7 @@ depend on the layout. The all-to-all's counted bytes equal the arithmetic of
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -43,6 +44,7 @@ def batch(step: int, dp: int):
     return idx[..., :-1].contiguous(), idx[..., 1:].contiguous()
 
 
+@functools.cache  # several layouts share a global batch
 def reference(cfg: GPTConfig, dp: int, dtype=torch.float64):
     """One process, the same global batches: losses, the full state, dropped assignments per step."""
     torch.manual_seed(0)
