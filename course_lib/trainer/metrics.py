@@ -314,7 +314,8 @@ class RunMeter:
             dist.all_reduce(v)
             v = v.cpu()
         counts = (v[:-1] / (self.cfg.tp * self.steps)).tolist()
-        return {"moe_aux_loss": v[-1].item() / self.world_size, "moe_dropped": counts[-1],
+        # aux: each pp stage holds its blocks' part, the other ranks copies (tp) or shares (dp, cp) of it
+        return {"moe_aux_loss": v[-1].item() * self.cfg.pp / self.world_size, "moe_dropped": counts[-1],
                 **{f"moe_tokens_e{i}": c for i, c in enumerate(counts[:-1])}}
 
     def finish(self, it: int, best_val: float) -> dict:
