@@ -139,16 +139,18 @@ def test_trainer_with_experts_ep2_equals_one_process_and_logs_the_router(tmp_pat
     prepare("shakespeare_char", quiet=True)
     run([cfg(tmp_path, "single", batch_size=16), cfg(tmp_path, "single-to-ep2", batch_size=16, max_iters=5)], 1)
     run([cfg(tmp_path, "ep2", nproc=2, ep=2, batch_size=8),  # and the half run continued under ep=2
-         cfg(tmp_path, "single-to-ep2", nproc=2, ep=2, batch_size=8, init_from="resume")], 2)
+         cfg(tmp_path, "single-to-ep2", nproc=2, ep=2, batch_size=8, init_from="resume"),
+         cfg(tmp_path, "pp2", nproc=2, pp=2, batch_size=16)], 2)  # the aux loss of both stages
     want = losses(tmp_path / "single")
-    for name, start in (("ep2", 0), ("single-to-ep2", 0)):
+    for name in ("ep2", "single-to-ep2", "pp2"):
         got = losses(tmp_path / name)
         assert sorted(got) == list(range(11)), name
-        for it in range(start, 10):
+        for it in range(10):
             assert float(got[it][0]) == pytest.approx(float(want[it][0]), rel=1e-5), (name, it)
-    for name in ("single", "ep2"):
-        with open(tmp_path / name / "metrics.csv") as f:
-            rows = [r for r in csv.DictReader(f) if r["moe_tokens_e0"]]
+    aux = {name: [float(r["moe_aux_loss"]) for r in _rows(tmp_path / name)] for name in ("single", "ep2", "pp2")}
+    assert aux["ep2"] == pytest.approx(aux["single"], rel=1e-4) and aux["pp2"] == pytest.approx(aux["single"], rel=1e-4)
+    for name in ("single", "ep2", "pp2"):
+        rows = _rows(tmp_path / name)
         assert len(rows) == 10
         for r in rows:  # every step: 16 sequences x 32 tokens x top-2 x 2 blocks, dropless
             assert sum(float(r[f"moe_tokens_e{i}"]) for i in range(4)) == 16 * 32 * 2 * 2
@@ -161,3 +163,9 @@ def test_trainer_with_experts_ep2_equals_one_process_and_logs_the_router(tmp_pat
     announce_run(cfg(tmp_path, "ep2", nproc=2, ep=2, batch_size=8), info)
     out = capsys.readouterr().out
     assert "ep 2 (of dp): 2 of 4 experts per rank, experts data-parallel over dp/ep = 1" in out
+
+
+def _rows(out_dir) -> list[dict]:
+    """metrics.csv's step rows (those with the router's columns)."""
+    with open(out_dir / "metrics.csv") as f:
+        return [r for r in csv.DictReader(f) if r["moe_tokens_e0"]]
