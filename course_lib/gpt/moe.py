@@ -117,12 +117,14 @@ class MoE(nn.Module):
     before this one, and in all) and :meth:`run_experts` (the sorted assignments through their
     experts). Alone, this process is the whole micro-batch and holds every expert."""
 
-    def __init__(self, cfg, mlp_factory=None):
+    def __init__(self, cfg, mlp_factory=None, n_local_expert: int | None = None):
+        """``mlp_factory(cfg)`` builds the shared expert; ``n_local_expert``: how many of the
+        experts this module holds (expert parallelism; default all)."""
         super().__init__()
         self.n_expert, self.top_k = cfg.n_expert, cfg.top_k
         self.capacity_factor = cfg.capacity_factor
         self.router = nn.Linear(cfg.n_embd, cfg.n_expert, bias=False)  # W_r
-        self.experts = Experts(cfg.n_expert, cfg.n_embd, cfg.bias)
+        self.experts = Experts(n_local_expert or cfg.n_expert, cfg.n_embd, cfg.bias)
         self.shared = mlp_factory(cfg) if cfg.n_shared_expert else None
         self.aux_loss: torch.Tensor | None = None  # the last forward's, with its graph
         self.stats = _empty_stats(cfg.n_expert)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from course_lib.gpt.moe import MoE, Experts
+from course_lib.gpt.moe import MoE
 from course_lib.parallel.comms import Comms
 from course_lib.parallel.expert.comms import combine, dispatch
 
@@ -57,13 +57,13 @@ class ExpertParallelMoE(MoE):
     ``padded``: the naive all-to-all with equal, padded splits (expert.comms)."""
 
     def __init__(self, cfg, mlp_factory, ep_comms: Comms | None, dp_comms: Comms | None, padded: bool = False):
-        super().__init__(cfg, mlp_factory)
         ep = ep_comms.world_size if ep_comms is not None else 1
         if cfg.n_expert % ep:
             raise ValueError(f"n_expert ({cfg.n_expert}) must be divisible by ep ({ep})")
+        super().__init__(cfg, mlp_factory, n_local_expert=cfg.n_expert // ep)  # this rank's experts
         self.ep_comms, self.dp_comms, self.padded = ep_comms, dp_comms, padded
         self.n_local = cfg.n_expert // ep
-        self.experts = Experts(self.n_local, cfg.n_embd, cfg.bias)  # this rank's experts
+        self.n_local_tokens = 0  # of the last forward (the padded dispatch's rows per peer: k times it)
         for p in self.experts.parameters():
             p.ep_sharded = ep > 1  # the data-parallel strategy leaves them to sync_expert_grads
 
@@ -81,7 +81,7 @@ class ExpertParallelMoE(MoE):
         if ep == 1:
             return super().run_experts(x, counts)
         send_counts = counts.view(ep, self.n_local)
-        pad = self.top_k * self.stats_tokens  # the most rows one rank can send to one peer
+        pad = self.top_k * self.n_local_tokens  # the most rows one rank can send to one peer
         recv, recv_counts = dispatch(x, send_counts, self.ep_comms, self.padded, pad)
         # recv is grouped by source rank, then expert: regroup by expert for the local experts
         rc = recv_counts.reshape(-1).tolist()  # index src * n_local + e
@@ -94,7 +94,7 @@ class ExpertParallelMoE(MoE):
         return combine(y, send_counts, recv_counts, self.ep_comms, self.padded, pad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.stats_tokens = x.shape[0] * x.shape[1]  # this rank's tokens (the padded dispatch's rows)
+        self.n_local_tokens = x.shape[0] * x.shape[1]  # (B, T/cp, C): this rank's tokens
         return super().forward(x)
 
 
