@@ -91,6 +91,7 @@ def strategy_rows() -> list[dict]:
 # --- the configuration's torch-free pieces: its error, its fields, the parallel layout -------------
 
 PP_SCHEDULES = ("1f1b", "afab")
+EP_DISPATCH = ("exact", "padded")
 # the dp flavour under tp/pp/cp: one fact, in the registry ("auto" resolves to one of them)
 MODEL_PARALLEL_STRATEGIES = ("auto", *DP_FLAVOURS)
 GRAD_COMM_DTYPES = ("float32", "bfloat16")
@@ -172,6 +173,9 @@ class ParallelConfig:
     """Expert-parallel degree (mixture of experts): each rank holds n_expert/ep experts, tokens go to
     them by all-to-all. Carved out of dp (as in Megatron-LM and DeepSeek-V3): ep divides dp; the
     other parameters stay data-parallel over all dp ranks, the experts over dp/ep (parallel.expert)."""
+    ep_dispatch: str = "exact"
+    """The all-to-all of expert parallelism: 'exact' (each rank sends its real rows) or 'padded' (the
+    naive one: every block padded to top_k x the rank's tokens, equal splits; parallel.expert.comms)."""
 
     def __post_init__(self):
         check_types(self)
@@ -189,6 +193,7 @@ class ParallelConfig:
             raise ConfigError(f"grad_comm_dtype={self.grad_comm_dtype} is for data-parallel gradient all-reduce "
                               f"({', '.join(GRAD_COMM_STRATEGIES)}); strategy {self.strategy} shards gradients")
         choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        choice("ep_dispatch", self.ep_dispatch, EP_DISPATCH)
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence_parallel splits the sequence over the tp ranks: it needs tp > 1")
         if self.model_parallel_size > 1 and self.strategy not in MODEL_PARALLEL_STRATEGIES:
@@ -263,6 +268,8 @@ def moe_layout_error(cfg) -> str | None:
     """What a mixture of experts (``n_expert``, parallel.expert) asks of the layout, or None."""
     if cfg.ep > 1 and not cfg.n_expert:
         return f"ep={cfg.ep} shards experts, but the model has none; set --n_expert (a multiple of ep)"
+    if cfg.ep_dispatch != "exact" and cfg.ep == 1:
+        return f"ep_dispatch={cfg.ep_dispatch} chooses the all-to-all of expert parallelism: it needs ep > 1"
     if not cfg.n_expert:
         return None
     if cfg.n_expert % cfg.ep:

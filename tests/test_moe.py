@@ -125,6 +125,7 @@ def cfg(tmp_path, name: str, **overrides):
     ({"nproc": 2, "top_k": 5}, r"top_k must be in \[1, n_expert=4\], got 5"),
     ({"nproc": 2, "cp": 2, "capacity_factor": 1.25}, r"capacity_factor with cp > 1 is not supported"),
     ({"nproc": 2, "ep": 2, "dropout": 0.1}, r"dropout=0.1 with tp/pp/cp is not supported"),
+    ({"nproc": 2, "ep_dispatch": "padded"}, r"ep_dispatch=padded chooses the all-to-all of expert parallelism"),
 ])
 def test_bad_expert_layouts_are_refused_before_spawning(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message) as e:
@@ -140,9 +141,10 @@ def test_trainer_with_experts_ep2_equals_one_process_and_logs_the_router(tmp_pat
     run([cfg(tmp_path, "single", batch_size=16), cfg(tmp_path, "single-to-ep2", batch_size=16, max_iters=5)], 1)
     run([cfg(tmp_path, "ep2", nproc=2, ep=2, batch_size=8),  # and the half run continued under ep=2
          cfg(tmp_path, "single-to-ep2", nproc=2, ep=2, batch_size=8, init_from="resume"),
-         cfg(tmp_path, "pp2", nproc=2, pp=2, batch_size=16)], 2)  # the aux loss of both stages
+         cfg(tmp_path, "pp2", nproc=2, pp=2, batch_size=16),  # the aux loss of both stages
+         cfg(tmp_path, "ep2-padded", nproc=2, ep=2, batch_size=8, ep_dispatch="padded")], 2)
     want = losses(tmp_path / "single")
-    for name in ("ep2", "single-to-ep2", "pp2"):
+    for name in ("ep2", "single-to-ep2", "pp2", "ep2-padded"):
         got = losses(tmp_path / name)
         assert sorted(got) == list(range(11)), name
         for it in range(10):
@@ -155,8 +157,8 @@ def test_trainer_with_experts_ep2_equals_one_process_and_logs_the_router(tmp_pat
         for r in rows:  # every step: 16 sequences x 32 tokens x top-2 x 2 blocks, dropless
             assert sum(float(r[f"moe_tokens_e{i}"]) for i in range(4)) == 16 * 32 * 2 * 2
             assert float(r["moe_dropped"]) == 0 and 1.0 <= float(r["moe_aux_loss"]) / 2 < 4.0
-    with open(tmp_path / "ep2" / "metrics.csv") as f:
-        assert all(float(r["sent_bytes_ep"]) > 0 for r in csv.DictReader(f) if r["moe_tokens_e0"])
+    exact, padded = ([float(r["sent_bytes_ep"]) for r in _rows(tmp_path / n)] for n in ("ep2", "ep2-padded"))
+    assert all(0 < e < p for e, p in zip(exact, padded))  # the naive all-to-all sends its padding too
     info = json.loads((tmp_path / "ep2" / "run.json").read_text())
     assert info["layout"]["ep"] == 2 and info["layout"]["dp"] == 2
     capsys.readouterr()

@@ -76,6 +76,7 @@ def setup_run(cfg: TrainConfig, rt: Runtime) -> Run:
     if cfg.on_grid(cfg.n_expert):
         cfg.check_layout(rt.world_size)  # ranks = dp x tp x pp x cp, ep | dp (the launcher checked it too)
     strategy = parallelize(model, optimizer_factory(cfg), strategy_name, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep,
+                           ep_padded=cfg.ep_dispatch == "padded",
                            sequence_parallel=cfg.sequence_parallel, pp_schedule=cfg.pp_schedule,
                            **strategy_options(cfg, strategy_name))
     dp_rank, dp_world_size = strategy.dp_rank, strategy.dp_world_size
