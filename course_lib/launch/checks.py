@@ -181,9 +181,9 @@ def check_out_dir(req: TrainRequest) -> None:
 
 
 def check_layout(req: TrainRequest) -> None:
-    """tp/pp/cp: the grid fills the ranks, and the precision is one the pipeline runs."""
+    """tp/pp/cp (and ep): the grid fills the ranks, and the precision is one the pipeline runs."""
     cfg = req.config
-    if cfg.model_parallel_size == 1:
+    if not cfg.on_grid(cfg.n_expert):
         return
     try:
         cfg.check_layout(req.world_size)
