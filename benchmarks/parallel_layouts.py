@@ -38,10 +38,10 @@ LAYOUTS = {  # name -> (dp, tp, pp, cp, sequence_parallel)
 
 
 def worker(rank: int, world_size: int, lay: tuple, args) -> dict:
-    from course_lib.gpt.config import TrainConfig
     from course_lib.gpt.model import GPT, GPTConfig
     from course_lib.parallel.parallelize import parallelize
     from course_lib.parallel.step import train_step
+    from course_lib.trainer.config import TrainConfig
     from course_lib.trainer.run import optimizer_factory
 
     dp, tp, pp, cp, sp = lay

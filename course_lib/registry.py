@@ -17,7 +17,7 @@ And the configuration's torch-free pieces, which every layer may read without to
 :class:`ConfigError`, the field machinery (:func:`check_types`, :func:`field_docs`: a docstring per
 field, what ``--help`` prints), and the parallel layout of a run, :class:`ParallelConfig`, with its
 rules. After torchtitan's ``job_config`` (each component owns a typed configuration): the run's
-:class:`course_lib.gpt.config.TrainConfig` is made of five, flat, so that ``--n_layer=4`` and
+:class:`course_lib.trainer.config.TrainConfig` is made of five, flat, so that ``--n_layer=4`` and
 config.json stay as they are: the model, the data, the optimizer and the run
 (:mod:`course_lib.gpt.config`) and the parallel layout here. The layout's rules are in two parts:
 :meth:`ParallelConfig.check` (the layout alone: degrees, the strategy beside tp/pp/cp, the

@@ -8,8 +8,9 @@ import json
 
 import pytest
 
-from course_lib.gpt.config import STRATEGY_NAMES, TRAIN_PRESETS, ConfigError, TrainConfig, make_config, parse_overrides
 from course_lib.launch.training import build_config, cli
+from course_lib.registry import STRATEGY_NAMES, ConfigError
+from course_lib.trainer.config import TRAIN_PRESETS, TrainConfig, make_config, parse_overrides
 
 
 def test_presets_are_nanogpts_recipes():
@@ -94,8 +95,8 @@ def test_the_dp_flavours_beside_tp_pp_cp_are_the_registrys():
 def test_every_field_has_a_docstring_and_help_prints_it(capsys):
     """Issue 30 item 1 (in part): each field of the configuration has a docstring, and the command
     line generated from the fields prints it."""
-    from course_lib.gpt.config import FIELDS
     from course_lib.registry import field_docs
+    from course_lib.trainer.config import FIELDS
 
     docs = field_docs(TrainConfig)
     assert set(docs) == set(FIELDS), sorted(set(FIELDS) - set(docs))
@@ -113,12 +114,17 @@ def test_configurations_are_owned_by_their_components():
     import sys
 
     from course_lib import registry
-    from course_lib.gpt.config import COMPONENTS, FIELDS, DataConfig, ModelConfig, OptimizerConfig, RunConfig
+    from course_lib.gpt.config import DataConfig, ModelConfig, OptimizerConfig, RunConfig
     from course_lib.registry import ParallelConfig, field_docs
+    from course_lib.trainer.config import COMPONENTS, FIELDS
 
     owned = [f.name for cls in COMPONENTS.values() for f in dataclasses.fields(cls)]
     assert sorted(owned) == sorted(FIELDS) and len(owned) == len(set(owned))  # each field in one component
     assert ParallelConfig.__module__ == "course_lib.registry" and set(field_docs(ParallelConfig)) >= {"tp", "strategy"}
+    # the whole lives with the trainer that runs it; gpt/ holds no strategy field (issue 30: gpt/ knows no strategy)
+    assert TrainConfig.__module__ == "course_lib.trainer.config"
+    gpt_fields = {f.name for cls in (ModelConfig, DataConfig, OptimizerConfig, RunConfig) for f in dataclasses.fields(cls)}
+    assert not gpt_fields & {f.name for f in dataclasses.fields(ParallelConfig)}
     for cls, bad, message in [(ModelConfig, {"n_embd": 30, "n_head": 4}, "divisible by n_head"),
                               (DataConfig, {"dataset": "owt"}, "dataset must be one of"),
                               (OptimizerConfig, {"beta2": 1.0}, r"beta2 must be in \[0, 1\)"),

@@ -229,8 +229,8 @@ def test_refuses_unknown_strategy():
 
 
 def test_refuses_training_config_that_does_not_fit(nothing_spawned):
-    from course_lib.gpt.config import make_config
     from course_lib.launch import launch_training
+    from course_lib.trainer.config import make_config
 
     # GPT-2 XL shape with a large batch: hundreds of GB per rank by the memory model
     cfg = make_config(None, {"n_layer": 48, "n_head": 25, "n_embd": 1600, "block_size": 1024,

@@ -1,46 +1,24 @@
-"""The trainer's configuration: components owned and checked one by one, flat, presets, ``--field=value``.
+"""Four components of a training run's configuration, each owning, documenting and checking its fields.
 
-After torchtitan's ``job_config``: :class:`TrainConfig` is made of five frozen, typed components,
-each field with its docstring: :class:`ModelConfig`, :class:`DataConfig`,
-:class:`OptimizerConfig` and :class:`RunConfig` here, and the parallel layout,
-:class:`course_lib.registry.ParallelConfig` (torch-free, beside the strategies it names). Its
-fields are flat (``TrainConfig(n_layer=4, tp=2)``, config.json, ``--n_layer=4``); ``cfg.model``,
-``cfg.data``, ``cfg.optimizer``, ``cfg.parallel`` and ``cfg.run`` are the components alone.
+After torchtitan's ``job_config`` (a typed configuration per component, a docstring per field):
+:class:`ModelConfig` (the GPT's size), :class:`DataConfig` (the dataset and the batches),
+:class:`OptimizerConfig` (AdamW and its schedule) and :class:`RunConfig` (where and how the run
+goes). They know no strategy: the parallel layout is :class:`course_lib.registry.ParallelConfig`,
+and the run's whole configuration, the five flat in one, with its presets and command line, is
+:class:`course_lib.trainer.config.TrainConfig`.
 
-    course train --config=shakespeare_char_cpu --max_iters=500 --nproc=2
+    from course_lib.gpt.config import ModelConfig
+    ModelConfig(n_layer=4, n_embd=30, n_head=4)      # ConfigError: n_embd (30) must be divisible by n_head (4)
 
-Field names follow nanoGPT's ``train.py`` where it has one; the presets are nanoGPT's
-``config/train_shakespeare_char.py`` (the GPU recipe) and the CPU variant from nanoGPT's README
-(``--device=cpu --compile=False --eval_iters=20 --block_size=64 --batch_size=12 --n_layer=4
---n_head=4 --n_embd=128 --max_iters=2000 --lr_decay_iters=2000 --dropout=0.0``). A run writes
-its config into the run directory as ``config.json``; every worker loads it from there.
-
-The command line of a training run is generated from the fields here too (:func:`arg_parser`,
-:func:`config_from_args`: a preset or a config.json, ``--resume``, then any field as
-``--field=value``; an unknown field is an error with a suggestion). ``course train`` (the host,
-launch/training.py) and ``python -m course_lib.trainer.loop --config-file RUN_DIR/config.json``
-(each worker, trainer/loop.py) both parse with them, so a field means the same everywhere.
+Field names follow nanoGPT's ``train.py`` where it has one.
 """
 
-import argparse
-import dataclasses
-import difflib
-import json
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
-from course_lib import registry
 from course_lib.analysis.activations import RECOMPUTE  # none, selective, full
 from course_lib.gpt.data import DATASETS
-from course_lib.hardware import default_nproc
-from course_lib.registry import ConfigError, ParallelConfig, at_least, check_types, choice, field_docs, layout_error
-from course_lib.utils import atomic_write_bytes
+from course_lib.registry import ConfigError, at_least, check_types, choice
 
-# Every strategy name the trainer knows, ours and PyTorch's, and the ones that take a 16-bit
-# gradient all-reduce: from the torch-free registry (course_lib.registry)
-STRATEGY_NAMES, GRAD_COMM_STRATEGIES = registry.STRATEGY_NAMES, registry.GRAD_COMM_STRATEGIES
-CONFIG_FILE = "config.json"  # in each run directory: the frozen TrainConfig every rank reads
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 INIT_FROM = ("scratch", "resume")
 
@@ -174,203 +152,3 @@ class RunConfig:
         choice("init_from", self.init_from, INIT_FROM)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:") and self.device[5:].isdigit()):
             raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-
-
-COMPONENTS = {"model": ModelConfig, "data": DataConfig, "optimizer": OptimizerConfig,
-              "parallel": ParallelConfig, "run": RunConfig}
-
-
-@dataclass(frozen=True)
-class TrainConfig(RunConfig, ParallelConfig, OptimizerConfig, DataConfig, ModelConfig):
-    """One training run: the model, data, optimizer, parallel layout and run configurations, flat.
-
-    Each field belongs to one component (:data:`COMPONENTS`), which documents and checks it;
-    ``cfg.model`` (``.data``, ``.optimizer``, ``.parallel``, ``.run``) is that component on its own.
-    Built flat (``TrainConfig(n_layer=4, tp=2)``), saved flat (config.json), set flat
-    (``--n_layer=4``); then the rules that join two components (the layout's demands on the model).
-    """
-
-    def __post_init__(self):
-        check_types(self)
-        for component in COMPONENTS.values():
-            component.check(self)
-        if error := layout_error(self):  # what tp, pp, cp, sequence_parallel ask of the model and data
-            raise ConfigError(error)
-
-    def _component(self, name: str):
-        cls = COMPONENTS[name]
-        return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
-
-    model = property(lambda self: self._component("model"), doc="The model's configuration (ModelConfig).")
-    data = property(lambda self: self._component("data"), doc="The data's configuration (DataConfig).")
-    optimizer = property(lambda self: self._component("optimizer"), doc="The optimizer's (OptimizerConfig).")
-    parallel = property(lambda self: self._component("parallel"), doc="The parallel layout (ParallelConfig).")
-    run = property(lambda self: self._component("run"), doc="The run's configuration (RunConfig).")
-
-    @property
-    def name(self) -> str:
-        return self.run_name or Path(self.out_dir).name
-
-    # --- serialisation --------------------------------------------------------------------------
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1) + "\n"
-
-    @classmethod
-    def from_dict(cls, d: dict, source: str = "config") -> "TrainConfig":
-        unknown = sorted(set(d) - FIELDS.keys())
-        if unknown:
-            raise ConfigError(f"{source}: unknown field(s) {', '.join(unknown)}")
-        return cls(**d)
-
-    @classmethod
-    def from_json(cls, text: str, source: str = CONFIG_FILE) -> "TrainConfig":
-        try:
-            d = json.loads(text)
-        except ValueError as e:
-            raise ConfigError(f"{source} is not valid JSON: {e}") from e
-        if not isinstance(d, dict):
-            raise ConfigError(f"{source} must hold a JSON object")
-        return cls.from_dict(d, source)
-
-    def save(self) -> Path:
-        """Write OUT_DIR/config.json, atomically: the one place that writes it (the launcher before
-        any rank starts, the trainer again when it runs without the launcher). Returns its path."""
-        path = Path(self.out_dir) / CONFIG_FILE
-        atomic_write_bytes(path, self.to_json().encode())
-        return path
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> "TrainConfig":
-        path = Path(path)
-        try:
-            text = path.read_text()
-        except OSError as e:
-            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
-        return cls.from_json(text, str(path))
-
-    def replace(self, **changes) -> "TrainConfig":
-        return dataclasses.replace(self, **changes)
-
-
-FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
-
-# nanoGPT's config/train_shakespeare_char.py (a baby GPT on one GPU).
-_SHAKESPEARE_CHAR = dict(
-    out_dir="out-shakespeare-char", eval_interval=250, eval_iters=200, log_interval=10,
-    dataset="shakespeare_char", gradient_accumulation_steps=1, batch_size=64, block_size=256,
-    n_layer=6, n_head=6, n_embd=384, dropout=0.2, learning_rate=1e-3, max_iters=5000,
-    lr_decay_iters=5000, min_lr=1e-4, beta2=0.99, warmup_iters=100,
-)
-TRAIN_PRESETS: dict[str, dict] = {
-    "shakespeare_char": _SHAKESPEARE_CHAR,
-    # the same on a CPU, as nanoGPT's README runs it
-    "shakespeare_char_cpu": {**_SHAKESPEARE_CHAR, "out_dir": "out-shakespeare-char-cpu", "eval_iters": 20,
-                             "block_size": 64, "batch_size": 12, "n_layer": 4, "n_head": 4, "n_embd": 128,
-                             "max_iters": 2000, "lr_decay_iters": 2000, "dropout": 0.0},
-}
-
-
-def make_config(preset: str | None = None, overrides: dict | None = None, base: TrainConfig | None = None) -> TrainConfig:
-    """Defaults (or ``base``), then the preset, then the overrides; validated once at the end."""
-    d = (base or TrainConfig()).to_dict()
-    if preset is not None:
-        if preset not in TRAIN_PRESETS:
-            raise ConfigError(f"unknown --config {preset!r}; choose one of {', '.join(TRAIN_PRESETS)}")
-        d.update(TRAIN_PRESETS[preset])
-    d.update(overrides or {})
-    return TrainConfig.from_dict(d)
-
-
-# --- the command line, generated from the fields --------------------------------------------------
-
-def parse_value(name: str, text: str):
-    """Convert ``--name=text`` to the field's type; a ConfigError names the field if it cannot."""
-    if name not in FIELDS:
-        close = difflib.get_close_matches(name, FIELDS, n=1)
-        hint = f" (did you mean --{close[0]}?)" if close else ""
-        raise ConfigError(f"unknown option --{name}{hint}")
-    typ = FIELDS[name].type
-    if typ is bool:
-        low = text.lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"--{name}: expected true or false, got {text!r}")
-    if typ is int and name == "nproc" and text == "auto":
-        return default_nproc()  # one per GPU, else 2 CPU workers
-    try:
-        return typ(text)
-    except ValueError:
-        kind = {int: "an integer", float: "a number"}[typ]
-        raise ConfigError(f"--{name}: expected {kind}, got {text!r}") from None
-
-
-def parse_overrides(args: list[str]) -> dict:
-    """``['--max_iters=100', '--compile', '--bias=false']`` -> typed dict (bare flag = True for bools).
-
-    ``--name value`` is accepted too, except after a bool field (it would be ambiguous).
-    """
-    out, i = {}, 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--") or arg == "--":
-            raise ConfigError(f"expected --field=value, got {arg!r}")
-        name, eq, text = arg[2:].partition("=")
-        name = name.replace("-", "_")
-        if not eq:
-            if name in FIELDS and FIELDS[name].type is bool:
-                text = "true"
-            elif i + 1 < len(args) and not args[i + 1].startswith("--"):
-                i, text = i + 1, args[i + 1]
-            else:
-                if name in FIELDS:
-                    raise ConfigError(f"--{name} needs a value (--{name}=VALUE)")
-                parse_value(name, "")  # raises: unknown option (with a suggestion)
-        out[name] = parse_value(name, text)
-        i += 1
-    return out
-
-
-def arg_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    """The command line shared by ``course train`` (host) and ``python -m course_lib.trainer.loop``
-    (worker): a preset or a config.json, ``--resume``, then any field as ``--field=value``."""
-    p = argparse.ArgumentParser(prog=prog, allow_abbrev=False, epilog=_help_epilog(), description=description,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", metavar="PRESET", help=f"start from a preset: {', '.join(TRAIN_PRESETS)}")
-    p.add_argument("--config-file", metavar="PATH", help="start from a config.json (what workers use)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out_dir (= --init_from=resume)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p
-
-
-def config_from_args(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
-    """Parse ``argv`` with ``parser`` (from :func:`arg_parser`); the rest are field overrides.
-    ``--resume`` without a preset or file continues with the run's own config.json."""
-    args, rest = parser.parse_known_args(argv)
-    overrides = parse_overrides(rest)
-    if args.resume:
-        overrides["init_from"] = "resume"
-    if args.config and args.config_file:
-        raise ConfigError("give either --config or --config-file, not both")
-    base = None
-    if args.config_file:
-        base = TrainConfig.load(args.config_file)
-    elif args.resume and not args.config:
-        out_dir = overrides.get("out_dir")
-        if not out_dir:
-            raise ConfigError("--resume needs --out_dir=DIR (the run to continue)")
-        base = TrainConfig.load(Path(out_dir) / "config.json")
-    return make_config(args.config, overrides, base=base), args
-
-
-def _help_epilog() -> str:
-    d, docs = TrainConfig(), field_docs(TrainConfig)
-    fields = "\n".join(f"{part} ({cls.__name__}):\n" + "\n".join(
-        f"  {f'--{f.name}={getattr(d, f.name)!r}':<42} {f.type.__name__:<6} {docs[f.name]}" for f in dataclasses.fields(cls))
-        for part, cls in COMPONENTS.items())
-    return (f"presets (--config=NAME): {', '.join(TRAIN_PRESETS)}\n\nfields by component (default values; any one as "
-            f"--field=value):\n{fields}\n\nbool fields also accept a bare --field (true); --nproc=auto uses every GPU, or 2 CPU workers.")

@@ -9,7 +9,7 @@ The one home of the launcher's checks, all run before anything is spawned or wri
 * :func:`check_request`: a whole training request, one function per kind of check in
   :data:`CHECKS` (the job, strategy vs ranks, dtype, the tp/pp/cp layout, memory, data, out_dir
   and resume). The configuration's own fields are checked by the configuration itself
-  (:class:`course_lib.gpt.config.TrainConfig`), once, where it is built.
+  (:class:`course_lib.trainer.config.TrainConfig`), once, where it is built.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ import psutil
 
 from course_lib.analysis.memory import ModelShape, breakdown
 from course_lib.gpt import data
-from course_lib.gpt.config import TrainConfig
 from course_lib.hardware import detect, pick_dtype
 from course_lib.launch import allocation, placement, torchrun
 from course_lib.launch.placement import LaunchConfigError, RankPlan
 from course_lib.registry import STRATEGIES
+from course_lib.trainer.config import TrainConfig, check_resume
 
 
 def check_nnodes(nnodes) -> int:
@@ -164,7 +164,7 @@ def check_out_dir(req: TrainRequest) -> None:
 
     cfg, last = req.config, Path(req.config.out_dir) / ckpt_io.LAST
     if cfg.init_from == "resume":
-        ckpt_io.check_resume(ckpt_io.load_checkpoint(last, mmap=True), cfg, last, req.world_size)
+        check_resume(ckpt_io.load_checkpoint(last, mmap=True), cfg, last, req.world_size)
     elif last.exists() and not req.overwrite:
         raise LaunchConfigError(f"{cfg.out_dir} already holds a run (last.pt); pass --resume to continue it, "
                                 "--overwrite to start it again, or choose another --out_dir")
@@ -207,7 +207,7 @@ def check_request(config: TrainConfig, *, nproc=None, nnodes: int = 1, overwrite
     ``nproc``: None = ``config.nproc``; an int, or "auto" (one rank per GPU, else 2 CPU ranks).
     """
     if not isinstance(config, TrainConfig):
-        raise LaunchConfigError(f"expected a TrainConfig (course_lib.gpt.config.make_config), got {type(config).__name__}")
+        raise LaunchConfigError(f"expected a TrainConfig (course_lib.trainer.config.make_config), got {type(config).__name__}")
     nproc = config.nproc if nproc is None else nproc
     plan = placement.plan(nproc, config.device, recipe=recipe or config.name, nnodes=check_nnodes(nnodes),
                        same_host=True)

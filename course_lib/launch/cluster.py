@@ -178,8 +178,9 @@ def _check_train_args(train_args: Sequence[str], data: bool, world_size: int) ->
     that the dataset is prepared where the job will look: the same path, since the job starts in
     this folder with this environment on a file system the nodes share."""
     # imported here: `course submit --help` and PBS/--script runs need neither
-    from course_lib.gpt.config import ConfigError, arg_parser, config_from_args
     from course_lib.gpt.data import DataError, load_meta
+    from course_lib.registry import ConfigError
+    from course_lib.trainer.config import arg_parser, config_from_args
 
     try:  # parsed as the worker (python -m course_lib.trainer.loop) will parse them
         cfg, _ = config_from_args(arg_parser("python -m course_lib.trainer.loop", ""), list(train_args))

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from course_lib.gpt.config import ConfigError
 from course_lib.hardware import BACKEND_ENV, RANK_DEVICES_ENV, gpu_count
+from course_lib.registry import ConfigError
 
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "gloo", "nccl")

@@ -34,12 +34,13 @@ import torch.distributed as dist
 from course_lib import registry
 from course_lib.gpt.activation_meter import SavedTensorMeter
 from course_lib.gpt.checkpoint import CheckpointError
-from course_lib.gpt.config import ConfigError, TrainConfig, arg_parser, config_from_args
 from course_lib.gpt.data import DataError
 from course_lib.parallel.replicas import ReplicaMismatchError, check_replicas
 from course_lib.parallel.step import Precision
 from course_lib.parallel.step import train_step as one_step
 from course_lib.parallel.strategy import Strategy
+from course_lib.registry import ConfigError
+from course_lib.trainer.config import TrainConfig, arg_parser, config_from_args
 from course_lib.trainer.metrics import RunMeter
 from course_lib.trainer.process import setup_runtime
 from course_lib.trainer.run import Run, evaluate, save_run_checkpoint, setup_run

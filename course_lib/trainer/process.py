@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from course_lib.gpt.config import TrainConfig
 from course_lib.hardware import detect, pick_dtype, planned_device, planned_gpu_share
 from course_lib.parallel.collective_check import install_collective_check
+from course_lib.trainer.config import TrainConfig
 from course_lib.utils import init_process_group
 
 

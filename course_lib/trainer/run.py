@@ -20,12 +20,13 @@ import torch.distributed as dist
 
 from course_lib.gpt import checkpoint as ckpt_io
 from course_lib.gpt.activation_meter import modelled_bytes
-from course_lib.gpt.config import GRAD_COMM_STRATEGIES, TrainConfig
 from course_lib.gpt.data import TrainBatches, eval_batches, load_meta, load_tokens, model_vocab_size
 from course_lib.gpt.model import GPT, GPTConfig, make_adamw
 from course_lib.parallel.parallelize import parallelize
 from course_lib.parallel.step import Precision
 from course_lib.parallel.strategy import Strategy
+from course_lib.registry import GRAD_COMM_STRATEGIES
+from course_lib.trainer.config import TrainConfig, check_resume
 from course_lib.trainer.process import Runtime
 
 
@@ -98,7 +99,7 @@ def setup_run(cfg: TrainConfig, rt: Runtime) -> Run:
 def _resume(run: Run) -> None:
     path = Path(run.cfg.out_dir) / ckpt_io.LAST
     ck = ckpt_io.load_checkpoint(path, map_location=run.rt.device)
-    ckpt_io.check_resume(ck, run.cfg, path, run.rt.world_size)
+    check_resume(ck, run.cfg, path, run.rt.world_size)
     run.strategy.load_state_dict(ck)
     if ck["scaler"] is not None and run.precision.scaler.is_enabled():
         run.precision.scaler.load_state_dict(ck["scaler"]["state"])
