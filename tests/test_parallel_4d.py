@@ -30,7 +30,7 @@ from course_lib.parallel.parallelize import parallelize
 from course_lib.parallel.step import train_step
 from course_lib.parallel.tensor.vocab import vocab_parallel_cross_entropy, vocab_range
 from course_lib.trainer.config import TrainConfig
-from course_lib.trainer.run import optimizer_factory
+from course_lib.trainer.loop import optimizer_factory
 
 CFG = GPTConfig(block_size=16, vocab_size=65, n_layer=2, n_head=4, n_embd=32, bias=True)
 TRAIN = TrainConfig(learning_rate=1e-2)

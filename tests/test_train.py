@@ -151,7 +151,7 @@ def test_dtype_follows_the_hardware_profile(data_dir, tmp_path):
 
 def test_fp16_steps_skip_overflow_and_adapt_the_scale():
     from course_lib.parallel.strategy import build_strategy
-    from course_lib.trainer.run import optimizer_factory
+    from course_lib.trainer.loop import optimizer_factory
 
     model = torch.nn.Linear(4, 1)
     strategy = build_strategy("single", model, optimizer_factory(TrainConfig()))

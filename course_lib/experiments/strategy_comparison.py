@@ -47,7 +47,7 @@ from course_lib.parallel.step import train_step
 from course_lib.parallel.strategy import build_strategy
 from course_lib.registry import STRATEGIES
 from course_lib.trainer.config import make_config
-from course_lib.trainer.run import optimizer_factory
+from course_lib.trainer.loop import optimizer_factory
 
 COMPARISON_FIELDS = ["strategy", "nodes", "ranks", "ms_per_iter", "ms_min", "ms_max", "tokens_per_s", "speedup",
           "efficiency", "comm_ms", "model_states_mb", "rss_mb", "runs", "threads_per_rank", "scaling"]
