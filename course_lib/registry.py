@@ -19,7 +19,7 @@ field, what ``--help`` prints), and the parallel layout of a run, :class:`Parall
 rules. After torchtitan's ``job_config`` (each component owns a typed configuration): the run's
 :class:`course_lib.trainer.config.TrainConfig` is made of five, flat, so that ``--n_layer=4`` and
 config.json stay as they are: the model, the data, the optimizer and the run
-(:mod:`course_lib.gpt.config`) and the parallel layout here. The layout's rules are in two parts:
+(:mod:`course_lib.trainer.config`) and the parallel layout here. The layout's rules are in two parts:
 :meth:`ParallelConfig.check` (the layout alone: degrees, the strategy beside tp/pp/cp, the
 schedule) and :func:`layout_error` (what the layout asks of the model and the data: heads over tp,
 blocks over pp, every sequence in 2 cp chunks, sequence shards over tp). The process-group grid

@@ -3,8 +3,8 @@
     python -m course_lib.trainer.loop --config-file RUN_DIR/config.json   (what every worker runs)
 
     config      TrainConfig: the one frozen config of a run, its five components flat (model, data, optimizer,
-                run: course_lib.gpt.config; the parallel layout: course_lib.registry); presets; its command line,
-                generated from the fields (host and workers); what a resumed run may change
+                run here; the parallel layout in course_lib.registry); presets; its command line, generated
+                from the fields (host and workers); what a resumed run may change
     loop        training in this process, as nanoGPT's train.py: where it runs (rank, device, dtype, threads,
                 the process group), what it holds (data, model, Strategy, resume), evaluation, checkpoint
                 saving, and the loop (warmup and cosine learning rate, the step)
