@@ -133,7 +133,7 @@ def test_terminal_display_relays_rank_0_byte_for_byte(tmp_path):
     between two reads), other ranks' stderr still prefixed; the notebook's prefixes every line."""
     import io
 
-    from course_lib.launch.monitor import OutputStreamer
+    from course_lib.launch.supervise import OutputStreamer
 
     bar = "\rrun:  50%|█    | 1/2\rrun: 100%|██| 2/2\n".encode()
     (tmp_path / "rank0.out").write_bytes(b"header\n" + bar[:12])  # cut inside a multi-byte character

@@ -1,7 +1,7 @@
 """course submit --scheduler slurm|pbs --nodes N --gpus-per-node G [--dry-run] -- TRAIN ARGS
 
 Batch scripts that run the trainer on N nodes x G GPUs (what the scheduler gave a running job is
-:mod:`course_lib.launch.allocation`). SLURM starts one ``torchrun`` per node with ``srun``; PBS
+:mod:`course_lib.launch.placement`, :func:`~course_lib.launch.placement.detect_allocation`). SLURM starts one ``torchrun`` per node with ``srun``; PBS
 with ``mpiexec -n N -ppn 1`` (MPICH / Cray PALS / Intel MPI syntax). The torchrun agents meet
 in a c10d rendezvous on the first node of the allocation, under the job id, at a port derived
 from it (unless --port), with an explicit join timeout. The trainer's arguments are checked before
