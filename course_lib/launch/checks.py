@@ -22,10 +22,11 @@ from pathlib import Path
 
 import psutil
 
+import course_lib.launch.placement as placement
+import course_lib.launch.torchrun as torchrun
 from course_lib.analysis.memory import ModelShape, breakdown
 from course_lib.gpt import data
 from course_lib.hardware import detect, pick_dtype
-from course_lib.launch import placement, torchrun
 from course_lib.launch.placement import LaunchConfigError, RankPlan
 from course_lib.registry import STRATEGIES
 from course_lib.trainer.config import TrainConfig, check_resume

@@ -32,13 +32,13 @@ import argparse
 import sys
 from pathlib import Path
 
+import course_lib.launch.checks as checks
 from course_lib.gpt.checkpoint import CheckpointError
 from course_lib.gpt.data import DataError
-from course_lib.launch import checks
 from course_lib.launch.api import LaunchResult, launch
 from course_lib.launch.checks import TrainRequest, check_request
-from course_lib.launch.supervise import MetricsProgress
 from course_lib.launch.placement import LaunchConfigError
+from course_lib.launch.supervise import MetricsProgress
 from course_lib.registry import ConfigError
 from course_lib.trainer.config import TrainConfig, arg_parser, config_from_args
 
