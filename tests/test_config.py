@@ -115,9 +115,8 @@ def test_configurations_are_owned_by_their_components():
     import sys
 
     from course_lib import registry
-    from course_lib.trainer.config import DataConfig, ModelConfig, OptimizerConfig, RunConfig
     from course_lib.registry import ParallelConfig, field_docs
-    from course_lib.trainer.config import COMPONENTS, FIELDS
+    from course_lib.trainer.config import COMPONENTS, FIELDS, DataConfig, ModelConfig, OptimizerConfig, RunConfig
 
     owned = [f.name for cls in COMPONENTS.values() for f in dataclasses.fields(cls)]
     assert sorted(owned) == sorted(FIELDS) and len(owned) == len(set(owned))  # each field in one component

@@ -5,9 +5,9 @@ Bottom to top (ARCHITECTURE.md draws the same stack):
     base         utils, hardware, registry
     analysis     closed-form models (numbers in, numbers out)
     pram         the PRAM simulator
-    gpt          the model, its data, config and checkpoints
+    gpt          the model, its data and checkpoints
     parallel     the Strategy, the one training step, DP / ZeRO / TP / PP / CP
-    trainer      the loop one process runs
+    trainer      the run's configuration and the loop one process runs
     launch       starting ranks and watching them
     exercises    building and grading the exercises
     experiments  what the lessons measure
