@@ -38,11 +38,11 @@ LAYOUTS = {  # name -> (dp, tp, pp, cp, sequence_parallel)
 
 
 def worker(rank: int, world_size: int, lay: tuple, args) -> dict:
-    from course_lib.gpt.config import TrainConfig
     from course_lib.gpt.model import GPT, GPTConfig
     from course_lib.parallel.parallelize import parallelize
     from course_lib.parallel.step import train_step
-    from course_lib.trainer.run import optimizer_factory
+    from course_lib.trainer.config import TrainConfig
+    from course_lib.trainer.loop import optimizer_factory
 
     dp, tp, pp, cp, sp = lay
     cfg = GPTConfig(block_size=64, vocab_size=65, n_layer=4, n_head=4, n_embd=128, dropout=0.0, bias=False)

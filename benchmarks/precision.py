@@ -25,7 +25,7 @@ from pathlib import Path
 
 def recompute_table(iters: int, repeats: int) -> list[dict]:
     from course_lib.experiments.precision import recompute_runs
-    from course_lib.gpt.config import make_config
+    from course_lib.trainer.config import make_config
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -43,8 +43,8 @@ def machine() -> str:
 
 
 def measure(name: str, preset: str, overrides: dict, warmup: int, iters: int, data_dir: str, out_root: Path) -> dict:
-    from course_lib.gpt.config import make_config
     from course_lib.launch.training import run_training
+    from course_lib.trainer.config import make_config
     from course_lib.trainer.metrics import read_metrics
 
     total = warmup + iters

@@ -1,7 +1,8 @@
 """course_lib: the library behind the distributed-training course.
 
-    gpt          the model, its data and config, checkpoints
-    trainer      the training loop one process runs (each torchrun worker), its metrics
+    gpt          the model, its data, checkpoints
+    trainer      a run's configuration (TrainConfig), the training loop one process runs (each torchrun
+                 worker), its metrics
     parallel     the Strategy interface and the strategies (DDP, ZeRO, FSDP), TP, PP, collectives
     launch       starting ranks: launch, launch_training, the notebook magics, clusters
     analysis     closed-form models: communication cost, memory, scaling laws, strategy guide

@@ -17,9 +17,9 @@ And the configuration's torch-free pieces, which every layer may read without to
 :class:`ConfigError`, the field machinery (:func:`check_types`, :func:`field_docs`: a docstring per
 field, what ``--help`` prints), and the parallel layout of a run, :class:`ParallelConfig`, with its
 rules. After torchtitan's ``job_config`` (each component owns a typed configuration): the run's
-:class:`course_lib.gpt.config.TrainConfig` is made of five, flat, so that ``--n_layer=4`` and
+:class:`course_lib.trainer.config.TrainConfig` is made of five, flat, so that ``--n_layer=4`` and
 config.json stay as they are: the model, the data, the optimizer and the run
-(:mod:`course_lib.gpt.config`) and the parallel layout here. The layout's rules are in two parts:
+(:mod:`course_lib.trainer.config`) and the parallel layout here. The layout's rules are in two parts:
 :meth:`ParallelConfig.check` (the layout alone: degrees, the strategy beside tp/pp/cp, the
 schedule) and :func:`layout_error` (what the layout asks of the model and the data: heads over tp,
 blocks over pp, every sequence in 2 cp chunks, sequence shards over tp). The process-group grid
@@ -27,6 +27,9 @@ itself is :class:`course_lib.parallel.process_groups.ProcessGroupGrid`.
 
     from course_lib.registry import ParallelConfig
     ParallelConfig(nproc=4, tp=2, pp=2)          # checked now: one line per refusal (ConfigError)
+
+:class:`MoEConfig`, the experts' fields of the model configuration (:mod:`course_lib.gpt.moe`), is
+here too, torch-free, because both the run's configuration and ``gpt.model.GPTConfig`` carry it.
 """
 
 import ast
@@ -137,6 +140,32 @@ def field_docs(cls) -> dict[str, str]:
                     and isinstance(doc.value.value, str)):
                 docs[field.target.id] = " ".join(doc.value.value.split())
     return docs
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Mixture of experts: the MLP of every block replaced by routed experts (``n_expert > 0``;
+    :mod:`course_lib.gpt.moe`). Part of the model's configuration (:class:`ModelConfig` and
+    :class:`course_lib.gpt.model.GPTConfig` carry these fields); torch-free, so the launcher checks it."""
+
+    n_expert: int = 0
+    """Routed experts per block (each a GPT-2 MLP); 0 = the dense model."""
+    top_k: int = 1
+    """Experts each token is sent to (Switch Transformer: 1; GShard, Mixtral: 2)."""
+    n_shared_expert: int = 0
+    """0 or 1: one MLP every token also goes through (DeepSeekMoE's shared expert)."""
+    capacity_factor: float = 0.0
+    """0 = dropless; else each expert takes at most ceil(capacity_factor * top_k * N / n_expert)
+    assignments of a micro-batch of N tokens (all data-parallel ranks' tokens); the rest are dropped."""
+    aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss (Switch Transformer, eq. 4), summed over the MoE blocks."""
+
+    def check(self) -> None:
+        at_least(self, 0, ("n_expert", "n_shared_expert", "capacity_factor", "aux_loss_coef"))
+        if self.n_shared_expert > 1:
+            raise ConfigError(f"n_shared_expert must be 0 or 1, got {self.n_shared_expert}")
+        if self.n_expert and not 1 <= self.top_k <= self.n_expert:
+            raise ConfigError(f"top_k must be in [1, n_expert={self.n_expert}], got {self.top_k}")
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import pytest
 
 from course_lib.gpt.data import prepare
 from course_lib.launch import cluster
-from course_lib.launch.allocation import Allocation, check_allocation, detect_allocation, expand_nodelist
+from course_lib.launch.placement import Allocation, check_allocation, detect_allocation, expand_nodelist
 
 TRAIN_ARGS = ["--max_iters=100", "--run_name=a b;c", "$HOME", "--strategy=zero2"]
 

@@ -254,9 +254,9 @@ def trainer_checks_worker(rank: int, world_size: int, cfg: dict, stores: list[st
     import torch
     import torch.distributed as dist
 
-    from course_lib.gpt.config import TrainConfig
     from course_lib.parallel.collective_check import CollectiveMismatchError
     from course_lib.parallel.replicas import ReplicaMismatchError
+    from course_lib.trainer.config import TrainConfig
     from course_lib.trainer.loop import check_step_replicas, train
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -289,9 +289,10 @@ def trainer_checks_worker(rank: int, world_size: int, cfg: dict, stores: list[st
 
 @pytest.mark.timeout(240)
 def test_the_trainer_checks_collectives_and_replicas_when_asked(tmp_path):
-    from course_lib.gpt.config import ConfigError, make_config
     from course_lib.gpt.data import prepare
     from course_lib.launch.spawn import run_ranks
+    from course_lib.registry import ConfigError
+    from course_lib.trainer.config import make_config
 
     with pytest.raises(ConfigError, match="check_replicas_every must be >= 0"):
         make_config("shakespeare_char_cpu", {"check_replicas_every": -1})

@@ -1,4 +1,4 @@
-"""course_lib.gpt.finetune: pre-train, then fine-tune from the checkpoint on other text (notebook 7).
+"""course_lib.trainer.finetune: pre-train, then fine-tune from the checkpoint on other text (notebook 7).
 
 The speeches are checked against an independent count of the speaker lines in the shipped text;
 the fine-tuning data must use the pre-training vocabulary and decode back to the text; a
@@ -15,14 +15,15 @@ import pytest
 import torch
 
 from course_lib.gpt import data
-from course_lib.gpt.config import ConfigError, make_config
-from course_lib.gpt.finetune import (
+from course_lib.launch.training import train_in_process
+from course_lib.registry import ConfigError
+from course_lib.trainer.config import make_config
+from course_lib.trainer.finetune import (
     finetune_config,
     prepare_finetune_data,
     speaker_counts,
     speeches,
 )
-from course_lib.launch.training import train_in_process
 from course_lib.trainer.metrics import read_metrics
 from course_lib.utils import shipped_file
 

@@ -196,9 +196,9 @@ def test_wall_clock_limit_stops_a_hung_run(tmp_path, marker):
 @pytest.mark.timeout(150)
 def test_launch_training_returns_the_metrics_table(tmp_path, marker):
     """The course trainer on 2 ranks: progress bar from metrics.csv, the table comes back."""
-    from course_lib.gpt.config import make_config
     from course_lib.gpt.data import prepare
     from course_lib.launch import launch_training
+    from course_lib.trainer.config import make_config
 
     prepare("shakespeare_char", data_dir=tmp_path / "data")
     cfg = make_config("shakespeare_char_cpu", {

@@ -13,12 +13,13 @@ import psutil
 import pytest
 
 from course_lib.gpt import checkpoint as ckpt_io
-from course_lib.gpt.config import ConfigError, make_config
 from course_lib.gpt.data import DataError, prepare
 from course_lib.hardware import cpu_autocast_dtypes, gpu_count
 from course_lib.launch import checks, launch_training
 from course_lib.launch.placement import plan_ranks
 from course_lib.launch.training import cli
+from course_lib.registry import ConfigError
+from course_lib.trainer.config import make_config
 
 TINY = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32, "batch_size": 4, "max_iters": 4,
         "lr_decay_iters": 4, "warmup_iters": 1, "eval_interval": 2, "eval_iters": 1, "device": "cpu", "threads": 1}
@@ -139,7 +140,7 @@ def test_terminal_display_relays_rank_0_byte_for_byte(tmp_path):
     between two reads), other ranks' stderr still prefixed; the notebook's prefixes every line."""
     import io
 
-    from course_lib.launch.monitor import OutputStreamer
+    from course_lib.launch.supervise import OutputStreamer
 
     bar = "\rrun:  50%|█    | 1/2\rrun: 100%|██| 2/2\n".encode()
     (tmp_path / "rank0.out").write_bytes(b"header\n" + bar[:12])  # cut inside a multi-byte character

@@ -16,7 +16,7 @@ import uuid
 import psutil
 import pytest
 
-from course_lib.launch import checks, monitor, procs, torchrun
+from course_lib.launch import checks, procs, supervise, torchrun
 from course_lib.launch.api import LaunchSpec, launch
 from course_lib.launch.bootstrap import diagnose
 from course_lib.launch.supervise import pick_failure
@@ -229,8 +229,8 @@ def test_refuses_unknown_strategy():
 
 
 def test_refuses_training_config_that_does_not_fit(nothing_spawned):
-    from course_lib.gpt.config import make_config
     from course_lib.launch import launch_training
+    from course_lib.trainer.config import make_config
 
     # GPT-2 XL shape with a large batch: hundreds of GB per rank by the memory model
     cfg = make_config(None, {"n_layer": 48, "n_head": 25, "n_embd": 1600, "block_size": 1024,
@@ -269,12 +269,12 @@ def test_where_reads_tracebacks_and_stack_dumps(tmp_path):
         import traceback
 
         tb = traceback.format_exc()
-    at = monitor.where(tb)
+    at = supervise.where(tb)
     assert at.startswith("test_launch_units.py:") and "json.loads" in at
     dump = _where_am_i(tmp_path)
     assert "most recent call first" in dump
-    assert "faulthandler.dump_traceback" in monitor.where(dump)
-    assert monitor.last_dump("noise\n" + dump) is not None and monitor.last_dump("noise") is None
+    assert "faulthandler.dump_traceback" in supervise.where(dump)
+    assert supervise.last_dump("noise\n" + dump) is not None and supervise.last_dump("noise") is None
 
 
 def test_root_cause_beats_ranks_that_only_saw_it():
@@ -295,9 +295,9 @@ def test_parse_torchrun_failure_summary():
     text = ("Root Cause (first observed failure):\n[0]:\n  time      : 2026-11-22_04:01:50\n"
             "  host      : localhost\n  rank      : 1 (local_rank: 1)\n"
             "  exitcode  : -9 (pid: 8100)\n  error_file: <N/A>\n")
-    assert monitor.launcher_exit_codes(text, {}) == {1: -9}
+    assert supervise.launcher_exit_codes(text, {}) == {1: -9}
     hydra = ("=   PID 77 RUNNING AT vm\n=   EXIT CODE: 9\n")
-    assert monitor.launcher_exit_codes(hydra, {3: {"pid": 77}}) == {3: -9}
+    assert supervise.launcher_exit_codes(hydra, {3: {"pid": 77}}) == {3: -9}
 
 
 def test_find_by_env_sees_only_marked_processes():

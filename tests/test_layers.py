@@ -5,9 +5,9 @@ Bottom to top (ARCHITECTURE.md draws the same stack):
     base         utils, hardware, registry
     analysis     closed-form models (numbers in, numbers out)
     pram         the PRAM simulator
-    gpt          the model, its data, config and checkpoints
+    gpt          the model, its data and checkpoints
     parallel     the Strategy, the one training step, DP / ZeRO / TP / PP / CP
-    trainer      the loop one process runs
+    trainer      the run's configuration and the loop one process runs
     launch       starting ranks and watching them
     exercises    building and grading the exercises
     experiments  what the lessons measure
@@ -178,7 +178,7 @@ def test_nproc_from_the_cli_to_the_ranks_passes_few_files_and_only_goes_down(tmp
     assert main[:2] == ["cli.py", "launch/training.py"] and main[-1] == "launch/bootstrap.py"
     assert "launch/torchrun.py" in main and "launch/training.py" in main
     assert len(set(main)) <= 8, main
-    assert len(set(main) | set(side)) <= 10, (main, side)  # ARCHITECTURE.md lists all ten
+    assert len(set(main) | set(side)) <= 9, (main, side)  # ARCHITECTURE.md lists all nine
     assert "launch/placement.py" in side  # decided there, before anything starts
 
     def rank(f):
@@ -250,9 +250,15 @@ _TRACE_FILES = textwrap.dedent("""
 # with this definition (launcher, worker, both): 20, 24, 37 before gpt/config_args.py joined gpt/config.py,
 # then 19, 23, 36, and 18, 23, 35 once launch/train_cli.py joined launch/training.py, and 17, 23, 34 once
 # the launcher stopped importing the trainer (17, 24, 35: parallel/collective_check.py makes its state
-# on import, now in the worker); the ceilings are those numbers, so
-# that the count can only go down (lower them as satellites are merged).
-MAX_LAUNCHER_FILES, MAX_WORKER_FILES, MAX_FILES = 17, 24, 35
+# on import, now in the worker); 18, 25, 36 with TrainConfig in trainer/config.py beside gpt/config.py;
+# then 18, 23, 34 once trainer/run.py and trainer/process.py joined trainer/loop.py (nanoGPT's and
+# torchtitan's one train.py), 17, 22, 33 with one configuration module (gpt/config.py's components in
+# trainer/config.py, torchtitan's job_config), 15, 22, 31 once launch/monitor.py joined
+# launch/supervise.py and launch/allocation.py launch/placement.py, and 14, 21, 29 with no lookup in
+# launch/__init__.py and no state made on import by parallel/collective_check.py. The 29 left are one
+# idea each (ARCHITECTURE.md, "One training run", names them): 12 is not reached. The ceilings are
+# the measured numbers, so that the count can only go down (lower them as modules are merged).
+MAX_LAUNCHER_FILES, MAX_WORKER_FILES, MAX_FILES = 14, 21, 29
 
 
 def test_course_train_to_the_step_opens_few_files(tmp_path):

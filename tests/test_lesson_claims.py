@@ -30,7 +30,6 @@ import torch
 
 from course_lib.analysis.layout_plan import plan_layouts
 from course_lib.analysis.memory import ModelShape, breakdown, model_state_bytes
-from course_lib.gpt.config import ConfigError, TrainConfig
 from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.hardware import PROFILES
 from course_lib.launch.spawn import run_ranks
@@ -40,6 +39,8 @@ from course_lib.parallel.gpt_parallel import GPTStage
 from course_lib.parallel.pipeline.schedules import Pipeline, mlp_stage
 from course_lib.parallel.tensor.layers import tensor_parallel_gpt
 from course_lib.parallel.toy import ToyMLP, toy_batch
+from course_lib.registry import ConfigError
+from course_lib.trainer.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

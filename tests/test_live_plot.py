@@ -12,8 +12,9 @@ import time
 
 import pytest
 
-from course_lib.gpt.config import ConfigError, make_config
 from course_lib.notebook.live_plot import LiveLossPlot, ema, status_html, train_live
+from course_lib.registry import ConfigError
+from course_lib.trainer.config import make_config
 from course_lib.trainer.metrics import MetricsWriter, read_metrics
 
 
@@ -117,7 +118,7 @@ def test_a_saved_notebook_keeps_the_final_plot_and_progress_line(tmp_path, monke
     out = tmp_path / "run"
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(
-        "from course_lib.gpt.config import make_config\n"
+        "from course_lib.trainer.config import make_config\n"
         "from course_lib.notebook.live_plot import train_live\n"
         f"cfg = make_config('shakespeare_char_cpu', {{'out_dir': {str(out)!r}, 'max_iters': 12, 'eval_interval': 6,\n"
         "    'eval_iters': 2, 'log_interval': 1, 'n_layer': 1, 'n_head': 2, 'n_embd': 32, 'block_size': 32,\n"

@@ -74,9 +74,9 @@ def test_optimizer_groups_decay_matrices_only():
 def test_one_adamw_rule_for_the_trainer_the_model_and_the_toy():
     """Frozen parameters get no optimizer state; the trainer, GPT.configure_optimizers and the
     parallelism tests' toy AdamW all build the same groups with the same (fused) kernel."""
-    from course_lib.gpt.config import TrainConfig
     from course_lib.parallel import toy
-    from course_lib.trainer.run import optimizer_factory
+    from course_lib.trainer.config import TrainConfig
+    from course_lib.trainer.loop import optimizer_factory
 
     model = tiny(bias=True)
     model.transformer.wpe.weight.requires_grad_(False)  # e.g. a frozen position embedding

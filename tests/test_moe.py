@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from test_parallel_trainer import TINY, losses, run
 
-from course_lib.gpt.config import ConfigError, make_config
+from course_lib.registry import ConfigError
+from course_lib.trainer.config import make_config
 from course_lib.gpt.data import prepare
 from course_lib.gpt.model import GPT, GPTConfig, adamw_param_groups
 from course_lib.gpt.moe import MoE, capacity, moe_stats, router_imbalance, upcycle_state_dict

@@ -35,7 +35,7 @@ def test_one_init_process_group():
 def test_one_writer_of_config_json():
     writers = [p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")
                if '"config.json"' in p.read_text() and ("atomic_write" in p.read_text() or "write_text" in p.read_text())]
-    assert writers == ["gpt/config.py"], f"config.json written outside TrainConfig.save: {writers}"
+    assert writers == ["trainer/config.py"], f"config.json written outside TrainConfig.save: {writers}"
     assert set(_calls("save")) >= {"trainer/metrics.py", "launch/training.py"}  # the two moments it is written
 
 

@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from course_lib.analysis.activations import activation_bytes
 from course_lib.analysis.memory import model_state_bytes
 from course_lib.analysis.parallel_comm import sent_bytes_per_step, stage_params
-from course_lib.gpt.config import TrainConfig
 from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.launch.spawn import run_ranks
 from course_lib.parallel.comms import Comms
@@ -30,7 +29,8 @@ from course_lib.parallel.gpt_parallel import shard, shard_spec, unshard
 from course_lib.parallel.parallelize import parallelize
 from course_lib.parallel.step import train_step
 from course_lib.parallel.tensor.vocab import vocab_parallel_cross_entropy, vocab_range
-from course_lib.trainer.run import optimizer_factory
+from course_lib.trainer.config import TrainConfig
+from course_lib.trainer.loop import optimizer_factory
 
 CFG = GPTConfig(block_size=16, vocab_size=65, n_layer=2, n_head=4, n_embd=32, bias=True)
 TRAIN = TrainConfig(learning_rate=1e-2)

@@ -16,10 +16,10 @@ import json
 import pytest
 from test_parallel_trainer import TINY, losses, numbers, run
 
-from course_lib.gpt.checkpoint import CheckpointError
-from course_lib.gpt.config import ConfigError, make_config
 from course_lib.gpt.data import prepare
 from course_lib.launch.checks import check_request
+from course_lib.registry import ConfigError
+from course_lib.trainer.config import check_layout_change, make_config
 
 ITERS, HALF = 10, 5
 BASE = {**TINY, "max_iters": ITERS, "lr_decay_iters": ITERS, "eval_interval": HALF}
@@ -108,12 +108,10 @@ def test_bad_layouts_are_refused_before_spawning(tmp_path, overrides, message):
 
 
 def test_resume_with_another_global_batch_is_refused(tmp_path):
-    from course_lib.gpt.checkpoint import check_layout_change
-
     saved = cfg(tmp_path, "r", batch_size=8).to_dict()
     check_layout_change(saved, 1, cfg(tmp_path, "r", nproc=4, tp=2, pp=2, batch_size=8), 4)  # dp 1: fine
     check_layout_change(saved, 1, cfg(tmp_path, "r", nproc=2, batch_size=4), 2)  # ddp 2 x 4: fine
     with pytest.raises(ConfigError, match="global batch of 16 sequences per step, this layout has 32"):
         check_layout_change(saved, 1, cfg(tmp_path, "r", nproc=2, batch_size=8), 2)
-    with pytest.raises(CheckpointError, match="with dropout=0.1 the random streams differ"):
+    with pytest.raises(ConfigError, match="with dropout=0.1 the random streams differ"):
         check_layout_change({**saved, "dropout": 0.1}, 1, cfg(tmp_path, "r", nproc=2, batch_size=4, dropout=0.1), 2)

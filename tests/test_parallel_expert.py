@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.gpt.config import TrainConfig
+from course_lib.trainer.config import TrainConfig
 from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.gpt.moe import moe_stats
 from course_lib.launch.spawn import run_ranks
@@ -28,7 +28,7 @@ from course_lib.parallel.comms import Comms
 from course_lib.parallel.expert.comms import combine, dispatch
 from course_lib.parallel.parallelize import parallelize
 from course_lib.parallel.step import train_step
-from course_lib.trainer.run import optimizer_factory
+from course_lib.trainer.loop import optimizer_factory
 
 CFG = GPTConfig(block_size=16, vocab_size=65, n_layer=2, n_head=4, n_embd=32, bias=True, n_expert=4, top_k=2,
                 n_shared_expert=1)

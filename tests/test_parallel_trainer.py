@@ -15,10 +15,10 @@ import os
 import pytest
 import torch.distributed as dist
 
-from course_lib.gpt.config import STRATEGY_NAMES, make_config
 from course_lib.gpt.data import prepare
 from course_lib.launch.spawn import run_ranks
-from course_lib.registry import STRATEGIES
+from course_lib.registry import STRATEGIES, STRATEGY_NAMES
+from course_lib.trainer.config import make_config
 
 ITERS = 6
 TINY = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "batch_size": 4,
@@ -30,7 +30,7 @@ DISTRIBUTED = [s for s in STRATEGY_NAMES if s != "single"]
 
 
 def trainer_worker(rank: int, world_size: int, configs: list[dict], stores: list[str]) -> list[dict]:
-    from course_lib.gpt.config import TrainConfig
+    from course_lib.trainer.config import TrainConfig
     from course_lib.trainer.loop import train
 
     if world_size > 1:  # what torchrun would set; the process group exists already

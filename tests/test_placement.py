@@ -104,8 +104,8 @@ def test_launch_refuses_nccl_ranks_sharing_a_gpu(one_gpu, nothing_spawned, tmp_p
 def test_course_train_on_one_gpu_keeps_the_gpu_recipe_on_the_gpu(one_gpu, monkeypatch, tmp_path):
     """``course train --config=shakespeare_char --nproc=2`` on one GPU: both ranks on cuda:0, gloo
     (before: 2 CPU ranks, silently). What reaches launch() is the plan check_request made."""
-    from course_lib.gpt.config import TrainConfig
     from course_lib.gpt.data import prepare
+    from course_lib.trainer.config import TrainConfig
 
     cpu = checks.detect("cpu")
     monkeypatch.setattr(checks, "detect", lambda device=None: cpu)  # no CUDA here to ask
@@ -123,7 +123,7 @@ def test_course_train_on_one_gpu_keeps_the_gpu_recipe_on_the_gpu(one_gpu, monkey
 
 def test_pipeline_ranks_sharing_a_gpu_are_refused(one_gpu, monkeypatch, tmp_path):
     """pp and cp send activations point to point; gloo cannot send CUDA tensors."""
-    from course_lib.gpt.config import make_config
+    from course_lib.trainer.config import make_config
 
     cpu = checks.detect("cpu")
     monkeypatch.setattr(checks, "detect", lambda device=None: cpu)
@@ -194,9 +194,9 @@ def test_more_ranks_than_gpus_share_them_over_gloo(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 def test_training_with_more_ranks_than_gpus_runs_on_the_gpu(tmp_path):
-    from course_lib.gpt.config import make_config
     from course_lib.gpt.data import prepare
     from course_lib.launch import launch_training
+    from course_lib.trainer.config import make_config
 
     prepare("shakespeare_char", data_dir=tmp_path / "data", quiet=True)
     cfg = make_config("shakespeare_char", {"max_iters": 4, "log_interval": 1, "eval_interval": 4, "eval_iters": 1,

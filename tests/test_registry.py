@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from course_lib import registry
-from course_lib.gpt import config
+from course_lib.trainer import config
 
 
 def test_registry_is_torch_free():
@@ -17,8 +17,9 @@ def test_registry_is_torch_free():
 
 
 def test_every_reader_takes_its_names_from_the_registry():
-    assert config.STRATEGY_NAMES == tuple(registry.STRATEGIES)
-    assert config.GRAD_COMM_STRATEGIES == ("ddp", "ddp_naive", "torch_ddp")  # whole-gradient all-reduce
+    assert registry.STRATEGY_NAMES == tuple(registry.STRATEGIES)
+    assert registry.GRAD_COMM_STRATEGIES == ("ddp", "ddp_naive", "torch_ddp")  # whole-gradient all-reduce
+    assert config.FIELDS["strategy"].default == "auto" and not hasattr(config, "STRATEGY_NAMES")  # no second name
     assert registry.DP_FLAVOURS == ("single", "ddp", "zero1", "zero2")
     for name, info in registry.STRATEGIES.items():
         module, cls = info.cls.split(":")

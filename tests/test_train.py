@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from course_lib.gpt import checkpoint as ckpt_io
-from course_lib.gpt.config import ConfigError, TrainConfig, make_config
 from course_lib.gpt.data import TrainBatches, prepare
 from course_lib.gpt.sample import cli as sample_cli
 from course_lib.gpt.sample import sample
 from course_lib.hardware import PROFILES, cpu_autocast_dtypes, pick_dtype
 from course_lib.launch.training import train_in_process as run
 from course_lib.parallel.step import _fp16_step
+from course_lib.registry import ConfigError
+from course_lib.trainer.config import TrainConfig, make_config
 from course_lib.trainer.loop import get_lr, setup_runtime, train
 from course_lib.trainer.metrics import COLUMNS, read_metrics
 
@@ -150,7 +151,7 @@ def test_dtype_follows_the_hardware_profile(data_dir, tmp_path):
 
 def test_fp16_steps_skip_overflow_and_adapt_the_scale():
     from course_lib.parallel.strategy import build_strategy
-    from course_lib.trainer.run import optimizer_factory
+    from course_lib.trainer.loop import optimizer_factory
 
     model = torch.nn.Linear(4, 1)
     strategy = build_strategy("single", model, optimizer_factory(TrainConfig()))

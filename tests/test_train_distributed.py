@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from course_lib.gpt import checkpoint as ckpt_io
-from course_lib.gpt.config import make_config
 from course_lib.gpt.data import prepare
 from course_lib.launch import launch_training
+from course_lib.trainer.config import make_config
 from course_lib.trainer.loop import train
 from course_lib.trainer.metrics import read_metrics
 

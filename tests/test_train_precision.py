@@ -10,10 +10,11 @@ import math
 
 import pytest
 
-from course_lib.gpt.config import ConfigError, make_config
 from course_lib.gpt.data import prepare
 from course_lib.hardware import cpu_autocast_dtypes
 from course_lib.launch.training import train_in_process
+from course_lib.registry import ConfigError
+from course_lib.trainer.config import make_config
 from course_lib.trainer.metrics import read_metrics
 
 TINY = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "batch_size": 4, "max_iters": 4,

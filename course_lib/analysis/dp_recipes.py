@@ -39,9 +39,6 @@ from __future__ import annotations
 
 import math
 
-import torch
-from torch.utils.data import DistributedSampler
-
 RULES = ("linear", "sqrt")
 METHODS = ("shard", "seed", "global_slice", "same_seed")
 
@@ -93,6 +90,9 @@ def scale_lr(base_lr: float, base_batch: int, batch: int, rule: str = "linear") 
 def rank_samples(method: str, n_samples: int, n_draws: int, rank: int, dp_world_size: int,
                  seed: int = 0):
     """The ``n_draws`` sample indices (a LongTensor) that ``rank`` reads under ``method``."""
+    import torch  # here: analysis/ is torch-free arithmetic (the trainer's configuration reads it); only this draws
+    from torch.utils.data import DistributedSampler
+
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     n_samples, n_draws = _positive_int("n_samples", n_samples), _positive_int("n_draws", n_draws)
@@ -115,6 +115,7 @@ def rank_samples(method: str, n_samples: int, n_draws: int, rank: int, dp_world_
 
 def duplicate_fraction(reference, other) -> float:
     """Fraction of ``other``'s draws whose sample also occurs among ``reference``'s draws."""
+    import torch  # here: analysis/ is torch-free arithmetic (the trainer's configuration reads it)
 
     other = torch.as_tensor(other)
     if other.numel() == 0:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import time
 
 from course_lib.analysis import dp_recipes
-from course_lib.gpt.config import make_config
 from course_lib.launch import launch_training
+from course_lib.trainer.config import make_config
 
 WARMUP_ITERS = 2  # left out of the median: allocation and first-touch costs
 

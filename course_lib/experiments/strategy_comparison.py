@@ -39,7 +39,6 @@ from pathlib import Path
 
 import torch
 
-from course_lib.gpt.config import make_config
 from course_lib.gpt.data import TrainBatches, load_meta, load_tokens, model_vocab_size, prepare
 from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.launch.spawn import run_ranks
@@ -47,7 +46,8 @@ from course_lib.parallel.footprint import measure_model_states, peak
 from course_lib.parallel.step import train_step
 from course_lib.parallel.strategy import build_strategy
 from course_lib.registry import STRATEGIES
-from course_lib.trainer.run import optimizer_factory
+from course_lib.trainer.config import make_config
+from course_lib.trainer.loop import optimizer_factory
 
 COMPARISON_FIELDS = ["strategy", "nodes", "ranks", "ms_per_iter", "ms_min", "ms_max", "tokens_per_s", "speedup",
           "efficiency", "comm_ms", "model_states_mb", "rss_mb", "runs", "threads_per_rank", "scaling"]

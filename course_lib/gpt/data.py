@@ -162,7 +162,7 @@ def load_meta(data_dir: str | os.PathLike | None, name: str) -> dict:
 
 def load_tokens(data_dir: str | os.PathLike | None, name: str, split: str):
     """The token ids of one split as an int64 torch tensor (Tiny Shakespeare fits in memory)."""
-    import torch  # here: `course data` and gpt.config import this module without torch
+    import torch  # here: `course data` and the configurations import this module without torch
 
     meta = load_meta(data_dir, name)
     path = Path(data_dir or default_data_dir()) / name / f"{split}.bin"
@@ -194,7 +194,7 @@ def tokenizer(meta: dict):
 
 def _windows(tokens, starts, block_size: int):
     """Rows ``tokens[s : s + block_size + 1]`` for each start: (..., T + 1) -> inputs x and targets y."""
-    import torch  # here: `course data` and gpt.config import this module without torch
+    import torch  # here: `course data` and the configurations import this module without torch
 
     rows = tokens[starts.unsqueeze(-1) + torch.arange(block_size + 1)]  # (..., T + 1), one gather
     return rows[..., :-1].contiguous(), rows[..., 1:].contiguous()
@@ -211,7 +211,7 @@ class TrainBatches:
 
     def __init__(self, tokens, batch_size: int, block_size: int, grad_accum: int, dp_rank: int,
                  dp_world_size: int, seed: int, device="cpu"):
-        import torch  # here: `course data` and gpt.config import this module without torch
+        import torch  # here: `course data` and the configurations import this module without torch
 
         if tokens.numel() <= block_size + 1:
             raise DataError(f"the split holds {tokens.numel()} tokens, too few for block_size {block_size}")
@@ -223,7 +223,7 @@ class TrainBatches:
         self.pin = self.device.type == "cuda"
 
     def next(self):
-        import torch  # here: `course data` and gpt.config import this module without torch
+        import torch  # here: `course data` and the configurations import this module without torch
 
         self.resume_state = self.generator.get_state()  # drawing again from here repeats this batch
         starts = torch.randint(self.tokens.numel() - self.block_size, self.shape, generator=self.generator)
@@ -244,7 +244,7 @@ def eval_batches(tokens, batch_size: int, block_size: int, n_batches: int, seed:
     strategies communicate inside forward). Returns x, y (k, B, T) and weights (k,) with
     sum over all ranks = n_batches.
     """
-    import torch  # here: `course data` and gpt.config import this module without torch
+    import torch  # here: `course data` and the configurations import this module without torch
 
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(tokens.numel() - block_size, (n_batches, batch_size), generator=g)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from course_lib.analysis.activations import RECOMPUTE  # none, selective, full
-from course_lib.gpt.config import MoEConfig
+from course_lib.registry import MoEConfig
 from course_lib.gpt.moe import MoE, Experts, aux_loss
 
 

@@ -1,6 +1,6 @@
 """Mixture of experts: the MLP of a GPT block replaced by routed experts (model code: no strategy).
 
-With ``n_expert > 0`` (:class:`course_lib.gpt.config.MoEConfig`, fields of ``GPTConfig``) EVERY
+With ``n_expert > 0`` (:class:`course_lib.registry.MoEConfig`, fields of ``GPTConfig``) EVERY
 block's MLP is a :class:`MoE` layer. For each token x (a row of the (B*T, C) residual stream):
 
     p = softmax(x W_r)                      router probabilities over the E experts  (N, E)

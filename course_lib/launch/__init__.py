@@ -22,7 +22,8 @@ Modules:
     spawn       run_ranks(fn, nproc, *args): a function on N local gloo processes, for the tests,
                 the lessons and the exercises (via ranks)
     magics      the %%torchrun and %%mpirun cell magics
-    placement   where ranks run: the device of each rank and the backend, decided before any start
+    placement   where ranks run: the device of each rank and the backend, decided before any start; the SLURM
+                or PBS job this process runs in, and what a launch may ask of it
     rank_pool   RankPool: persistent ranks across cells (ipyparallel engines + a process group)
     rank_pool_engine   what runs in those ranks: setup, the collective tracker, the parent watch
     rank_pool_view     a cell's output grouped by rank, redrawn while it runs
@@ -30,12 +31,11 @@ Modules:
     rank_pool_recover  what the pool does on a hang or a dead rank: each rank's state, restart, regroup
     rank_pool_health   alive or dead and how, a rank's last output, the variables a restart lost
     cluster     ``course submit``: SLURM and PBS batch scripts
-    allocation  the SLURM or PBS job this process runs in
     slurm_local a real two-node SLURM on this machine, to try ``course submit`` (make slurm-local)
     torchrun    the torchrun command lines, and the agent (torchrun with its stores on loopback only)
     bootstrap   what each rank runs first (logs, process group, the target)
-    supervise   the launcher's loop: wait, stop on the first failure, explain it
-    monitor     watching a running launch: per-rank output, rank states, where a hung rank waits
+    supervise   watching a launch: the launcher's loop (wait, stop on the first failure, explain it) and what
+                it reads of the ranks (per-rank output, rank states, where a hung rank waits, metrics.csv)
     procs       process trees: spawn with a parent-death signal, stop them all
 
 Names are imported lazily: importing this package is cheap, which matters because every rank

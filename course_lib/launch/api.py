@@ -22,8 +22,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import course_lib.launch.checks as checks
+import course_lib.launch.torchrun as torchrun
 from course_lib.hardware import threads_per_rank
-from course_lib.launch import checks, torchrun
 from course_lib.launch.supervise import Agent, RankFailure, supervise
 
 

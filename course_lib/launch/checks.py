@@ -5,11 +5,11 @@ The one home of the launcher's checks, all run before anything is spawned or wri
 * :func:`check_launch`: a :class:`course_lib.launch.api.LaunchSpec` (nodes, the script or module
   to run, timeouts, rendezvous, output, NCCL debugging; the ranks' devices and backend through
   :func:`course_lib.launch.placement.plan`, where they are decided; the SLURM/PBS job through
-  :func:`course_lib.launch.allocation.check_scheduler`).
+  :func:`course_lib.launch.placement.check_scheduler`).
 * :func:`check_request`: a whole training request, one function per kind of check in
   :data:`CHECKS` (the job, strategy vs ranks, dtype, the tp/pp/cp layout, memory, data, out_dir
   and resume). The configuration's own fields are checked by the configuration itself
-  (:class:`course_lib.gpt.config.TrainConfig`), once, where it is built.
+  (:class:`course_lib.trainer.config.TrainConfig`), once, where it is built.
 """
 
 from __future__ import annotations
@@ -22,13 +22,14 @@ from pathlib import Path
 
 import psutil
 
+import course_lib.launch.placement as placement
+import course_lib.launch.torchrun as torchrun
 from course_lib.analysis.memory import ModelShape, breakdown
 from course_lib.gpt import data
-from course_lib.gpt.config import TrainConfig
 from course_lib.hardware import detect, pick_dtype
-from course_lib.launch import allocation, placement, torchrun
 from course_lib.launch.placement import LaunchConfigError, RankPlan
 from course_lib.registry import STRATEGIES
+from course_lib.trainer.config import TrainConfig, check_resume
 
 
 def check_nnodes(nnodes) -> int:
@@ -88,7 +89,7 @@ def check_launch(target, spec) -> tuple[placement.RankPlan, str, bool, float | N
         raise LaunchConfigError("rdzv_endpoint needs rdzv_id: the same id on every node")
     if spec.output not in ("ranks", "raw"):
         raise LaunchConfigError(f"output must be 'ranks' or 'raw', got {spec.output!r}")
-    allocation.check_scheduler(nnodes, plan.gpus_per_node or plan.nproc, plan.device_type)  # in a SLURM/PBS job
+    placement.check_scheduler(nnodes, plan.gpus_per_node or plan.nproc, plan.device_type)  # in a SLURM/PBS job
     torchrun.nccl_debug_env(spec.nccl_debug, spec.nccl_debug_subsys, spec.nccl_debug_file)  # validates
     return plan, target, is_module, timeout, collective_timeout
 
@@ -174,7 +175,7 @@ def check_out_dir(req: TrainRequest) -> None:
 
     cfg, last = req.config, Path(req.config.out_dir) / ckpt_io.LAST
     if cfg.init_from == "resume":
-        ckpt_io.check_resume(ckpt_io.load_checkpoint(last, mmap=True), cfg, last, req.world_size)
+        check_resume(ckpt_io.load_checkpoint(last, mmap=True), cfg, last, req.world_size)
     elif last.exists() and not req.overwrite:
         raise LaunchConfigError(f"{cfg.out_dir} already holds a run (last.pt); pass --resume to continue it, "
                                 "--overwrite to start it again, or choose another --out_dir")
@@ -200,7 +201,7 @@ def check_layout(req: TrainRequest) -> None:
 
 def check_job(req: TrainRequest) -> None:
     """Inside a SLURM/PBS job: the nodes and GPUs it was given."""
-    allocation.check_scheduler(req.nnodes, (req.plan and req.plan.gpus_per_node) or req.config.nproc, req.device)
+    placement.check_scheduler(req.nnodes, (req.plan and req.plan.gpus_per_node) or req.config.nproc, req.device)
 
 
 CHECKS: list[Callable[[TrainRequest], None]] = [check_job, check_strategy_world, check_dtype, check_layout,
@@ -218,7 +219,7 @@ def check_request(config: TrainConfig, *, nproc=None, nnodes: int = 1, overwrite
     ``backend``: "auto" (NCCL for one rank per GPU, else gloo), "gloo" or "nccl".
     """
     if not isinstance(config, TrainConfig):
-        raise LaunchConfigError(f"expected a TrainConfig (course_lib.gpt.config.make_config), got {type(config).__name__}")
+        raise LaunchConfigError(f"expected a TrainConfig (course_lib.trainer.config.make_config), got {type(config).__name__}")
     nproc = config.nproc if nproc is None else nproc
     plan = placement.plan(nproc, config.device, backend, recipe=recipe or config.name, nnodes=check_nnodes(nnodes),
                           same_host=True)

@@ -1,7 +1,7 @@
 """course submit --scheduler slurm|pbs --nodes N --gpus-per-node G [--dry-run] -- TRAIN ARGS
 
 Batch scripts that run the trainer on N nodes x G GPUs (what the scheduler gave a running job is
-:mod:`course_lib.launch.allocation`). SLURM starts one ``torchrun`` per node with ``srun``; PBS
+:mod:`course_lib.launch.placement`, :func:`~course_lib.launch.placement.detect_allocation`). SLURM starts one ``torchrun`` per node with ``srun``; PBS
 with ``mpiexec -n N -ppn 1`` (MPICH / Cray PALS / Intel MPI syntax). The torchrun agents meet
 in a c10d rendezvous on the first node of the allocation, under the job id, at a port derived
 from it (unless --port), with an explicit join timeout. The trainer's arguments are checked before
@@ -178,8 +178,9 @@ def _check_train_args(train_args: Sequence[str], data: bool, world_size: int) ->
     that the dataset is prepared where the job will look: the same path, since the job starts in
     this folder with this environment on a file system the nodes share."""
     # imported here: `course submit --help` and PBS/--script runs need neither
-    from course_lib.gpt.config import ConfigError, arg_parser, config_from_args
     from course_lib.gpt.data import DataError, load_meta
+    from course_lib.registry import ConfigError
+    from course_lib.trainer.config import arg_parser, config_from_args
 
     try:  # parsed as the worker (python -m course_lib.trainer.loop) will parse them
         cfg, _ = config_from_args(arg_parser("python -m course_lib.trainer.loop", ""), list(train_args))

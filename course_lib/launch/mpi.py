@@ -18,7 +18,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from course_lib.launch import checks, torchrun
+import course_lib.launch.checks as checks
+import course_lib.launch.torchrun as torchrun
 from course_lib.launch.api import (
     LaunchResult,
     _prepare_run_dir,

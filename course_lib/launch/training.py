@@ -5,7 +5,7 @@ launch_training(config) and ``course train``: one way to run the course trainer 
     course train --resume --out_dir=runs/x --max_iters=3000
     course train --help                      # every field, its default and the presets
 
-    from course_lib.gpt.config import make_config
+    from course_lib.trainer.config import make_config
     from course_lib.launch import launch_training
     cfg = make_config("shakespeare_char_cpu", {"max_iters": 200, "out_dir": "runs/ddp2"})
     result = launch_training(cfg, nproc=2)
@@ -32,14 +32,15 @@ import argparse
 import sys
 from pathlib import Path
 
+import course_lib.launch.checks as checks
 from course_lib.gpt.checkpoint import CheckpointError
-from course_lib.gpt.config import ConfigError, TrainConfig, arg_parser, config_from_args
 from course_lib.gpt.data import DataError
-from course_lib.launch import checks
 from course_lib.launch.api import LaunchResult, launch
 from course_lib.launch.checks import TrainRequest, check_request
-from course_lib.launch.monitor import MetricsProgress
 from course_lib.launch.placement import LaunchConfigError
+from course_lib.launch.supervise import MetricsProgress
+from course_lib.registry import ConfigError
+from course_lib.trainer.config import TrainConfig, arg_parser, config_from_args
 
 TRAIN_MODULE = "course_lib.trainer.loop"
 RUN_FILES = ("last.pt", "best.pt", "metrics.csv", "summary.json", "run.json", "config.json")

@@ -20,13 +20,14 @@ import sys
 import time
 from pathlib import Path
 
-from course_lib.gpt.config import ConfigError, make_config, parse_overrides
 from course_lib.gpt.data import DataError, prepare
 from course_lib.gpt.sample import sample
 from course_lib.launch import placement
 from course_lib.launch.api import LaunchError
 from course_lib.launch.training import run_training
 from course_lib.notebook.plots import plot_loss_curve
+from course_lib.registry import ConfigError
+from course_lib.trainer.config import make_config, parse_overrides
 
 NANOGPT_CPU_VAL_LOSS = 1.8857  # nanoGPT README, shakespeare_char on a CPU after 2000 iterations
 

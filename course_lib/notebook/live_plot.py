@@ -209,7 +209,7 @@ class LiveLossPlot:
 
 def train_live(cfg, *, overwrite: bool = False, interval_s: float = 1.0, plot: LiveLossPlot | None = None,
                progress: bool = True, **launch_kwargs) -> dict:
-    """Train ``cfg`` (a course_lib.gpt.config.TrainConfig) with a live loss plot; returns its summary.
+    """Train ``cfg`` (a course_lib.trainer.config.TrainConfig) with a live loss plot; returns its summary.
 
     The request is checked and the run directory prepared first
     (:func:`course_lib.launch.training.prepare_run`: ``overwrite`` restarts a run that is there;

@@ -62,18 +62,15 @@ class CollectiveMismatchError(RuntimeError):
         self.calls = calls or {}
 
 
-class _State:
-    """The wrapped functions' switch, their side group and the recorder (one per process)."""
+class _STATE:
+    """The wrapped functions' switch, their side group and the recorder: one per process, so the
+    class itself holds them (no instance is made on import)."""
 
-    def __init__(self):
-        self.enabled = False
-        self.side = None  # the gloo group the descriptors travel on
-        self.seq = 0
-        self.generation = 0  # which process group the calls were numbered in
-        self.record: collections.deque = collections.deque(maxlen=RECORD)
-
-
-_STATE = _State()
+    enabled = False
+    side = None  # the gloo group the descriptors travel on
+    seq = 0
+    generation = 0  # which process group the calls were numbered in
+    record: collections.deque = collections.deque(maxlen=RECORD)
 
 
 def install_collective_check(enabled: bool = True, timeout_s: float | None = None, generation: int = 0) -> None:

@@ -35,7 +35,6 @@ import torch.distributed as dist
 
 from course_lib.gpt.moe import moe_stats
 from course_lib.hardware import detect
-from course_lib.trainer.process import launcher_info
 from course_lib.trainer.progress import progress_bar
 from course_lib.utils import atomic_write_bytes
 
@@ -56,6 +55,20 @@ def moe_columns(n_expert: int) -> tuple[str, ...]:
     if not n_expert:
         return ()
     return ("moe_aux_loss", "moe_dropped", *(f"moe_tokens_e{i}" for i in range(n_expert)))
+
+
+# Variables set by the launchers (torchrun's docs, "Environment Variables"; sbatch/srun "OUTPUT
+# ENVIRONMENT VARIABLES"): TORCHELASTIC_RUN_ID is torchrun's --rdzv-id, GROUP_WORLD_SIZE its agents
+# (one per node); SLURM_STEP_ID exists only inside an srun step.
+LAUNCH_VARS = {"torchrun_run_id": "TORCHELASTIC_RUN_ID", "torchrun_agents": "GROUP_WORLD_SIZE",
+               "slurm_job_id": "SLURM_JOB_ID", "slurm_step_id": "SLURM_STEP_ID",
+               "slurm_step_nodes": "SLURM_STEP_NODELIST", "pbs_job_id": "PBS_JOBID"}
+
+
+def launcher_info(env=None) -> dict:
+    """Who started this process (recorded in run.json): the launch variables that are set."""
+    env = os.environ if env is None else env
+    return {key: env[var] for key, var in LAUNCH_VARS.items() if var in env}
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:

@@ -1,6 +1,6 @@
 """Fine-tuning a pre-trained run on new text: the second stage of an LLM's life (notebook 7).
 
-    from course_lib.gpt.finetune import speeches, prepare_finetune_data, finetune_config
+    from course_lib.trainer.finetune import speeches, prepare_finetune_data, finetune_config
     text = speeches(shakespeare, ["ROMEO", "JULIET"])            # the new, smaller corpus
     data_dir = prepare_finetune_data(text, "runs/ft-data", base_meta=meta)
     cfg = finetune_config("runs/pretrain", "runs/finetune", data_dir, iters=500)
@@ -34,8 +34,8 @@ from pathlib import Path
 import numpy as np
 
 from course_lib.gpt import checkpoint as ckpt_io
-from course_lib.gpt.config import TrainConfig
 from course_lib.gpt.data import tokenizer
+from course_lib.trainer.config import TrainConfig, check_resumable
 from course_lib.utils import atomic_write_bytes
 
 SPEAKER = re.compile(r"^([A-Z][A-Za-z' ]*[A-Za-z]):$")  # a speech's first line: "ROMEO:", "First Citizen:"
@@ -96,7 +96,7 @@ def finetune_config(pretrained_dir: str | os.PathLike, out_dir: str | os.PathLik
     cfg = TrainConfig.from_dict(ck["config"]).replace(
         out_dir=str(out), data_dir=str(data_dir), init_from="resume", max_iters=ck["iter_num"] + iters,
         run_name="", **changes)
-    ckpt_io.check_resumable(ck["config"], cfg, out / ckpt_io.LAST)  # ConfigError names a field it may not change
+    check_resumable(ck["config"], cfg, out / ckpt_io.LAST)  # ConfigError names a field it may not change
     if ck["iter_num"] % cfg.eval_interval:  # the trainer evaluates at multiples of eval_interval
         raise ValueError(f"eval_interval={cfg.eval_interval} does not divide the checkpoint's iteration "
                          f"{ck['iter_num']}: choose one that does, so the run starts by evaluating the "

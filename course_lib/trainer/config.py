@@ -1,25 +1,34 @@
-"""The trainer's configuration: components owned and checked one by one, flat, presets, ``--field=value``.
+"""A training run's configuration: five components, one flat whole, presets, ``--field=value``, resume rules.
 
-After torchtitan's ``job_config``: :class:`TrainConfig` is made of five frozen, typed components,
-each field with its docstring: :class:`ModelConfig`, :class:`DataConfig`,
-:class:`OptimizerConfig` and :class:`RunConfig` here, and the parallel layout,
-:class:`course_lib.registry.ParallelConfig` (torch-free, beside the strategies it names). Its
-fields are flat (``TrainConfig(n_layer=4, tp=2)``, config.json, ``--n_layer=4``); ``cfg.model``,
-``cfg.data``, ``cfg.optimizer``, ``cfg.parallel`` and ``cfg.run`` are the components alone.
+After torchtitan's ``job_config`` (one module, a typed configuration per component, a docstring
+per field): :class:`TrainConfig` is made of five frozen components, each owning, documenting and
+checking its fields: :class:`ModelConfig` (the GPT's size), :class:`DataConfig` (the dataset and
+the batches), :class:`OptimizerConfig` (AdamW and its schedule), :class:`RunConfig` (where and how
+the run goes) and the parallel layout, :class:`course_lib.registry.ParallelConfig` (torch-free,
+beside the strategies it names). Its fields are flat (``TrainConfig(n_layer=4, tp=2)``,
+config.json, ``--n_layer=4``); ``cfg.model``, ``cfg.data``, ``cfg.optimizer``, ``cfg.parallel``
+and ``cfg.run`` are the components alone. It lives with the trainer, which runs it; ``gpt/``
+knows no configuration of a run and no strategy. Torch-free: the launcher reads it before
+anything starts.
 
     course train --config=shakespeare_char_cpu --max_iters=500 --nproc=2
+    ModelConfig(n_layer=4, n_embd=30, n_head=4)   # ConfigError: n_embd (30) must be divisible by n_head (4)
 
 Field names follow nanoGPT's ``train.py`` where it has one; the presets are nanoGPT's
 ``config/train_shakespeare_char.py`` (the GPU recipe) and the CPU variant from nanoGPT's README
 (``--device=cpu --compile=False --eval_iters=20 --block_size=64 --batch_size=12 --n_layer=4
---n_head=4 --n_embd=128 --max_iters=2000 --lr_decay_iters=2000 --dropout=0.0``). A run writes
-its config into the run directory as ``config.json``; every worker loads it from there.
+--n_head=4 --n_embd=128 --max_iters=2000 --lr_decay_iters=2000 --dropout=0.0``). A run writes its
+config into the run directory as ``config.json`` (:meth:`TrainConfig.save`); every worker loads
+it from there.
 
-The command line of a training run is generated from the fields here too (:func:`arg_parser`,
+The command line of a training run is generated from the fields (:func:`arg_parser`,
 :func:`config_from_args`: a preset or a config.json, ``--resume``, then any field as
 ``--field=value``; an unknown field is an error with a suggestion). ``course train`` (the host,
 launch/training.py) and ``python -m course_lib.trainer.loop --config-file RUN_DIR/config.json``
 (each worker, trainer/loop.py) both parse with them, so a field means the same everywhere.
+
+Which fields a resumed run may change (:data:`RESUME_MAY_CHANGE`, :func:`check_resume`) is a rule
+of the configuration too: the launcher checks it before spawning, each worker again.
 """
 
 import argparse
@@ -30,45 +39,25 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from course_lib import registry
 from course_lib.analysis.activations import RECOMPUTE  # none, selective, full
+from course_lib.analysis.dp_recipes import global_batch_size
 from course_lib.gpt.data import DATASETS
 from course_lib.hardware import default_nproc
-from course_lib.registry import ConfigError, ParallelConfig, at_least, check_types, choice, field_docs, layout_error
+from course_lib.registry import (ConfigError, MoEConfig, ParallelConfig, at_least, check_types, choice, field_docs,
+                                 layout_error)
 from course_lib.utils import atomic_write_bytes
 
-# Every strategy name the trainer knows, ours and PyTorch's, and the ones that take a 16-bit
-# gradient all-reduce: from the torch-free registry (course_lib.registry)
-STRATEGY_NAMES, GRAD_COMM_STRATEGIES = registry.STRATEGY_NAMES, registry.GRAD_COMM_STRATEGIES
 CONFIG_FILE = "config.json"  # in each run directory: the frozen TrainConfig every rank reads
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 INIT_FROM = ("scratch", "resume")
+# Fields a resumed run may change: where and how it runs, how often it reports, and how long.
+RESUME_MAY_CHANGE = frozenset({"out_dir", "init_from", "max_iters", "eval_interval", "log_interval", "eval_iters",
+                               "device", "compile", "strategy", "threads", "timeout_s", "run_name", "data_dir",
+                               "recompute", "grad_comm_dtype",  # memory and wire format, not the model
+                               # the layout: any, if the global batch stays the same (check_layout_change)
+                               "nproc", "tp", "pp", "cp", "ep", "ep_dispatch", "sequence_parallel", "pp_schedule",
+                               "batch_size", "gradient_accumulation_steps"})
 
-
-@dataclass(frozen=True)
-class MoEConfig:
-    """Mixture of experts: the MLP of every block replaced by routed experts (``n_expert > 0``;
-    :mod:`course_lib.gpt.moe`). Part of the model's configuration (:class:`ModelConfig` and
-    :class:`course_lib.gpt.model.GPTConfig` carry these fields); torch-free, so the launcher checks it."""
-
-    n_expert: int = 0
-    """Routed experts per block (each a GPT-2 MLP); 0 = the dense model."""
-    top_k: int = 1
-    """Experts each token is sent to (Switch Transformer: 1; GShard, Mixtral: 2)."""
-    n_shared_expert: int = 0
-    """0 or 1: one MLP every token also goes through (DeepSeekMoE's shared expert)."""
-    capacity_factor: float = 0.0
-    """0 = dropless; else each expert takes at most ceil(capacity_factor * top_k * N / n_expert)
-    assignments of a micro-batch of N tokens (all data-parallel ranks' tokens); the rest are dropped."""
-    aux_loss_coef: float = 0.01
-    """Weight of the load-balancing loss (Switch Transformer, eq. 4), summed over the MoE blocks."""
-
-    def check(self) -> None:
-        at_least(self, 0, ("n_expert", "n_shared_expert", "capacity_factor", "aux_loss_coef"))
-        if self.n_shared_expert > 1:
-            raise ConfigError(f"n_shared_expert must be 0 or 1, got {self.n_shared_expert}")
-        if self.n_expert and not 1 <= self.top_k <= self.n_expert:
-            raise ConfigError(f"top_k must be in [1, n_expert={self.n_expert}], got {self.top_k}")
 
 
 @dataclass(frozen=True)
@@ -282,7 +271,7 @@ class TrainConfig(RunConfig, ParallelConfig, OptimizerConfig, DataConfig, ModelC
         return dataclasses.replace(self, **changes)
 
 
-FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}  # every field, flat: what config.json and --field hold
 
 # nanoGPT's config/train_shakespeare_char.py (a baby GPT on one GPU).
 _SHAKESPEARE_CHAR = dict(
@@ -313,6 +302,55 @@ def make_config(preset: str | None = None, overrides: dict | None = None, base: 
         d.update(TRAIN_PRESETS[preset])
     d.update(overrides or {})
     return TrainConfig.from_dict(d)
+
+
+# --- what a resumed run may change ----------------------------------------------------------------
+
+def check_resumable(saved: dict, cfg: TrainConfig, path: str | os.PathLike = "checkpoint",
+                    iter_num: int = 0) -> None:
+    """Raise ConfigError naming every field that differs from the checkpoint's config and may not
+    (and if the checkpoint, at ``iter_num``, is already past ``max_iters``)."""
+    if cfg.max_iters < iter_num:
+        raise ConfigError(f"{path} is at iteration {iter_num}, past max_iters={cfg.max_iters}; "
+                          f"pass --max_iters={iter_num} or more to continue it")
+    default = TrainConfig().to_dict()  # a field newer than the checkpoint had its default value then
+    diffs = [(k, saved.get(k, default[k]), v) for k, v in cfg.to_dict().items()
+             if k not in RESUME_MAY_CHANGE and saved.get(k, default[k]) != v]
+    if diffs:
+        changed = "; ".join(f"{k}: checkpoint has {a!r}, now {b!r}" for k, a, b in diffs)
+        fix = " ".join(f"--{k}={a}" for k, a, _ in diffs)
+        raise ConfigError(f"cannot resume {path} with this config ({changed}); "
+                          f"pass {fix} to continue that run, or start a new one in another --out_dir")
+
+
+def _global_batch(cfg: dict, world_size: int) -> int:
+    """:func:`~course_lib.analysis.dp_recipes.global_batch_size` of a config dict (dp = ranks / (tp pp cp))."""
+    mp = cfg.get("tp", 1) * cfg.get("pp", 1) * cfg.get("cp", 1)
+    return global_batch_size(cfg["batch_size"], cfg["gradient_accumulation_steps"], world_size // mp)
+
+
+def check_layout_change(saved: dict, saved_world: int, cfg: TrainConfig, world_size: int,
+                        path: str | os.PathLike = "checkpoint") -> None:
+    """A checkpoint resumes under another layout (ranks, tp, pp, cp, strategy, micro-batching)
+    when the global batch per step is the same: the full state has one format, the data sampler
+    draws the same samples, and the step's gradient is the mean over the same global batch. With
+    dropout the ranks' random streams would differ, so the number of ranks must stay."""
+    before, now = _global_batch(saved, saved_world), _global_batch(cfg.to_dict(), world_size)
+    if before != now:
+        raise ConfigError(f"{path} trained with a global batch of {before} sequences per step, this layout has "
+                          f"{now} (batch_size x gradient_accumulation_steps x dp); choose batch_size and "
+                          f"gradient_accumulation_steps so that they give {before}")
+    if saved_world != world_size and cfg.dropout:
+        raise ConfigError(f"{path} was written by {saved_world} ranks, this run has {world_size}; with "
+                              f"dropout={cfg.dropout} the random streams differ: resume with --nproc={saved_world}")
+
+
+def check_resume(ck: dict, cfg: TrainConfig, path: str | os.PathLike, world_size: int) -> None:
+    """Can ``cfg`` on ``world_size`` ranks continue checkpoint ``ck``? (checked by the launcher
+    before spawning, and again by each worker, which may have been started some other way).
+    The fields must match (but for the layout's), and the global batch (check_layout_change)."""
+    check_resumable(ck["config"], cfg, path, ck["iter_num"])
+    check_layout_change(ck["config"], ck["world_size"], cfg, world_size, path)
 
 
 # --- the command line, generated from the fields --------------------------------------------------
