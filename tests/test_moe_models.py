@@ -20,6 +20,7 @@ from course_lib.analysis.moe_memory import (
     PUBLISHED,
     MoEShape,
     gqa_attention_params,
+    layout_rows,
     mla_attention_params,
     rank_states,
 )
@@ -62,26 +63,30 @@ def test_gpt_shaped_moe_counts_like_the_dense_gpt():
     assert one.active_params() == one.total_params()
 
 
-def test_rank_states_split_experts_over_ep_and_the_rest_over_dp_ep():
+def test_rank_states_split_experts_over_ep_and_the_rest_over_dp():
     ds = PUBLISHED["deepseek-v3"]
     parts = ds.params()
     experts, rest = parts["experts"], ds.total_params() - parts["experts"]
-    for ep, dp, stage in ((1, 1, 0), (8, 1, 0), (8, 4, 1), (64, 2, 3)):
-        r = rank_states(ds, ep=ep, dp=dp, stage=stage)
-        assert r.experts == model_state_bytes(experts / ep, dp, stage)
-        assert r.non_experts == model_state_bytes(rest, dp * ep, stage)
+    for dp, ep, stage in ((1, 1, 0), (8, 8, 0), (32, 8, 1), (128, 64, 3)):
+        r = rank_states(ds, dp=dp, ep=ep, stage=stage)
+        assert r.experts == model_state_bytes(experts / ep, dp // ep, stage)  # expert data parallel: dp / ep
+        assert r.non_experts == model_state_bytes(rest, dp, stage)
         assert r.total.total == pytest.approx(r.experts.total + r.non_experts.total)
-    # summed over the ep ranks of one dp index with no ZeRO, the experts are held exactly once
-    assert 8 * rank_states(ds, ep=8).experts.params == pytest.approx(2 * experts)
+    # summed over the ep ranks of one group with no ZeRO, the experts are held exactly once
+    assert 8 * rank_states(ds, dp=8, ep=8).experts.params == pytest.approx(2 * experts)
     # the experts may keep another stage than the rest (ZeRO on the non-expert parameters only)
-    r = rank_states(ds, ep=8, dp=4, stage=3, expert_stage=0)
+    r = rank_states(ds, dp=32, ep=8, stage=3, expert_stage=0)
     assert r.experts == model_state_bytes(experts / 8, 4, 0)
-    # DeepSeek-V3's layout (Sec. 3.2): pp 16, ep 64, ZeRO-1; 2048 GPUs = 16 x 64 x 2
-    r = rank_states(ds, ep=64, dp=2, pp=16, stage=1)
+    # DeepSeek-V3's layout (Sec. 3.2): pp 16, ep 64 within dp 128, ZeRO-1: 2048 GPUs
+    r = rank_states(ds, dp=128, ep=64, pp=16, stage=1)
     assert r.total.params == pytest.approx(2 * (experts / (64 * 16) + rest / 16))  # 2-byte weights
     assert r.total.optimizer == pytest.approx(12 * (experts / (64 * 16 * 2) + rest / (16 * 128)))
+    row = layout_rows(ds, [{"dp": 128, "ep": 64, "pp": 16, "stage": 1}])[0]
+    assert row["GPUs"] == 2048 and row["total GB"] == pytest.approx(r.total.total / 1e9)
     with pytest.raises(ValueError, match="split evenly"):
-        rank_states(ds, ep=3)
+        rank_states(ds, dp=3, ep=3)
+    with pytest.raises(ValueError, match="must divide dp"):
+        rank_states(ds, dp=4, ep=8)
     with pytest.raises(ValueError, match="top_k"):
         MoEShape("bad", 1, 8, 8, 0, n_experts=2, top_k=3, expert_hidden=8)
 

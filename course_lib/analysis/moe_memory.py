@@ -9,17 +9,20 @@ active parameters the FLOPs per token.
     from course_lib.analysis.moe_memory import PUBLISHED, rank_states
     shape = PUBLISHED["deepseek-v3"]
     shape.total_params(), shape.active_params()                # 671e9, 37e9 (the paper's abstract)
-    rank_states(shape, ep=64, dp=2, pp=16, stage=1).total       # bytes per GPU, mixed precision
+    rank_states(shape, dp=128, ep=64, pp=16, stage=1).total     # bytes per GPU, mixed precision
 
-Per rank, with ranks = dp x ep x tp x pp (expert parallelism a grid axis of its own, as DeepSpeed-MoE
-and torchtitan count it: the ep ranks of one dp index read different data):
+Per rank, with ranks = dp x tp x pp and expert parallelism carved out of data parallelism (ep
+divides dp: DeepSpeed-MoE's, Megatron-LM's and DeepSeek-V3's layout, and the course's
+``ParallelConfig``): the dp ranks read different data, and the ep ranks of one group hold different
+experts:
 
 * the experts: E / ep of every MoE layer's routed experts on each rank; each of those is held by
-  the dp ranks of its ep index, so ZeRO shards the experts' states over dp ("expert data parallel");
+  dp / ep ranks (the "expert data parallel" group), so ZeRO shards the experts' states over dp / ep;
 * everything else (embeddings, attention, dense feed-forward networks, shared experts, routers,
-  norms) is replicated over all dp x ep ranks, so ZeRO shards it over dp x ep;
+  norms) is replicated over all dp ranks, so ZeRO shards it over dp;
 * tp divides every matrix (the small norm vectors ignored, as :func:`model_state_bytes` does),
-  pp divides the layers evenly (the first and last stages' embeddings ignored).
+  pp divides the layers evenly (the first and last stages' embeddings ignored). With context
+  parallelism, count dp x cp as dp (the ranks that hold other tokens of the batch).
 
 Bytes per parameter are those of :mod:`course_lib.analysis.memory` (the ZeRO paper's 2 + 2 + 12
 in mixed precision, 4 + 4 + 8 in fp32); ``expert_stage`` lets the experts use another ZeRO stage
@@ -37,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from course_lib.analysis.memory import ModelStates, _check_positive_int, model_state_bytes
+from course_lib.hardware import GB
 
 
 def gqa_attention_params(n_embd: int, n_head: int, n_kv_head: int | None = None,
@@ -154,19 +158,21 @@ class RankStates:
                            self.experts.optimizer + self.non_experts.optimizer)
 
 
-def rank_states(shape: MoEShape | dict, *, ep: int = 1, dp: int = 1, tp: int = 1, pp: int = 1,
+def rank_states(shape: MoEShape | dict, *, dp: int = 1, ep: int = 1, tp: int = 1, pp: int = 1,
                 stage: int = 0, expert_stage: int | None = None, dtype: str = "mixed",
                 k: float | None = None) -> RankStates:
     """Bytes of parameters, gradients and optimizer states per rank (module docstring's layout).
 
-    ``shape``: an :class:`MoEShape`, or its :meth:`MoEShape.params`-style dict with at least
-    ``experts`` and the other parts (a model counted from its modules). ``stage``: the ZeRO stage
-    of the non-expert states, sharded over dp x ep ranks; ``expert_stage`` (default: ``stage``)
-    that of the experts' states, sharded over the dp ranks that hold the same experts.
+    ``shape``: an :class:`MoEShape`, or a dict of parameter counts by part with an ``experts``
+    entry (the whole model's, e.g. counted from its modules). ``stage``: the ZeRO stage of the
+    non-expert states, sharded over the dp ranks; ``expert_stage`` (default: ``stage``) that of the
+    experts' states, sharded over the dp / ep ranks that hold the same experts.
     """
-    ep = _check_positive_int("ep (expert-parallel degree)", ep)
     dp = _check_positive_int("dp (data-parallel degree)", dp)
+    ep = _check_positive_int("ep (expert-parallel degree)", ep)
     pp = _check_positive_int("pp (pipeline-parallel degree)", pp)
+    if dp % ep:
+        raise ValueError(f"ep ({ep}) must divide dp ({dp}): expert parallelism is carved out of the data ranks")
     parts = shape.params() if isinstance(shape, MoEShape) else dict(shape)
     if isinstance(shape, MoEShape) and shape.n_experts % ep:
         raise ValueError(f"{shape.n_experts} experts cannot be split evenly over ep={ep} ranks")
@@ -174,9 +180,22 @@ def rank_states(shape: MoEShape | dict, *, ep: int = 1, dp: int = 1, tp: int = 1
     rest = float(sum(parts.values()))
     expert_stage = stage if expert_stage is None else expert_stage
     return RankStates(
-        experts=model_state_bytes(experts / (ep * pp), dp, expert_stage, k, dtype, tp),
-        non_experts=model_state_bytes(rest / pp, dp * ep, stage, k, dtype, tp),
+        experts=model_state_bytes(experts / (ep * pp), dp // ep, expert_stage, k, dtype, tp),
+        non_experts=model_state_bytes(rest / pp, dp, stage, k, dtype, tp),
     )
+
+
+def layout_rows(shape: MoEShape, layouts: list[dict], dtype: str = "mixed", unit: float = GB) -> list[dict]:
+    """One row per layout (``rank_states``' keyword arguments, e.g. ``{"dp": 128, "ep": 64, "pp": 16,
+    "stage": 1}``): the GPUs it takes and what one of them holds, in GB (1e9 bytes)."""
+    rows = []
+    for layout in layouts:
+        r = rank_states(shape, dtype=dtype, **layout)
+        gpus = layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1)
+        rows.append({"model": shape.name, "layout": " ".join(f"{k}={v}" for k, v in layout.items()),
+                     "GPUs": gpus, "experts GB": r.experts.total / unit,
+                     "rest GB": r.non_experts.total / unit, **{f"{k} GB": v for k, v in r.total.to_gb(unit).items()}})
+    return rows
 
 
 # The published configurations. Each field's source is in `source`; tests/test_moe_models.py checks
