@@ -14,6 +14,7 @@ paper does not say whether the token embedding, a look-up, counts as active: 37.
 """
 
 import pytest
+import torch
 
 from course_lib.analysis.memory import model_state_bytes
 from course_lib.analysis.moe_memory import (
@@ -24,6 +25,9 @@ from course_lib.analysis.moe_memory import (
     mla_attention_params,
     rank_states,
 )
+
+# a tiny MoE GPT of the course (gpt/moe.py): 2 blocks, 4 experts, top-2
+TINY = dict(block_size=16, vocab_size=65, n_layer=2, n_head=4, n_embd=32, bias=True, n_expert=4, top_k=2)
 
 
 def test_deepseek_v3_totals_are_the_papers():
@@ -63,6 +67,19 @@ def test_gpt_shaped_moe_counts_like_the_dense_gpt():
     assert one.active_params() == one.total_params()
 
 
+@pytest.mark.parametrize("extra", [{}, {"bias": False, "n_shared_expert": 1, "top_k": 1}])
+def test_course_gpt_shape_counts_the_modules_parameters(extra):
+    from course_lib.gpt.model import GPT, GPTConfig
+
+    cfg = GPTConfig(**{**TINY, **extra})
+    model = GPT(cfg)
+    shape = MoEShape.of_gpt(cfg)
+    assert shape.total_params() == sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    assert shape.expert_params() == experts
+    assert shape.active_params() == shape.total_params() - experts * (1 - cfg.top_k / cfg.n_expert)
+
+
 def test_rank_states_split_experts_over_ep_and_the_rest_over_dp():
     ds = PUBLISHED["deepseek-v3"]
     parts = ds.params()
@@ -93,3 +110,91 @@ def test_rank_states_split_experts_over_ep_and_the_rest_over_dp():
 
 def test_mla_counts_its_projections():
     assert mla_attention_params(8, 2, 4, 3, 2, 1, 2) == (8 * 4 + 4 + 4 * 2 * 3) + (8 * 4 + 3 + 3 * 2 * 4) + 2 * 2 * 8
+
+
+# --- against real gloo ranks ------------------------------------------------------------------------
+
+RANK_LAYOUTS = {"dp4 ep2": {"ep": 2, "strategy": "ddp"}, "dp4 ep4": {"ep": 4, "strategy": "ddp"},
+                "dp4 ep2 zero1": {"ep": 2, "strategy": "zero1"}}
+T, K, C, E = 24, 2, 8, 8  # tokens per rank, experts per token, hidden size, experts (uniform routing)
+
+
+def _all_to_all_bytes(rank, world_size):
+    """Counted by parallel.comms: one all-to-all of equal splits, and an MoE layer's dispatch and
+    combine, forward and backward, with every expert getting the same number of rows."""
+    from course_lib.parallel.comms import Comms
+    from course_lib.parallel.expert.comms import combine, dispatch
+
+    comms = Comms()
+    buf = torch.arange(world_size * 6, dtype=torch.float32)
+    comms.all_to_all(torch.empty_like(buf), buf)
+    plain = comms.sent["all_to_all"]
+    comms.reset()
+    x = torch.randn(T * K, C, requires_grad=True)  # this rank's assignments, sorted by expert
+    send = torch.full((world_size, E // world_size), T * K // E)  # (ep, E/ep): rows per expert
+    rows, recv = dispatch(x, send, comms)
+    combine(rows * 2, send, recv, comms).sum().backward()
+    return plain, comms.sent["all_to_all"], comms.calls["all_to_all"]
+
+
+def _on_ranks(rank, world_size):
+    from course_lib.experiments.moe_runs import compare_layouts
+
+    return compare_layouts(rank, world_size, TINY, RANK_LAYOUTS, steps=2), _all_to_all_bytes(rank, world_size)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    from course_lib.launch.spawn import run_ranks
+
+    return run_ranks(_on_ranks, 4, timeout=240)
+
+
+def test_memory_model_within_5_percent_of_every_ranks_measured_states(four_ranks):
+    """Model states each rank held (parallel.footprint, the most over the step) against
+    rank_states: experts over ep, their states replicated over dp/ep; the rest over dp (ZeRO-1:
+    its optimizer states sharded over dp); fp32 Adam, 4 + 4 + 8 bytes per parameter."""
+    from course_lib.experiments.moe_runs import layout_rows
+
+    rows = layout_rows([r[0] for r in four_ranks], TINY, RANK_LAYOUTS)
+    assert len(rows) == 4 * len(RANK_LAYOUTS)
+    for row in rows:
+        assert row["measured / model"] == pytest.approx(1.0, abs=0.05), row
+        assert row["max |loss - one process|"] < 1e-5 * 4.2, row  # every layout trains as one process
+    by = {(r["layout"], r["rank"]): r["states MB"] for r in rows}
+    assert by[("dp4 ep4", 0)] < by[("dp4 ep2", 0)]  # more ep, fewer experts per rank
+    assert by[("dp4 ep2 zero1", 0)] < by[("dp4 ep2", 0)]  # ZeRO-1 shards the rest's optimizer states
+
+
+def test_all_to_all_bytes_equal_the_cost_model(four_ranks):
+    """parallel.comms counts what leaves each rank: (p-1)/p of an all-to-all's buffer
+    (bytes_per_rank), and for an MoE layer with an even router moe_all_to_all_bytes (dispatch and
+    combine, forward and backward) plus the exchange of the E/ep counts per peer (int64)."""
+    from course_lib.analysis.comm_cost import bytes_per_rank, moe_all_to_all_bytes
+
+    for plain, moe, calls in (r[1] for r in four_ranks):
+        assert plain == bytes_per_rank("all_to_all", 4 * 6 * 4, 4)  # 24 float32, 3/4 of them leave
+        counts = bytes_per_rank("all_to_all", E * 8, 4)
+        assert moe == sum(moe_all_to_all_bytes(T, K, C, 4, bytes_per_value=4).values()) + counts
+        assert calls == 5  # counts, dispatch, combine; backward: combine, dispatch
+    # in training the router is not even: each rank's all-to-all bytes within 25 % of the even router's
+    from course_lib.experiments.moe_runs import layout_rows
+
+    for row in layout_rows([r[0] for r in four_ranks], TINY, RANK_LAYOUTS):
+        assert row["all_to_all MB"] == pytest.approx(row["even router MB"], rel=0.25), row
+
+
+def test_the_numbers_lesson_13_states_for_the_published_layouts():
+    """Lesson 13, section 6: GB of model states per GPU (mixed-precision Adam) for DeepSeek-V3's own
+    layout (Sec. 3.2: pp 16, ep 64, ZeRO-1, 2048 GPUs) and beside it; Mixtral on 8 and 16 GPUs."""
+    def gb(name, **layout):
+        return layout_rows(PUBLISHED[name], [layout])[0]["total GB"]
+
+    assert gb("deepseek-v3", dp=128, ep=64, pp=16, stage=1) == pytest.approx(10.8, abs=0.05)
+    assert gb("deepseek-v3", dp=128, ep=1, pp=16, stage=1) == pytest.approx(172, abs=0.5)
+    assert gb("deepseek-v3", dp=128, ep=1, pp=16, stage=3) == pytest.approx(5.2, abs=0.05)
+    assert gb("mixtral-8x7b", dp=8) == pytest.approx(747, abs=0.5)
+    assert gb("mixtral-8x7b", dp=8) > 8 * 80  # more than a whole node of 80 GB GPUs holds
+    assert gb("mixtral-8x7b", dp=8, stage=3) == pytest.approx(93, abs=0.5)
+    assert gb("mixtral-8x7b", dp=8, ep=8, stage=1) == pytest.approx(99, abs=0.5)
+    assert gb("mixtral-8x7b", dp=16, ep=8, stage=1) == pytest.approx(64, abs=0.5)

@@ -103,6 +103,20 @@ class MoEShape:
         if self.ffn_matrices not in (2, 3):
             raise ValueError(f"ffn_matrices must be 2 (GELU MLP) or 3 (SwiGLU), got {self.ffn_matrices}")
 
+    @classmethod
+    def of_gpt(cls, cfg, name: str = "course-gpt") -> MoEShape:
+        """The course GPT with ``cfg.n_expert`` experts in every block (:mod:`course_lib.gpt.moe`):
+        GPT-2 attention and LayerNorms (biases as ``cfg.bias``), each expert and the optional shared
+        expert a GPT-2 MLP (C -> 4C -> C), a router without bias, the token embedding tied to the
+        output head, learned positions. ``cfg``: anything with GPTConfig's fields (no import of gpt/)."""
+        h = cfg.n_embd
+        return cls(name, n_layer=cfg.n_layer, n_embd=h, vocab_size=cfg.vocab_size,
+                   attention_params=gqa_attention_params(h, cfg.n_head, bias=cfg.bias),
+                   n_experts=cfg.n_expert, top_k=cfg.top_k, expert_hidden=4 * h,
+                   n_shared=getattr(cfg, "n_shared_expert", 0), ffn_matrices=2, ffn_bias=cfg.bias,
+                   norm_bias=cfg.bias, tied_embeddings=True, positions=cfg.block_size,
+                   source="course_lib.gpt.model and gpt.moe: the module's own parameters")
+
     @property
     def n_moe_layers(self) -> int:
         return self.n_layer - self.n_dense_layers
