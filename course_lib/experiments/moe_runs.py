@@ -54,7 +54,7 @@ def router_history(rows: Sequence[Mapping], n_expert: int) -> dict:
     (``tokens_per_expert``: steps x 1 x E)."""
     rows = [r for r in rows if _number(r.get("train_loss")) is not None and _number(r.get("moe_tokens_e0")) is not None]
     return {"steps": [int(float(r["iter"])) for r in rows],
-            "tokens_per_expert": [[[float(r[f"moe_tokens_e{e}"]) for e in range(n_expert)]] for r in rows],
+            "tokens_per_expert": [[float(r[f"moe_tokens_e{e}"]) for e in range(n_expert)] for r in rows],
             "aux_loss": [float(r["moe_aux_loss"]) for r in rows],
             "train_loss": [float(r["train_loss"]) for r in rows]}
 

@@ -2,9 +2,9 @@
 over training, expert against data parallelism per rank.
 
     from course_lib.notebook.moe_plots import plot_all_to_all, plot_tokens_per_expert, plot_layouts
-    plot_all_to_all(counts)            # counts[r][s]: rows rank r sends to rank s (experiments.moe_lesson)
-    plot_tokens_per_expert(history)    # experiments.moe_lesson.router_history
-    plot_layouts(rows)                 # experiments.moe_lesson.compare_layouts
+    plot_all_to_all(counts)            # counts[r][s]: rows rank r sends to rank s (experiments.moe_runs.routing_counts)
+    plot_tokens_per_expert({"run": history})   # experiments.moe_runs.router_history
+    plot_layouts(rows)                 # experiments.moe_runs.layout_rows
 """
 
 from __future__ import annotations
@@ -65,32 +65,32 @@ def plot_all_to_all(counts: Sequence[Sequence[int]], title: str = "dispatch"):
     return fig
 
 
-def plot_tokens_per_expert(history: Mapping, layers: Sequence[int] | None = None):
-    """Share of the assignments each expert got, per logged step, one panel per MoE layer, with
-    the even share 1/E dashed; below, the imbalance max/mean of each layer (1 = even)."""
-    steps = list(history["steps"])
-    counts = np.asarray(history["tokens_per_expert"], dtype=float)  # (steps, layers, E)
-    n_layers, E = counts.shape[1], counts.shape[2]
-    layers = list(layers) if layers is not None else list(range(min(n_layers, 4)))
-    share = counts / np.maximum(counts.sum(-1, keepdims=True), 1)
-    fig, axes = plt.subplots(2, len(layers), figsize=(3.4 * len(layers) + 1, 5.4), squeeze=False,
-                             gridspec_kw={"height_ratios": [2, 1]})
+def plot_tokens_per_expert(runs: Mapping[str, Mapping]):
+    """One column per run (``experiments.moe_runs.router_history``): the share of the assignments
+    each expert got per logged step (summed over the blocks), the even share 1/E dashed; below,
+    the busiest expert's load over the mean (1 = even; the step waits for the busiest)."""
+    fig, axes = plt.subplots(2, len(runs), figsize=(4.6 * len(runs) + 0.6, 5.2), squeeze=False,
+                             gridspec_kw={"height_ratios": [2, 1]}, sharey="row")
     colours = plt.get_cmap("tab10")
-    for i, layer in enumerate(layers):
+    top_share = max(max(max(r) / max(sum(r), 1) for r in h["tokens_per_expert"]) for h in runs.values())
+    for i, (name, history) in enumerate(runs.items()):
+        steps = list(history["steps"])
+        counts = np.asarray(history["tokens_per_expert"], dtype=float)  # (steps, E)
+        E = counts.shape[1]
+        share = counts / np.maximum(counts.sum(-1, keepdims=True), 1)
         top, bottom = axes[0, i], axes[1, i]
         for e in range(E):
-            top.plot(steps, share[:, layer, e], color=colours(e % 10), lw=1.4, label=f"expert {e}")
+            top.plot(steps, share[:, e], color=colours(e % 10), lw=1.4, label=f"expert {e}")
         top.axhline(1 / E, color="gray", ls="--", lw=1)
-        top.set(title=f"layer {layer}", ylim=(0, min(1, share[:, layer].max() * 1.15 + 0.02)))
-        imbalance = share[:, layer].max(-1) * E
-        bottom.plot(steps, imbalance, color="black", lw=1.2)
+        top.set(title=name, ylim=(0, min(1, top_share * 1.15 + 0.02)))
+        bottom.plot(steps, share.max(-1) * E, color="black", lw=1.2)
         bottom.axhline(1, color="gray", ls="--", lw=1)
-        bottom.set(xlabel="step", ylim=(0.9, max(2, imbalance.max() * 1.1)))
-        if i == 0:
-            top.set_ylabel("share of the assignments")
-            bottom.set_ylabel("max / mean")
+        bottom.set(xlabel="step", ylim=(0.9, max(2, float((share.max(-1) * E).max()) * 1.1)))
+    axes[0, 0].set_ylabel("share of the assignments")
+    axes[1, 0].set_ylabel("busiest / mean")
     axes[0, 0].legend(fontsize=7, ncol=2)
-    fig.suptitle("the router at work: tokens per expert over training (dashed: 1/E, an even split)", fontsize=10)
+    fig.suptitle("the router at work: tokens per expert over training, all blocks (dashed: 1/E, an even split)",
+                 fontsize=10)
     fig.tight_layout()
     return fig
 
