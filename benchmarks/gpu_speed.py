@@ -23,6 +23,7 @@ import re
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -31,7 +32,7 @@ import torch
 from course_lib.experiments.gpu_check_steps import time_steps
 from course_lib.gpt.model import GPT, GPTConfig, make_adamw
 from course_lib.hardware import detect
-from course_lib.parallel.step import Precision
+from course_lib.parallel.step import Precision, train_step
 from course_lib.parallel.strategy import build_strategy
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
@@ -43,17 +44,37 @@ class Variant:
     name: str
     micro_batch: int = 12
     accum: int = 1
-    bias: bool = True
+    bias: bool = False  # bench.py's GPT-2 has no biases
     compile_mode: str | None = "default"  # None: eager
+    attention: str = "default"  # "default": SDPA picks (flash on Hopper); "cudnn": cuDNN's fused attention only
 
 
+# Issue 28: each row changes one thing against the first, which is bench.py's own setting (GPT-2 small
+# without biases, 12 x 1024 tokens, bf16 autocast, torch.compile's default mode, fused AdamW).
 VARIANTS = (
-    Variant("before: the course's step as check-gpu runs it (micro-batch 12, biases)"),
-    Variant("no biases (as bench.py)", bias=False),
-    Variant("micro-batch 24 x 2 accumulated", micro_batch=24, accum=2, bias=False),
-    Variant("+ compile max-autotune-no-cudagraphs", micro_batch=24, accum=2, bias=False,
-            compile_mode="max-autotune-no-cudagraphs"),
+    Variant("course step, as bench.py (batch 12)"),
+    Variant("+ cuDNN attention", attention="cudnn"),
+    Variant("batch 24 (24 x 1024 tokens a step)", micro_batch=24),
+    Variant("batch 24 + cuDNN attention", micro_batch=24, attention="cudnn"),
 )
+
+
+@contextmanager
+def attention_backend(name: str):
+    """SDPA restricted to cuDNN's fused attention for ``name == "cudnn"`` (global flags, restored
+    after); nothing changes for "default". Feature-detected: a torch without the cuDNN backend raises."""
+    if name == "default":
+        yield
+        return
+    flags = torch.backends.cuda
+    if not hasattr(flags, "enable_cudnn_sdp"):
+        raise RuntimeError("this torch has no cuDNN attention backend (torch.backends.cuda.enable_cudnn_sdp)")
+    saved = (flags.flash_sdp_enabled(), flags.mem_efficient_sdp_enabled(), flags.cudnn_sdp_enabled())
+    flags.enable_flash_sdp(False), flags.enable_mem_efficient_sdp(False), flags.enable_cudnn_sdp(True)
+    try:
+        yield
+    finally:
+        flags.enable_flash_sdp(saved[0]), flags.enable_mem_efficient_sdp(saved[1]), flags.enable_cudnn_sdp(saved[2])
 
 
 def run_upstream(nanogpt: Path, timeout: int = 900) -> dict:
@@ -67,8 +88,22 @@ def run_upstream(nanogpt: Path, timeout: int = 900) -> dict:
     return {"ms_per_step": ms, "tokens_per_s": UPSTREAM_TOKENS / (ms / 1e3), "tokens_per_step": UPSTREAM_TOKENS}
 
 
-def run_variant(v: Variant, cfg: GPTConfig, device: str, steps: int, warmup: int) -> dict:
-    """The course's step on ``v``: ms per optimizer step (accum micro-batches) and tokens/s."""
+def kernel_table(strategy, x, y, precision: Precision, device: str, steps: int = 3) -> str:
+    """The GPU kernels of ``steps`` more steps, by total time (torch.profiler): where the time goes."""
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device != "cpu" else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(steps):
+            train_step(strategy, x, y, precision=precision)
+        if device != "cpu":
+            torch.cuda.synchronize()
+    key = "cuda_time_total" if device != "cpu" else "cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70)
+
+
+def run_variant(v: Variant, cfg: GPTConfig, device: str, steps: int, warmup: int,
+                profile: Path | None = None) -> dict:
+    """The course's step on ``v``: ms per optimizer step (accum micro-batches) and tokens/s;
+    ``profile``: also write the kernel table of three more steps there."""
     torch.manual_seed(1337)
     model = GPT(replace(cfg, bias=v.bias)).to(device)
     single = build_strategy("single", model, lambda m: make_adamw(m, lr=1e-4, weight_decay=1e-2))
@@ -79,7 +114,12 @@ def run_variant(v: Variant, cfg: GPTConfig, device: str, steps: int, warmup: int
     precision = Precision(autocast)
     x = torch.randint(cfg.vocab_size, (v.accum, v.micro_batch, cfg.block_size), device=device)  # (accum, B, T)
     y = torch.randint(cfg.vocab_size, x.shape, device=device)
-    s = time_steps(single, x, y, precision, steps, warmup, device)
+    t0 = time.perf_counter()
+    with attention_backend(v.attention):
+        s = time_steps(single, x, y, precision, steps, warmup, device)
+        if profile is not None:
+            profile.write_text(kernel_table(single, x, y, precision, device))
+    print(f"  {v.name}: {time.perf_counter() - t0:.0f} s with compilation", flush=True)
     tokens = v.accum * v.micro_batch * cfg.block_size
     return {"ms_per_step": s * 1e3, "tokens_per_s": tokens / s, "tokens_per_step": tokens,
             "flops_per_token": model.flops_per_token()}
@@ -102,28 +142,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--write", action="store_true", help="append the table to benchmarks/RESULTS.md")
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, no upstream: does it run")
+    p.add_argument("--variants", default=None, metavar="I,J,...",
+                   help=f"run only these rows of VARIANTS (0-{len(VARIANTS) - 1}); default all")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="write the kernel table (torch.profiler) of the first variant to this file")
     args = p.parse_args(argv)
     if args.smoke:
         cfg, device = GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=256), "cpu"
-        variants = [replace(v, micro_batch=2 * v.accum, compile_mode=None) for v in VARIANTS]
+        variants = [replace(v, micro_batch=2 * v.accum, compile_mode=None, attention="default") for v in VARIANTS]
     else:
         if not torch.cuda.is_available():
             p.error("needs a CUDA GPU (or --smoke)")
         if args.nanogpt is None or not (args.nanogpt / "bench.py").is_file():
             p.error("give --nanogpt DIR, a checkout of karpathy/nanoGPT with its bench.py")
         cfg, device, variants = GPTConfig(block_size=1024, vocab_size=50304), "cuda", VARIANTS
+    if args.variants is not None:
+        variants = [variants[int(i)] for i in args.variants.split(",")]
     hw = detect(device)
     upstream = None if args.smoke else run_upstream(args.nanogpt)
     rows = {"upstream nanoGPT bench.py": upstream} if upstream else {}
-    for v in variants:
-        rows[v.name] = run_variant(v, cfg, device, args.steps, args.warmup)
+    for i, v in enumerate(variants):
+        rows[v.name] = run_variant(v, cfg, device, args.steps, args.warmup, args.profile if i == 0 else None)
         print(table(rows, hw.peak("bfloat16"), upstream).splitlines()[-1], flush=True)
     text = table(rows, hw.peak("bfloat16"), upstream)
     print(text)
     if args.write and not args.smoke:
         with RESULTS.open("a") as f:
             f.write(f"\n### GPU speed against upstream nanoGPT (`benchmarks/gpu_speed.py`), {hw.name}, "
-                    f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}\n\n{text}\n")
+                    f"torch {torch.__version__}, CUDA {torch.version.cuda}, {time.strftime('%Y-%m-%d')}\n\n{text}\n")
     return 0
 
 

@@ -91,6 +91,7 @@ def strategy_rows() -> list[dict]:
 # --- the configuration's torch-free pieces: its error, its fields, the parallel layout -------------
 
 PP_SCHEDULES = ("1f1b", "afab")
+EP_DISPATCH = ("exact", "padded")
 # the dp flavour under tp/pp/cp: one fact, in the registry ("auto" resolves to one of them)
 MODEL_PARALLEL_STRATEGIES = ("auto", *DP_FLAVOURS)
 GRAD_COMM_DTYPES = ("float32", "bfloat16")
@@ -168,6 +169,13 @@ class ParallelConfig:
     """tp also splits the LayerNorm regions along the sequence."""
     pp_schedule: str = "1f1b"
     """'afab' (GPipe: all forward, all backward) or '1f1b'."""
+    ep: int = 1
+    """Expert-parallel degree (mixture of experts): each rank holds n_expert/ep experts, tokens go to
+    them by all-to-all. Carved out of dp (as in Megatron-LM and DeepSeek-V3): ep divides dp; the
+    other parameters stay data-parallel over all dp ranks, the experts over dp/ep (parallel.expert)."""
+    ep_dispatch: str = "exact"
+    """The all-to-all of expert parallelism: 'exact' (each rank sends its real rows) or 'padded' (the
+    naive one: every block padded to top_k x the rank's tokens, equal splits; parallel.expert.comms)."""
 
     def __post_init__(self):
         check_types(self)
@@ -175,7 +183,7 @@ class ParallelConfig:
 
     def check(self) -> None:
         """The layout's own rules (what it asks of the model: :func:`layout_error`)."""
-        at_least(self, 1, ("nproc", "tp", "pp", "cp"))
+        at_least(self, 1, ("nproc", "tp", "pp", "cp", "ep"))
         at_least(self, 0, ("threads", "check_replicas_every"))
         if not self.timeout_s > 0:
             raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
@@ -185,6 +193,7 @@ class ParallelConfig:
             raise ConfigError(f"grad_comm_dtype={self.grad_comm_dtype} is for data-parallel gradient all-reduce "
                               f"({', '.join(GRAD_COMM_STRATEGIES)}); strategy {self.strategy} shards gradients")
         choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        choice("ep_dispatch", self.ep_dispatch, EP_DISPATCH)
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence_parallel splits the sequence over the tp ranks: it needs tp > 1")
         if self.model_parallel_size > 1 and self.strategy not in MODEL_PARALLEL_STRATEGIES:
@@ -209,11 +218,19 @@ class ParallelConfig:
         return "single" if world_size == 1 else "ddp"
 
     def check_layout(self, world_size: int) -> None:  # ranks = dp*tp*pp*cp: launchers check, workers again
-        """The grid must fill the world: world_size = dp * tp * pp * cp."""
+        """The grid must fill the world: world_size = dp * tp * pp * cp, and ep divides dp."""
         n = self.model_parallel_size
         if world_size % n:
             raise ConfigError(f"nproc ({world_size} ranks) must be divisible by tp*pp*cp = "
                               f"{self.tp}*{self.pp}*{self.cp} = {n} (dp = ranks / (tp*pp*cp))")
+        if (world_size // n) % self.ep:
+            raise ConfigError(f"ep ({self.ep}) must divide dp = ranks / (tp*pp*cp) = {world_size // n}: "
+                              "the expert-parallel groups are carved out of the data-parallel ranks")
+
+    def on_grid(self, n_expert: int) -> bool:
+        """Does this layout train on the dp x pp x cp x tp grid (ModelParallel)? With tp, pp or cp,
+        and for a mixture of experts on several ranks (its router counts and experts need the grid)."""
+        return self.model_parallel_size > 1 or (n_expert > 0 and self.nproc > 1)
 
 
 def layout_error(cfg) -> str | None:
@@ -230,7 +247,9 @@ def layout_error(cfg) -> str | None:
     if cfg.sequence_parallel and (cfg.block_size // cp) % tp:
         return (f"sequence_parallel: the {cfg.block_size // cp} tokens per cp rank (block_size / cp) "
                 f"must be divisible by tp ({tp})")
-    if tp * pp * cp == 1:
+    if (error := moe_layout_error(cfg)) is not None:
+        return error
+    if not cfg.on_grid(cfg.n_expert):
         return None
     if cfg.dropout:
         return (f"dropout={cfg.dropout} with tp/pp/cp is not supported (the tp ranks would need one "
@@ -242,4 +261,27 @@ def layout_error(cfg) -> str | None:
     if cfg.grad_comm_dtype not in ("float32", "auto"):
         return (f"grad_comm_dtype={cfg.grad_comm_dtype} with tp/pp/cp is not supported: the dp gradients of a "
                 "model-parallel run are reduced in their own dtype")
+    return None
+
+
+def moe_layout_error(cfg) -> str | None:
+    """What a mixture of experts (``n_expert``, parallel.expert) asks of the layout, or None."""
+    if cfg.ep > 1 and not cfg.n_expert:
+        return f"ep={cfg.ep} shards experts, but the model has none; set --n_expert (a multiple of ep)"
+    if cfg.ep_dispatch != "exact" and cfg.ep == 1:
+        return f"ep_dispatch={cfg.ep_dispatch} chooses the all-to-all of expert parallelism: it needs ep > 1"
+    if not cfg.n_expert:
+        return None
+    if cfg.n_expert % cfg.ep:
+        return f"n_expert ({cfg.n_expert}) must be divisible by ep ({cfg.ep}): each rank holds n_expert/ep experts"
+    if cfg.ep > cfg.nproc:
+        return f"ep ({cfg.ep}) cannot exceed nproc ({cfg.nproc})"
+    if cfg.sequence_parallel:
+        return "n_expert with sequence_parallel is not supported yet (routing statistics over the tp group)"
+    if cfg.capacity_factor and cfg.cp > 1:
+        return "capacity_factor with cp > 1 is not supported: which tokens are dropped would depend on cp"
+    if cfg.nproc > 1 and cfg.strategy not in MODEL_PARALLEL_STRATEGIES:
+        return (f"strategy {cfg.strategy!r} with n_expert on several ranks: use one of "
+                f"{', '.join(MODEL_PARALLEL_STRATEGIES)} (ZeRO-1/2 shard the other parameters; the experts "
+                "are averaged over their own data-parallel group, parallel.expert)")
     return None

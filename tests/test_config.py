@@ -24,7 +24,7 @@ def test_presets_are_nanogpts_recipes():
     assert (cpu.n_layer, cpu.n_head, cpu.n_embd, cpu.block_size, cpu.batch_size) == (4, 4, 128, 64, 12)
     assert (cpu.dropout, cpu.max_iters, cpu.lr_decay_iters, cpu.eval_iters) == (0.0, 2000, 2000, 20)
     assert (cpu.learning_rate, cpu.min_lr, cpu.beta2, cpu.warmup_iters) == (1e-3, 1e-4, 0.99, 100)
-    assert set(TRAIN_PRESETS) == {"shakespeare_char", "shakespeare_char_cpu"}
+    assert set(TRAIN_PRESETS) == {"shakespeare_char", "shakespeare_char_cpu", "shakespeare_char_moe_cpu"}  # + experts (test_moe)
 
 
 def test_overrides_are_typed():

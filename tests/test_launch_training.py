@@ -17,6 +17,7 @@ from course_lib.gpt.config import ConfigError, make_config
 from course_lib.gpt.data import DataError, prepare
 from course_lib.hardware import cpu_autocast_dtypes, gpu_count
 from course_lib.launch import checks, launch_training
+from course_lib.launch.placement import plan_ranks
 from course_lib.launch.training import cli
 
 TINY = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32, "batch_size": 4, "max_iters": 4,
@@ -65,7 +66,13 @@ def test_data_and_block_size(small_data, tmp_path):
 
 def test_device_ranks_dtype_strategy_memory(small_data, tmp_path):
     cfg = tiny(small_data, tmp_path / "run")
-    refused(cfg.replace(device="cuda"), ConfigError, r"no GPU|GPU\(s\)", nproc=gpu_count() + 1)
+    if gpu_count() == 0:
+        refused(cfg.replace(device="cuda"), ConfigError, r"device='cuda' but this machine has no GPU", nproc=2)
+    else:  # more ranks than GPUs share them over gloo (tests/test_placement.py); NCCL allows one rank per GPU
+        refused(cfg.replace(device="cuda"), ConfigError, r"ranks on \d+ GPU\(s\) here with NCCL",
+                nproc=gpu_count() + 1, backend="nccl")
+    # the backend asked for is checked with the ranks' devices (it once reached launch() twice: a TypeError)
+    refused(cfg.replace(device="cpu"), ConfigError, "NCCL runs on GPUs only", nproc=2, backend="nccl")
     if "float16" in cpu_autocast_dtypes():  # torch 2.13: CPU fp16 autocast exists, the lesson uses it
         checks.check_request(cfg.replace(dtype="float16"))
     else:
@@ -146,3 +153,18 @@ def test_terminal_display_relays_rank_0_byte_for_byte(tmp_path):
     assert raw.out.getvalue() == "header\n" + bar.decode()
     assert raw.err.getvalue() == ranks.err.getvalue() == "[rank1] warning from rank 1\n"
     assert ranks.out.getvalue() == "[rank0] header\n[rank0] run: 100%|██| 2/2\n"  # what a terminal kept
+
+
+def test_torch_fsdp_on_a_gpu_shared_over_gloo_is_refused(small_data, tmp_path):
+    """Issue 28's H200 run: fsdp_grad_op on 2 ranks sharing one GPU over gloo died with SIGSEGV.
+    The check refuses PyTorch's FSDP2 there (a one-GPU plan, made without a GPU) and lets the
+    course's zero3 and a one-rank-per-GPU NCCL plan through."""
+    cfg = tiny(small_data, tmp_path / "run", nproc=2)
+    shared, nccl = plan_ranks(1, 2), plan_ranks(2, 2)  # cuda:0 twice over gloo; cuda:0, cuda:1 over NCCL
+    assert shared.backend == "gloo" and nccl.backend == "nccl"
+    for name in checks.TORCH_FSDP:
+        with pytest.raises(ConfigError, match=rf"{name} \(PyTorch's FSDP2\) needs NCCL for CUDA tensors.*share a GPU"):
+            checks.check_strategy_world(checks.TrainRequest(cfg.replace(strategy=name), 1, "cuda", plan=shared))
+        checks.check_strategy_world(checks.TrainRequest(cfg.replace(strategy=name), 1, "cuda", plan=nccl))
+        checks.check_strategy_world(checks.TrainRequest(cfg.replace(strategy=name), 1, "cpu", plan=plan_ranks(0, 2)))
+    checks.check_strategy_world(checks.TrainRequest(cfg.replace(strategy="zero3"), 1, "cuda", plan=shared))

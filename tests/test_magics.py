@@ -14,6 +14,8 @@ import uuid
 import pytest
 from kernel_cells import Cell, run, start_kernel
 
+from course_lib.hardware import gpu_count
+from course_lib.launch.placement import plan_ranks
 from course_lib.launch.procs import find_by_env
 
 jupyter_client = pytest.importorskip("jupyter_client")
@@ -64,7 +66,8 @@ def test_torchrun_cell_runs_on_two_ranks(kernel):
                               "print(RANK, WORLD_SIZE, LOCAL_RANK, t.tolist())\n")
     assert cell.error is None, cell.error
     assert "[rank0] 0 2 0 [3.0, 3.0]" in cell.stdout and "[rank1] 1 2 1 [3.0, 3.0]" in cell.stdout
-    assert cell.stderr.count("[launch] plan: ") == 1 and "plan: 2 ranks · cpu, cpu · gloo · recipe cell.py" in cell.stderr
+    plan = plan_ranks(gpu_count(), 2, recipe="cell.py").line()  # "cpu, cpu · gloo" here; on one GPU both share cuda:0
+    assert cell.stderr.count("[launch] plan: ") == 1 and f"[launch] {plan}\n" in cell.stderr
     check = run(kernel["kc"], "print(torchrun_result.ok, torchrun_result.nproc, torchrun_result.run_dir.name)")
     assert check.stdout.startswith("True 2 ")
     assert _wait_gone(marker, 0) == []

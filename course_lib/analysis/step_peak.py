@@ -22,6 +22,13 @@ What a step holds at its highest point, in the order the trainer creates it
   its width (GPT-2: v = 50304, h = 768): every layer's activations plus 12 s b v bytes of loss.
   For GPT-2 small at 12 x 1024 tokens that loss term is 12 * 12 * 1024 * 50304 bytes = 6.9 GiB, more than
   the 12 layers' activations (about 4 GiB in bf16).
+* On a GPU under 16-bit autocast the loss's share is 6 s b v bytes instead of 8, as measured on an
+  H200 with torch 2.11 (issue 28, benchmarks/RESULTS.md): after forward the step keeps 2 s b v
+  bytes more than the CPU's count (a 16-bit tensor of the logits' size; which op keeps it is not
+  pinned down), and its peak comes at ``nll_loss``'s 4-byte gradient, before ``log_softmax``'s
+  gradient exists. With that, the model met ``max_memory_allocated`` within 0.2 % for two shapes
+  (GPT-2 small at 12 x 1024 tokens: 11.24 GiB; 4 x 512 wide, 8 x 512 tokens) and the live tensors
+  at the same op; fp32 on a GPU keeps the CPU's count (not measured there).
 * A caller that keeps the logits (``logits, loss = model(x, y)``, as nanoGPT's train.py does)
   keeps s b v more values (2 bytes under autocast, 4 in fp32) to the peak; the trainer's step
   drops them (``logits_held=False``).
@@ -96,6 +103,7 @@ def step_peak(n_layer: int, n_head: int, n_embd: int, block_size: int, vocab_siz
         num_params = ModelShape("", n_layer, n_head, h, s, v, b, bias).num_params()
     acts = trainer_activation_bytes(n_layer, s, b, h, n_head, v, dtype, recompute, dropout, bias, device_type)
     sbv = s * b * v
+    loss = 6.0 * sbv if device_type == "cuda" and dtype != "float32" else 8.0 * sbv  # see the module docstring
     return StepPeak(weights=4.0 * num_params, optimizer=8.0 * num_params, activations=float(acts),
-                    loss_grads=8.0 * sbv, logits=float(LOGITS_BYTES[dtype] * sbv) if logits_held else 0.0,
+                    loss_grads=loss, logits=float(LOGITS_BYTES[dtype] * sbv) if logits_held else 0.0,
                     grads=4.0 * num_params)

@@ -51,7 +51,8 @@ STATES_TOLERANCE = 0.02
 # Peak / modelled peak of the whole step (course_lib.analysis.step_peak: states, activations and
 # the cross-entropy's two fp32 gradients at the start of backward), within 10 % as issue 21 asks.
 # On a CPU the model meets the live tensors of a real step within 1 % (tests/test_step_peak.py);
-# on a GPU the allocator's rounding adds a little. Not yet run on a GPU.
+# on a GPU the allocator's rounding adds a little. On an H200 (issue 28): x0.91 with the CPU's loss
+# term, x1.00 with the GPU's (analysis.step_peak).
 MEMORY_BAND = (0.9, 1.1)
 TIME_LIMIT_S = 720.0  # the plan below sums to 680 s
 STATUSES = ("pass", "fail", "error")
@@ -121,9 +122,13 @@ def judge(figures: dict, errors: dict[str, str], wall_s: float, plan=PLAN) -> li
     """The pass/fail of each check from the figures the steps returned (a pure function)."""
     out = []
 
+    planned = {s.name for s in plan}
+
     def need(step: str, check: str) -> dict | None:
         if step in figures:
             return figures[step]
+        if step not in planned:  # --only left it out: no verdict
+            return None
         out.append(CheckVerdict(check, "error", errors.get(step, f"step {step!r} did not run").splitlines()[0]))
         return None
 
@@ -170,7 +175,8 @@ def judge(figures: dict, errors: dict[str, str], wall_s: float, plan=PLAN) -> li
         out.append(_verdict("GPT-2 small MFU", ok, ", ".join(parts) + speed))
     out += [_verdict(*v) for v in gpu_check_course.judge_course({s.name for s in plan}, need)]
     limit = time_limit(plan)
-    out.append(_verdict("within the time limit", wall_s <= limit, f"{wall_s:.0f} s of {limit:.0f} s"))
+    if planned >= {s.name for s in PLAN}:  # the limit is the whole check's
+        out.append(_verdict("within the time limit", wall_s <= limit, f"{wall_s:.0f} s of {limit:.0f} s"))
     return out
 
 
@@ -245,8 +251,17 @@ def cli(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="print the plan and the pass criteria, run nothing")
     p.add_argument("--full", action="store_true",
                    help="also the tests marked gpu and every lesson in full mode (make test-gpu, ~30 min)")
+    p.add_argument("--only", default=None, metavar="STEP,...",
+                   help=f"run only these steps, in the plan's order (of: {', '.join(s.name for s in FULL_PLAN)}); "
+                        "the verdicts of the others are left out")
     a = p.parse_args(argv)
     plan = FULL_PLAN if a.full else PLAN
+    if a.only is not None:
+        wanted = [w.strip() for w in a.only.split(",") if w.strip()]
+        names = [s.name for s in FULL_PLAN]
+        if unknown := [w for w in wanted if w not in names]:
+            p.error(f"--only: unknown step(s) {', '.join(unknown)}; the steps are {', '.join(names)}")
+        plan = tuple(s for s in FULL_PLAN if s.name in wanted)
     if a.dry_run:
         print(plan_text(plan))
         return 0

@@ -4,6 +4,7 @@ The loop that trains it is :mod:`course_lib.trainer`; this package sits below ``
 imports nothing above it.
 
     model       GPTConfig, GPT: GPT-2 architecture, optimizer groups, FLOPs, generation
+    moe         mixture of experts: top-k router, experts, load-balancing loss, capacity, router stats
     data        dataset preparation (characters, GPT-2 BPE from the shipped ranks), batches
     config      TrainConfig: the one frozen config of a run, made of its components (model, data,
                 optimizer, run here; the parallel layout in course_lib.registry); presets; its command line, generated

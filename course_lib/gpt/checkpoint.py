@@ -28,7 +28,7 @@ RESUME_MAY_CHANGE = frozenset({"out_dir", "init_from", "max_iters", "eval_interv
                                "device", "compile", "strategy", "threads", "timeout_s", "run_name", "data_dir",
                                "recompute", "grad_comm_dtype",  # memory and wire format, not the model
                                # the layout: any, if the global batch stays the same (check_layout_change)
-                               "nproc", "tp", "pp", "cp", "sequence_parallel", "pp_schedule", "batch_size",
+                               "nproc", "tp", "pp", "cp", "ep", "ep_dispatch", "sequence_parallel", "pp_schedule", "batch_size",
                                "gradient_accumulation_steps"})
 
 
@@ -86,8 +86,9 @@ def check_resumable(saved: dict, cfg: TrainConfig, path: str | os.PathLike = "ch
     if cfg.max_iters < iter_num:
         raise ConfigError(f"{path} is at iteration {iter_num}, past max_iters={cfg.max_iters}; "
                           f"pass --max_iters={iter_num} or more to continue it")
-    diffs = [(k, saved.get(k), v) for k, v in cfg.to_dict().items()
-             if k not in RESUME_MAY_CHANGE and saved.get(k) != v]
+    default = TrainConfig().to_dict()  # a field newer than the checkpoint had its default value then
+    diffs = [(k, saved.get(k, default[k]), v) for k, v in cfg.to_dict().items()
+             if k not in RESUME_MAY_CHANGE and saved.get(k, default[k]) != v]
     if diffs:
         changed = "; ".join(f"{k}: checkpoint has {a!r}, now {b!r}" for k, a, b in diffs)
         fix = " ".join(f"--{k}={a}" for k, a, _ in diffs)

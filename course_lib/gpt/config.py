@@ -46,7 +46,33 @@ INIT_FROM = ("scratch", "resume")
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class MoEConfig:
+    """Mixture of experts: the MLP of every block replaced by routed experts (``n_expert > 0``;
+    :mod:`course_lib.gpt.moe`). Part of the model's configuration (:class:`ModelConfig` and
+    :class:`course_lib.gpt.model.GPTConfig` carry these fields); torch-free, so the launcher checks it."""
+
+    n_expert: int = 0
+    """Routed experts per block (each a GPT-2 MLP); 0 = the dense model."""
+    top_k: int = 1
+    """Experts each token is sent to (Switch Transformer: 1; GShard, Mixtral: 2)."""
+    n_shared_expert: int = 0
+    """0 or 1: one MLP every token also goes through (DeepSeekMoE's shared expert)."""
+    capacity_factor: float = 0.0
+    """0 = dropless; else each expert takes at most ceil(capacity_factor * top_k * N / n_expert)
+    assignments of a micro-batch of N tokens (all data-parallel ranks' tokens); the rest are dropped."""
+    aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss (Switch Transformer, eq. 4), summed over the MoE blocks."""
+
+    def check(self) -> None:
+        at_least(self, 0, ("n_expert", "n_shared_expert", "capacity_factor", "aux_loss_coef"))
+        if self.n_shared_expert > 1:
+            raise ConfigError(f"n_shared_expert must be 0 or 1, got {self.n_shared_expert}")
+        if self.n_expert and not 1 <= self.top_k <= self.n_expert:
+            raise ConfigError(f"top_k must be in [1, n_expert={self.n_expert}], got {self.top_k}")
+
+
+@dataclass(frozen=True)
+class ModelConfig(MoEConfig):
     """The GPT: its size (the vocabulary comes from the data; the context is ``block_size``)."""
 
     n_layer: int = 4
@@ -65,6 +91,7 @@ class ModelConfig:
         ModelConfig.check(self)
 
     def check(self) -> None:
+        MoEConfig.check(self)
         at_least(self, 1, ("n_layer", "n_head", "n_embd"))
         if self.n_embd % self.n_head:
             raise ConfigError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
@@ -271,6 +298,10 @@ TRAIN_PRESETS: dict[str, dict] = {
                              "block_size": 64, "batch_size": 12, "n_layer": 4, "n_head": 4, "n_embd": 128,
                              "max_iters": 2000, "lr_decay_iters": 2000, "dropout": 0.0},
 }
+# the CPU recipe with a mixture of experts in every block: 4 experts, each token to 2 (Mixtral's
+# top-2 routing, Jiang et al. 2024, Sec. 2.1), dropless; course train --config=... --nproc=2 --ep=2
+TRAIN_PRESETS["shakespeare_char_moe_cpu"] = {**TRAIN_PRESETS["shakespeare_char_cpu"],
+                                             "out_dir": "out-shakespeare-char-moe-cpu", "n_expert": 4, "top_k": 2}
 
 
 def make_config(preset: str | None = None, overrides: dict | None = None, base: TrainConfig | None = None) -> TrainConfig:

@@ -26,10 +26,12 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from course_lib.analysis.activations import RECOMPUTE  # none, selective, full
+from course_lib.gpt.config import MoEConfig
+from course_lib.gpt.moe import MoE, Experts, aux_loss
 
 
 @dataclass(frozen=True)
-class GPTConfig:
+class GPTConfig(MoEConfig):  # n_expert > 0: every block's MLP is a mixture of experts (gpt/moe.py)
     block_size: int = 1024
     vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 64 for faster matmuls
     n_layer: int = 12
@@ -46,6 +48,7 @@ class GPTConfig:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        MoEConfig.check(self)
 
     @classmethod
     def from_shape(cls, shape) -> GPTConfig:
@@ -103,7 +106,7 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg, MLP) if cfg.n_expert else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))  # pre-LN: normalise the branch input, keep the residual clean
@@ -147,6 +150,8 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        elif isinstance(module, Experts):  # each expert initialised as the dense MLP
+            module.reset_parameters(0.02, 0.02 / math.sqrt(2 * self.config.n_layer))
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameter count; tied weights are counted once. ``non_embedding`` drops wpe (as nanoGPT)."""
@@ -170,6 +175,8 @@ class GPT(nn.Module):
             return self.lm_head(x[:, [-1], :]), None
         logits = self.lm_head(x)  # (B, T, V)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        if self.config.n_expert and self.training:  # + every MoE block's load-balancing loss (gpt/moe.py);
+            loss = loss + self.config.aux_loss_coef * aux_loss(self)  # evaluation: the cross-entropy alone
         return logits, loss
 
     def param_groups(self, weight_decay: float) -> list[dict]:
@@ -186,7 +193,16 @@ class GPT(nn.Module):
         plus 12 * n_layer * n_embd * T for attention scores and values (PaLM, Chowdhery et al.
         2022, Appendix B)."""
         c = self.config
-        return 6 * self.num_params(non_embedding=True) + 12 * c.n_layer * c.n_embd * c.block_size
+        return 6 * self.active_params() + 12 * c.n_layer * c.n_embd * c.block_size
+
+    def active_params(self) -> int:
+        """Non-embedding parameters one token computes with: all of them for the dense model; with
+        experts, top_k of the n_expert routed experts (DeepSeek-V3's "activated parameters", Sec. 1)."""
+        n = self.num_params(non_embedding=True)
+        if not self.config.n_expert:
+            return n
+        routed = sum(p.numel() for m in self.modules() if isinstance(m, Experts) for p in m.parameters())
+        return n - routed + routed * self.config.top_k // self.config.n_expert
 
     def estimate_mfu(self, tokens_per_s: float, peak_flops: float | None) -> float:
         """Model FLOPs utilisation: achieved FLOP/s over the hardware's peak for the dtype in use.
@@ -216,11 +232,13 @@ class GPT(nn.Module):
 def adamw_param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
     """The course's one AdamW grouping: decay matrices (Linear and embedding weights, dim >= 2),
     never biases or LayerNorm gains (dim < 2), as nanoGPT's ``configure_optimizers``; decoupled
-    weight decay is Loshchilov & Hutter 2019. Trainable parameters only: a frozen one gets no
+    weight decay is Loshchilov & Hutter 2019. The stacked biases of a mixture of experts (E, n) are
+    biases too (flagged ``is_bias``). Trainable parameters only: a frozen one gets no
     optimizer state. A tied weight appears once (``parameters()`` skips repeats)."""
     params = [p for p in module.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    decay = [p.dim() >= 2 and not getattr(p, "is_bias", False) for p in params]  # stacked experts' biases: (E, n)
+    return [{"params": [p for p, d in zip(params, decay) if d], "weight_decay": weight_decay},
+            {"params": [p for p, d in zip(params, decay) if not d], "weight_decay": 0.0}]
 
 
 def make_adamw(module: nn.Module, lr: float, weight_decay: float,

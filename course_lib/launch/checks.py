@@ -117,12 +117,22 @@ class TrainRequest:
 # --- the checks, in order; each raises a one-line error (LaunchConfigError is a ConfigError). A new
 # kind of parallelism adds its own function to CHECKS.
 
+TORCH_FSDP = ("fsdp_grad_op", "fsdp_full")  # PyTorch's FSDP2 behind the Strategy interface (registry)
+
+
 def check_strategy_world(req: TrainRequest) -> None:
     check_strategy(req.strategy)
     cfg = req.config  # 'single' beside tp/pp: one model replica, no data parallelism (dp = cp = 1)
     if req.strategy == "single" and req.world_size > 1 and not (cfg.cp == 1 and req.world_size == cfg.tp * cfg.pp):
         raise LaunchConfigError(f"strategy 'single' runs one process but {req.world_size} ranks were asked for; "
                                 "use strategy 'auto' or 'ddp', or nproc=1")
+    if req.strategy in TORCH_FSDP and req.device == "cuda" and req.plan and req.plan.backend == "gloo":
+        # Seen on an H200 with torch 2.11 (issue 28): fsdp_grad_op on 2 ranks sharing the GPU over gloo
+        # killed rank 0 with SIGSEGV, no Python error. gloo's CUDA paths cover all_reduce and broadcast
+        # (torch.distributed docs, "Backends"); FSDP2 all-gathers and reduce-scatters CUDA tensors.
+        raise LaunchConfigError(f"{req.strategy} (PyTorch's FSDP2) needs NCCL for CUDA tensors, and these ranks "
+                                f"share a GPU over gloo ({req.plan.line()}); use one rank per GPU, --device=cpu, "
+                                "or the course's zero2/zero3, which run over gloo")
 
 
 def check_dtype(req: TrainRequest) -> None:
@@ -171,9 +181,9 @@ def check_out_dir(req: TrainRequest) -> None:
 
 
 def check_layout(req: TrainRequest) -> None:
-    """tp/pp/cp: the grid fills the ranks, and the precision is one the pipeline runs."""
+    """tp/pp/cp (and ep): the grid fills the ranks, and the precision is one the pipeline runs."""
     cfg = req.config
-    if cfg.model_parallel_size == 1:
+    if not cfg.on_grid(cfg.n_expert):
         return
     try:
         cfg.check_layout(req.world_size)
@@ -198,19 +208,20 @@ CHECKS: list[Callable[[TrainRequest], None]] = [check_job, check_strategy_world,
 
 
 def check_request(config: TrainConfig, *, nproc=None, nnodes: int = 1, overwrite: bool = False,
-                  recipe: str = "") -> TrainRequest:
+                  recipe: str = "", backend: str = "auto") -> TrainRequest:
     """Every check of a training request, before anything is spawned or written.
 
     The config validated its own fields; here: the ranks' devices and backend
     (:mod:`course_lib.launch.placement`: ranks beyond the GPUs share them over gloo), then CHECKS.
     Errors: LaunchConfigError (a ConfigError), DataError, CheckpointError, each one line.
     ``nproc``: None = ``config.nproc``; an int, or "auto" (one rank per GPU, else 2 CPU ranks).
+    ``backend``: "auto" (NCCL for one rank per GPU, else gloo), "gloo" or "nccl".
     """
     if not isinstance(config, TrainConfig):
         raise LaunchConfigError(f"expected a TrainConfig (course_lib.gpt.config.make_config), got {type(config).__name__}")
     nproc = config.nproc if nproc is None else nproc
-    plan = placement.plan(nproc, config.device, recipe=recipe or config.name, nnodes=check_nnodes(nnodes),
-                       same_host=True)
+    plan = placement.plan(nproc, config.device, backend, recipe=recipe or config.name, nnodes=check_nnodes(nnodes),
+                          same_host=True)
     req = TrainRequest(config.replace(nproc=plan.nproc), plan.nnodes, plan.device_type, overwrite, plan)
     for check in CHECKS:
         check(req)

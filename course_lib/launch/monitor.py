@@ -174,9 +174,11 @@ def where(text: str) -> str | None:
     user's line and, when it is waiting in one, the torch.distributed / MPI call.
     """
     if "most recent call first" in text:
-        # One block per thread; the main thread is the one running the user's code via runpy.
+        # One block per thread; the main thread is the one running the user's code via runpy, else
+        # the thread that wrote the dump (a SIGUSR1 handler runs in the main thread).
         blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", text)
-        text = next((b for b in blocks if "_run_code" in b or "bootstrap.py" in b), blocks[0])
+        text = next((b for b in blocks if "_run_code" in b or "bootstrap.py" in b),
+                    next((b for b in blocks if b.lstrip().startswith("Current thread")), blocks[0]))
         frames = list(reversed([(f, int(n), fn) for f, n, fn in _FRAME.findall(text)]))
     else:
         frames = [(f, int(n), fn) for f, n, fn in _FRAME.findall(text)]

@@ -56,9 +56,9 @@ def prepare_run_dir(req: TrainRequest) -> Path:
 
 
 def prepare_run(config: TrainConfig, *, nproc=None, nnodes: int = 1, overwrite: bool = False,
-                recipe: str = "") -> TrainRequest:
+                recipe: str = "", backend: str = "auto") -> TrainRequest:
     """check_request, then prepare_run_dir: what comes before the workers (or an in-process train)."""
-    req = check_request(config, nproc=nproc, nnodes=nnodes, overwrite=overwrite, recipe=recipe)
+    req = check_request(config, nproc=nproc, nnodes=nnodes, overwrite=overwrite, recipe=recipe, backend=backend)
     prepare_run_dir(req)
     return req
 
@@ -78,18 +78,20 @@ def train_in_process(config: TrainConfig, *, overwrite: bool = False, progress: 
 
 def run_training(config: TrainConfig, *, display: str = "notebook", nproc=None, nnodes: int = 1,
                  overwrite: bool = False, progress: bool = True, timeout: float | None = None,
-                 show_ranks=(0,), env=None, check: bool = False, recipe: str = "", **launch_kwargs) -> LaunchResult:
+                 show_ranks=(0,), env=None, check: bool = False, recipe: str = "", backend: str = "auto",
+                 **launch_kwargs) -> LaunchResult:
     """Check, prepare the run directory, and train on ``nproc`` ranks per node under torchrun.
 
     display: "notebook" (rank-prefixed output, a bar following metrics.csv) or "terminal" (rank
     0's raw output with the trainer's own bar). ``timeout`` is a wall-clock limit; the collective
     timeout is ``config.timeout_s``. ``recipe`` names the run in the plan line (default: the
-    config's name). Other keyword arguments go to :func:`launch`.
+    config's name). ``backend``: "auto", "gloo" or "nccl", checked with the ranks' devices before
+    anything starts. Other keyword arguments go to :func:`launch`.
     """
     if display not in DISPLAYS:
         raise LaunchConfigError(f"display must be one of {', '.join(DISPLAYS)}, got {display!r}")
     checks.check_timeout("timeout", timeout)  # the rest of launch()'s own checks need no run directory
-    req = prepare_run(config, nproc=nproc, nnodes=nnodes, overwrite=overwrite, recipe=recipe)
+    req = prepare_run(config, nproc=nproc, nnodes=nnodes, overwrite=overwrite, recipe=recipe, backend=backend)
     cfg, config_file = req.config, Path(req.config.out_dir).resolve() / "config.json"
     env = dict(env or {})
     if cfg.threads:

@@ -18,6 +18,8 @@ One folder per parallelism, each with its own communication code, naive and opti
                         parallel layers, the vocabulary split
     pipeline            p2p between stages; stages, AFAB and 1F1B schedules
     context             the ring shift; ring attention with zigzag chunks
+    expert              expert parallelism: all-to-all dispatch / combine (exact, padded), the
+                        experts of one ep rank, their own data-parallel group
 
 Then the pieces put together:
 

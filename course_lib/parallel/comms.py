@@ -35,7 +35,7 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 # volume per rank as a multiple of the buffer size, in the ZeRO paper's accounting
 VOLUME_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1,
-                 "send": 1, "recv": 0}
+                 "send": 1, "recv": 0, "all_to_all": 1}
 
 
 class Comms:
@@ -63,10 +63,12 @@ class Comms:
     def sent_bytes(self) -> float:
         return sum(self.sent.values())
 
-    def _count(self, op: str, buffer_bytes: int) -> None:
+    def _count(self, op: str, buffer_bytes: int, sent: float | None = None) -> None:
         self.calls[op] += 1
         self.volume[op] += VOLUME_FACTOR[op] * buffer_bytes
-        if op in ("send", "recv"):
+        if sent is not None:  # counted by the caller (all-to-all: what leaves this rank)
+            self.sent[op] += sent
+        elif op in ("send", "recv"):
             self.sent[op] += buffer_bytes if op == "send" else 0
         elif self.world_size > 1:
             self.sent[op] += bytes_per_rank(op, buffer_bytes, self.world_size)
@@ -118,6 +120,18 @@ class Comms:
             return dist.broadcast(tensor, src=self._global(src), group=self.group,
                                   async_op=async_op)
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int] | None = None,
+                   input_splits: list[int] | None = None) -> None:
+        """Rank r sends rows ``input_splits[j]`` of ``input`` (dim 0, in order) to rank j and
+        receives ``output_splits[j]`` rows from rank j into ``output``; None = equal splits.
+        Counted: volume = the input (every row this rank holds for someone), sent = the rows that
+        leave this rank (its own split stays)."""
+        row = _nbytes(input) // max(input.shape[0], 1) if input.dim() else 0
+        own = input_splits[self.rank] if input_splits is not None else input.shape[0] // self.world_size
+        self._count("all_to_all", _nbytes(input), sent=(input.shape[0] - own) * row)
+        with self.timed(input.is_cuda):
+            dist.all_to_all_single(output, input, output_splits, input_splits, group=self.group)
+
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         """Point-to-point to group rank ``dst`` (pipeline parallel)."""
         self._count("send", _nbytes(tensor))
@@ -153,4 +167,5 @@ def _nbytes(t: torch.Tensor) -> int:
 def broadcast_module(module: torch.nn.Module, comms: Comms, src: int = 0) -> None:
     """Make every rank's parameters and buffers equal to rank ``src``'s (initial-state sync)."""
     for t in list(module.parameters()) + list(module.buffers()):
-        comms.broadcast(t.data, src=src)
+        if not getattr(t, "ep_sharded", False):  # each rank's own experts (parallel.expert)
+            comms.broadcast(t.data, src=src)

@@ -12,6 +12,9 @@ tensor-, sequence- and context-parallel blocks.
   (:mod:`~course_lib.parallel.tensor.comms`); what passes between stages is that too.
 * cp: this rank's two zigzag chunks of every sequence, (B, T/cp) tokens, attention by ring
   (:mod:`~course_lib.parallel.context.ring_attention`); position embeddings at the chunks' positions.
+* ep (a mixture of experts, ``n_expert > 0``): each block's MLP is an
+  :class:`~course_lib.parallel.expert.layer.ExpertParallelMoE` holding this rank's n_expert/ep
+  experts (not split by tp); the shared expert is a tensor-parallel MLP.
 
 Parameter names are the full model's (``transformer.h.3.attn.c_attn.weight``), so a full state
 dict maps to a stage by name: :func:`shard_spec` says how each tensor is split over tp, and
@@ -25,7 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib.parallel.comms import Comms
+from course_lib.gpt.moe import aux_loss
 from course_lib.parallel.context.ring_attention import cp_positions, ring_attention
+from course_lib.parallel.expert.layer import ExpertParallelMoE, ep_shard
 from course_lib.parallel.pipeline.schedules import split_layers
 from course_lib.parallel.tensor.comms import copy_to_tp, gather_seq, seq_slice
 from course_lib.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, divide
@@ -48,9 +53,9 @@ def shard_spec(name: str) -> tuple[int, int] | None:
         return 0, 1  # vocabulary rows (padded to a multiple of tp: shard_named)
     if ".attn.c_attn." in name:
         return 0, 3  # output columns of Q, K and V (nn.Linear stores (out, in))
-    if ".mlp.c_fc." in name:
+    if ".mlp.c_fc." in name or ".mlp.shared.c_fc." in name:  # the MoE's shared expert too
         return 0, 1
-    if name.endswith("c_proj.weight"):
+    if name.endswith("c_proj.weight") and ".experts." not in name:
         return 1, 1  # row-parallel: input rows; its bias is replicated
     return None
 
@@ -114,12 +119,19 @@ class ParallelMLP(nn.Module):
 
 
 class ParallelBlock(nn.Module):
-    def __init__(self, cfg, tp_comms: Comms, cp_comms: Comms, sequence_parallel: bool):
+    def __init__(self, cfg, tp_comms: Comms, cp_comms: Comms, sequence_parallel: bool,
+                 ep_comms: dict[str, Comms] | None = None, ep_padded: bool = False):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = ParallelAttention(cfg, tp_comms, cp_comms, sequence_parallel)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.mlp = ParallelMLP(cfg, tp_comms, sequence_parallel)
+        if cfg.n_expert:  # experts over ep; the shared expert split by tp as the dense MLP
+            ep_comms = ep_comms or {}
+            self.mlp = ExpertParallelMoE(cfg, lambda c: ParallelMLP(c, tp_comms, sequence_parallel),
+                                         ep_comms.get("ep"), ep_comms.get("router"),
+                                         padded=ep_padded)
+        else:
+            self.mlp = ParallelMLP(cfg, tp_comms, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -134,20 +146,24 @@ class _Head(nn.Module):
 
 class GPTStage(nn.Module):
     """This rank's part of the GPT; ``forward(idx or activation, targets)`` -> activation, or the
-    loss on the last stage. ``comms``: dict with "tp", "sp" (the tp group, counted apart), "cp"."""
+    loss on the last stage. ``comms``: dict with "tp", "sp" (the tp group, counted apart), "cp";
+    with experts "ep" (the all-to-all) and "router" (the dp x cp counts). ``ep_padded``: the naive
+    all-to-all (parallel.expert.comms)."""
 
     def __init__(self, cfg, pp_rank: int, pp_world_size: int, comms: dict[str, Comms],
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, ep_padded: bool = False):
         super().__init__()
         if cfg.dropout:
             raise ValueError("the model-parallel GPT has no dropout (each tp group would need one "
                              "random stream for its replicated regions); use dropout=0")
         self.config, self.sequence_parallel = cfg, sequence_parallel
         self.tp_comms, self.sp_comms, self.cp_comms = comms["tp"], comms["sp"], comms["cp"]
+        self.ep_comms = comms.get("ep")
+        self.has_extra_loss = bool(cfg.n_expert)  # the load-balancing loss (pipeline.schedules)
         self.is_first, self.is_last = pp_rank == 0, pp_rank == pp_world_size - 1
         sp_tp = self.sp_comms if sequence_parallel else self.tp_comms
         layers = split_layers(cfg.n_layer, pp_world_size)[pp_rank]
-        parts = {"h": nn.ModuleDict({str(i): ParallelBlock(cfg, sp_tp, self.cp_comms, sequence_parallel)
+        parts = {"h": nn.ModuleDict({str(i): ParallelBlock(cfg, sp_tp, self.cp_comms, sequence_parallel, comms, ep_padded)
                                      for i in layers})}
         if self.is_first:
             parts["wte"] = VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, sp_tp, sequence_parallel)
@@ -194,8 +210,15 @@ class GPTStage(nn.Module):
         x = tr.ln_f(x)
         x = gather_seq(x, self.sp_comms) if self.sequence_parallel else copy_to_tp(x, self.tp_comms)
         logits = F.linear(x, self.lm_head.weight)  # (B, T/cp, V/tp): never the full vocabulary
-        return vocab_parallel_cross_entropy(logits, targets, self.vocab_start, self.tp_comms,
+        loss = vocab_parallel_cross_entropy(logits, targets, self.vocab_start, self.tp_comms,
                                             vocab_size=self.config.vocab_size)
+        return loss + self.extra_loss() if self.training else loss
+
+    def extra_loss(self) -> torch.Tensor | float:
+        """The load-balancing loss of this stage's MoE blocks in its last forward, weighted
+        (gpt/moe.py; 0.0 without experts): the last stage adds it to its loss, the pipeline adds
+        the others' (pipeline.schedules)."""
+        return self.config.aux_loss_coef * aux_loss(self) if self.config.n_expert else 0.0
 
     def sp_partial(self, name: str) -> bool:
         """Under sequence parallelism, parameters replicated over tp see only this rank's tokens:
@@ -206,4 +229,12 @@ class GPTStage(nn.Module):
     def load_full_state(self, full: dict[str, torch.Tensor]) -> None:
         """Take this rank's shards of a full GPT state dict (its tensors keep their places)."""
         tp, rank, v = self.tp_comms.world_size, self.tp_comms.rank, self.config.vocab_size
-        self.load_state_dict({k: shard_named(k, full[k], rank, tp, v) for k in self.state_dict()})
+        ep_rank, ep = self.ep_place
+        self.load_state_dict({k: ep_shard(k, shard_named(k, full[k], rank, tp, v), ep_rank, ep)
+                              for k in self.state_dict()})
+
+    @property
+    def ep_place(self) -> tuple[int, int]:
+        """(ep_rank, ep) of this rank's experts ((0, 1) without expert parallelism)."""
+        c = self.ep_comms
+        return (c.rank, c.world_size) if c is not None else (0, 1)

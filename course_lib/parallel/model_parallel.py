@@ -8,7 +8,8 @@ and then dp/ZeRO in one documented order. One training step, on every rank::
     forward_backward (Pipeline.train_step): the accum micro-batches through the pp stages (AFAB or 1F1B);
         every tp/sp/cp collective happens inside the stage's forward and backward
     finish_grads: the data-parallel strategy (ddp, zero1, zero2) averages the gradients over
-        the dp x cp group (cp ranks saw different tokens of the same samples); then
+        the dp x cp group (cp ranks saw different tokens of the same samples); with ep > 1 the
+        experts apart, over their edp x cp group (parallel.expert.layer.sync_expert_grads); then
         the tied embedding's gradient is summed between the first and last stage, and under
         sequence parallelism the replicated parameters' gradients are summed over tp
     clip_grad_norm_: the norm of the whole model's gradient (each element counted once)
@@ -38,6 +39,7 @@ from torch import nn
 from course_lib.gpt.model import GPT
 from course_lib.parallel.comms import Comms
 from course_lib.parallel.context.ring_attention import cp_split
+from course_lib.parallel.expert.layer import ep_shard, ep_unshard, is_expert, sync_expert_grads
 from course_lib.parallel.footprint import measure_model_states, peak
 from course_lib.parallel.gpt_parallel import GPTStage, shard_named, shard_spec, unshard_named
 from course_lib.parallel.pipeline.comms import exchange_tied_grad
@@ -98,12 +100,14 @@ class ModelParallel(Strategy):
 
     def _grad(self, p: nn.Parameter) -> torch.Tensor | None:
         """The gradient the optimizer will use: p's, or its ZeRO shard's."""
-        return self.shards[p].grad if self.sharded else p.grad
+        return self.shards.get(p, p).grad if self.sharded else p.grad  # experts are not sharded
 
     @torch.no_grad()
     def finish_grads(self) -> None:
         self.inner.finish_grads()
         stage = self.module
+        if self.grid.ep_world_size > 1:
+            sync_expert_grads(stage, self.comms["edp"], self.grid.dp_world_size * self.grid.cp_world_size)
         if stage.tied is not None:  # first <-> last stage: both get the sum
             mine = self._grad(stage.tied)
             other = 0 if stage.is_last else self.grid.pp_world_size - 1
@@ -121,6 +125,8 @@ class ModelParallel(Strategy):
         1 / (number of ranks holding the same numbers): replicas over dp x cp (unless ZeRO shards
         them), over tp (unsplit tensors), and the last stage's copy of the tied weight (0)."""
         dp_copies = 1 if self.sharded else self.grid.dp_world_size * self.grid.cp_world_size
+        ep_sharded = self.grid.ep_world_size > 1  # experts: copies over edp x cp only
+        expert_copies = self.grid.edp_world_size * self.grid.cp_world_size
         p0 = next(self.module.parameters())
         sq = torch.zeros((), dtype=torch.promote_types(p0.dtype, torch.float32), device=p0.device)
         grads = []
@@ -129,7 +135,8 @@ class ModelParallel(Strategy):
             if g is None:
                 continue
             grads.append(g)
-            copies = dp_copies * (1 if shard_spec(n) else self.grid.tp_world_size)
+            copies = ((expert_copies if ep_sharded and is_expert(n) else dp_copies)
+                      * (1 if shard_spec(n) else self.grid.tp_world_size))
             if p is self.module.tied and self.module.is_last:
                 continue
             sq += g.to(sq.dtype).pow(2).sum() / copies
@@ -213,12 +220,18 @@ class ModelParallel(Strategy):
         return {"model": ordered, "optimizer": {"state": state, "param_groups": groups}}
 
     def _gather_tp(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """The full tensor ``name`` from this rank's piece (an all-gather over tp if it is split)."""
+        """The full tensor ``name`` from this rank's piece (an all-gather over tp if it is split,
+        over ep if it holds this rank's experts)."""
         pieces = [t]
         if shard_spec(name) is not None and self.grid.tp_world_size > 1:
             pieces = [torch.empty_like(t) for _ in range(self.grid.tp_world_size)]
             dist.all_gather(pieces, t.contiguous(), group=self.grid.tp_group)
-        return unshard_named(name, pieces, self.cfg.vocab_size).clone()
+        full = unshard_named(name, pieces, self.cfg.vocab_size)
+        if is_expert(name) and self.grid.ep_world_size > 1:
+            pieces = [torch.empty_like(full) for _ in range(self.grid.ep_world_size)]
+            dist.all_gather(pieces, full.contiguous(), group=self.grid.ep_group)
+            full = ep_unshard(name, pieces)
+        return full.clone()
 
     def _inner_groups(self) -> list[list[nn.Parameter]]:
         """The stage's parameters in the groups (and order) of the dp strategy's optimizer state."""
@@ -234,14 +247,16 @@ class ModelParallel(Strategy):
         stage, g = self.module, self.grid
         full_order = [n for grp in self._full_layout()[0] for n in grp]
         v = self.cfg.vocab_size
-        model = {k: shard_named(k, state["model"][k], g.tp_rank, g.tp_world_size, v) for k in stage.state_dict()}
+        model = {k: ep_shard(k, shard_named(k, state["model"][k], g.tp_rank, g.tp_world_size, v), g.ep_rank,
+                             g.ep_world_size) for k in stage.state_dict()}
         index = {n: i for i, n in enumerate(full_order)}
         order = [self.names[p] for grp in self._inner_groups() for p in grp]
         opt_state = {}
         for j, n in enumerate(order):
             st = state["optimizer"]["state"].get(index["transformer.wte.weight" if n == "lm_head.weight" else n])
             if st is not None:
-                opt_state[j] = {k: (shard_named(n, t, g.tp_rank, g.tp_world_size, v) if t.dim() else t).clone()
+                opt_state[j] = {k: (ep_shard(n, shard_named(n, t, g.tp_rank, g.tp_world_size, v), g.ep_rank,
+                                             g.ep_world_size) if t.dim() else t).clone()
                                 if torch.is_tensor(t) else t for k, t in st.items()}  # no alias of the caller's
         sizes = [len(grp) for grp in self._inner_groups()]
         starts = [sum(sizes[:i]) for i in range(len(sizes))]

@@ -6,16 +6,22 @@ The order, and why it is that order::
     0. no tp, pp or cp: the data-parallel strategy wraps the whole model (single, ddp, zero1-3,
        torch's DDP / ZeRO / FSDP); done.
     1. the grid: dp x pp x cp x tp process groups, tp innermost (its all-reduces are the most
-       frequent, so its ranks are neighbours: one node).
+       frequent, so its ranks are neighbours: one node); ep groups carved out of dp (ep innermost
+       in it), for a mixture of experts.
     2. tp (+ sp, vocabulary): this rank's shards of every split matrix; under sequence
        parallelism the residual stream between the parallel linears is cut along T too.
     3. pp: this rank's stage (its blocks; the embeddings on the first, ln_f and the head on the
        last) and its micro-batch schedule (AFAB or 1F1B).
     4. cp: every attention by ring over the cp ranks; each step cuts this rank's zigzag chunks out
        of its samples (ModelParallel.forward_backward).
+    4b. ep (n_expert > 0): each block's MoE keeps this rank's n_expert/ep experts and exchanges
+       tokens by all-to-all over the ep group; its router counts tokens over dp x cp. A mixture of
+       experts on several ranks always takes this path (its global router counts need the grid).
     5. dp / ZeRO last, over the dp x cp group: it wraps the model as it finally is (the stage of
        tp/sp/cp blocks), so what it buckets, shards and averages are this rank's own tensors;
        cp ranks saw different tokens of the same samples, so they average with the dp ranks.
+       With ep > 1 it skips the experts: ModelParallel averages them over their edp x cp group
+       (parallel.expert.layer.sync_expert_grads).
 
 Steps 2 to 4 build one module, :class:`~course_lib.parallel.gpt_parallel.GPTStage` (pp chooses its
 blocks, tp/sp its layers, cp its attention), and load this rank's shards of the full weights into
@@ -38,27 +44,33 @@ from course_lib.parallel.strategy import OptimizerFactory, Strategy, build_strat
 
 def parallelize(model: nn.Module, make_optimizer: OptimizerFactory, dp_strategy: str = "ddp", *,
                 tp: int = 1, pp: int = 1, cp: int = 1, sequence_parallel: bool = False,
-                pp_schedule: str = "1f1b", model_parallel: bool | None = None, **dp_options) -> Strategy:
+                pp_schedule: str = "1f1b", model_parallel: bool | None = None, ep: int = 1,
+                ep_padded: bool = False, **dp_options) -> Strategy:
     """The Strategy that trains ``model`` (a GPT, identical on every rank) on this rank's place of
     the dp x pp x cp x tp layout (dp = world size / (tp pp cp)); its ``dp_rank`` and
     ``dp_world_size`` say which samples this rank reads. ``dp_strategy``: a name of
     :data:`course_lib.registry.STRATEGIES` (with tp/pp/cp one of ``registry.DP_FLAVOURS``);
     ``dp_options``: its keyword arguments (e.g. ``grad_comm_dtype``). ``model_parallel``: None
     builds the grid's ModelParallel when tp, pp or cp > 1; True also for data parallelism alone
-    (to measure a dp-only layout like the others: its per-stage figures, activation peak)."""
+    (to measure a dp-only layout like the others: its per-stage figures, activation peak); a
+    mixture of experts on several ranks is always on the grid. ``ep``: the expert-parallel degree
+    (divides dp); ``ep_padded``: the naive all-to-all with padded equal splits (parallel.expert.comms)."""
     # 0. data parallelism alone: the whole model, one wrapper
+    world = dist.get_world_size() if dist.is_initialized() else 1
     if model_parallel is None:
-        model_parallel = tp * pp * cp > 1
+        model_parallel = tp * pp * cp > 1 or (getattr(model.config, "n_expert", 0) > 0 and world > 1)
     if not model_parallel:
         return build_strategy(dp_strategy, model, make_optimizer, **dp_options)
     if dp_strategy not in registry.DP_FLAVOURS:
         raise ValueError(f"with tp/pp/cp the data-parallel strategy must be one of {', '.join(registry.DP_FLAVOURS)}, "
                          f"got {dp_strategy!r}")
     # 1. the grid
-    grid = ProcessGroupGrid(dp=dist.get_world_size() // (tp * pp * cp), tp=tp, pp=pp, cp=cp)
+    grid = ProcessGroupGrid(dp=world // (tp * pp * cp), tp=tp, pp=pp, cp=cp, ep=ep)
     comms = {"tp": grid.tp_comms, "sp": Comms(grid.tp_group), "cp": grid.cp_comms, "pp": grid.pp_comms}
+    if model.config.n_expert:  # 4b. the all-to-all, the router's counts, the experts' gradients
+        comms.update(ep=Comms(grid.ep_group), router=Comms(grid.dp_cp_group), edp=Comms(grid.edp_cp_group))
     # 2.-4. tp/sp (its layers), pp (its blocks), cp (its attention): this rank's stage; tp: its shards
-    stage = GPTStage(model.config, grid.pp_rank, grid.pp_world_size, comms, sequence_parallel)
+    stage = GPTStage(model.config, grid.pp_rank, grid.pp_world_size, comms, sequence_parallel, ep_padded)
     p0 = next(model.parameters())
     stage.to(device=p0.device, dtype=p0.dtype)
     stage.load_full_state(model.state_dict())

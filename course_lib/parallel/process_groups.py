@@ -14,6 +14,13 @@ replicas of its shard), its ``pp_group`` (the pp stages of its pipeline) and its
 same samples). Example, 8 ranks as dp=2, tp=2, pp=2 (cp=1):
 
     tp groups [0,1] [2,3] [4,5] [6,7]    dp groups [0,2] [1,3] [4,6] [5,7]    pp groups [0,4] [1,5] [2,6] [3,7]
+
+Expert parallelism (a mixture of experts, :mod:`course_lib.parallel.expert`) is carved out of dp,
+as in Megatron-LM's expert-model-parallel groups and DeepSeek-V3 (Sec. 3.1): ``ep`` divides dp,
+ep innermost within it (``dp_rank = edp_rank * ep + ep_rank``, so an ep group is neighbouring dp
+ranks). Its ``ep_group`` holds the ep ranks that share out the experts (the all-to-all); its
+``edp_cp_group`` the replicas of one expert shard (dp/ep x cp ranks: expert gradients are averaged
+there). Example, 4 ranks as dp=4 with ep=2: ep groups [0,1] [2,3], edp_cp groups [0,2] [1,3].
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import torch.distributed as dist
 
 from course_lib.parallel.comms import Comms
 
-KINDS = ("tp", "cp", "dp", "pp", "dp_cp")
+KINDS = ("tp", "cp", "dp", "pp", "dp_cp", "ep", "edp_cp")
 
 
 def check_grid(dp: int, tp: int, pp: int, world_size: int, cp: int = 1) -> None:
@@ -47,12 +54,17 @@ def grid_rank(dp_rank: int, tp_rank: int, pp_rank: int, dp: int, tp: int, cp_ran
     return ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
 
-def group_ranks(dp: int, tp: int, pp: int, cp: int = 1) -> dict[str, list[list[int]]]:
+def group_ranks(dp: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> dict[str, list[list[int]]]:
     """Every group of each kind, as lists of global ranks."""
     def r(d, t, p, c):
         return grid_rank(d, t, p, dp, tp, c, cp)
+    if dp % ep:
+        raise ValueError(f"ep ({ep}) must divide dp ({dp}): expert-parallel groups are carved out of dp")
     D, T, P, C = range(dp), range(tp), range(pp), range(cp)
+    EP, EDP = range(ep), range(dp // ep)
     return {
+        "ep": [[r(e * ep + q, t, p, c) for q in EP] for p in P for e in EDP for c in C for t in T],
+        "edp_cp": [sorted(r(e * ep + q, t, p, c) for e in EDP for c in C) for p in P for q in EP for t in T],
         "tp": [[r(d, t, p, c) for t in T] for p in P for d in D for c in C],
         "cp": [[r(d, t, p, c) for c in C] for p in P for d in D for t in T],
         "dp": [[r(d, t, p, c) for d in D] for p in P for c in C for t in T],
@@ -68,16 +80,17 @@ class ProcessGroupGrid:
     ``dist.new_group`` involves all ranks.
     """
 
-    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1):
+    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1):
         if not dist.is_initialized():
             raise RuntimeError("ProcessGroupGrid needs torch.distributed to be initialised first")
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         check_grid(dp, tp, pp, self.world_size, cp)
         self.dp_world_size, self.tp_world_size, self.pp_world_size, self.cp_world_size = dp, tp, pp, cp
         self.dp_rank, self.tp_rank, self.pp_rank, self.cp_rank = grid_coords(self.rank, dp, tp, pp, cp)
+        self.ep_world_size, self.ep_rank, self.edp_world_size = ep, self.dp_rank % ep, dp // ep
         self.ranks: dict[str, list[int]] = {}
         groups = {}
-        for kind, all_groups in group_ranks(dp, tp, pp, cp).items():
+        for kind, all_groups in group_ranks(dp, tp, pp, cp, ep).items():
             for ranks in all_groups:  # every rank creates every group, in the same order
                 group = dist.new_group(ranks)
                 if self.rank in ranks:
@@ -86,6 +99,7 @@ class ProcessGroupGrid:
         self.cp_group, self.dp_cp_group = groups["cp"], groups["dp_cp"]
         self.dp_comms, self.tp_comms, self.pp_comms = (Comms(groups[k]) for k in ("dp", "tp", "pp"))
         self.cp_comms = Comms(groups["cp"])
+        self.ep_group, self.edp_cp_group = groups["ep"], groups["edp_cp"]
 
     @property
     def pp_is_first(self) -> bool:
@@ -98,4 +112,4 @@ class ProcessGroupGrid:
     def __repr__(self) -> str:
         return (f"ProcessGroupGrid(rank={self.rank}: dp_rank={self.dp_rank}/{self.dp_world_size}, "
                 f"tp_rank={self.tp_rank}/{self.tp_world_size}, pp_rank={self.pp_rank}/{self.pp_world_size}, "
-                f"cp_rank={self.cp_rank}/{self.cp_world_size})")
+                f"cp_rank={self.cp_rank}/{self.cp_world_size}, ep_rank={self.ep_rank}/{self.ep_world_size})")

@@ -3,7 +3,8 @@
 
 ``metrics.csv`` holds one row per logged step (and one per evaluation): iter, train_loss, val_loss,
 eval_train_loss, lr, grad_norm, step_ms, compute_ms, comm_ms, tokens_per_s, tflops, mfu, comm_mb,
-act_mb, act_model_mb, loss_scale, skipped_steps (+ LAYOUT_COLUMNS for tp/pp/cp runs).
+act_mb, act_model_mb, loss_scale, skipped_steps (+ LAYOUT_COLUMNS for tp/pp/cp runs, + the
+router's columns for a mixture of experts: :func:`moe_columns`).
 ``step_ms`` is wall time per iteration averaged since the previous row; ``compute_ms`` the time
 in forward/backward and the optimizer step (CUDA events on a GPU, so no host sync per step);
 ``comm_ms`` the exposed communication the Strategy measured (``comm_s``), which is not counted
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from course_lib.gpt.moe import moe_stats
 from course_lib.hardware import detect
 from course_lib.trainer.process import launcher_info
 from course_lib.trainer.progress import progress_bar
@@ -43,6 +45,17 @@ COLUMNS = ("iter", "train_loss", "val_loss", "eval_train_loss", "lr", "grad_norm
 # Model-parallel runs (tp/pp/cp) add, per step, the most over ranks (ranks.json has every rank's):
 LAYOUT_COLUMNS = ("bubble", "bubble_theory", "model_state_bytes", "peak_activation_bytes", "sent_bytes_tp",
                   "sent_bytes_sp", "sent_bytes_cp", "sent_bytes_pp", "sent_bytes_dp")
+# ... and a mixture of experts on the grid, its all-to-all, router counts and expert gradients:
+EP_COLUMNS = ("sent_bytes_ep", "sent_bytes_router", "sent_bytes_edp")
+
+
+def moe_columns(n_expert: int) -> tuple[str, ...]:
+    """A mixture of experts' columns (gpt/moe.py), per step since the previous row, over the whole
+    global batch: the load-balancing loss (summed over the blocks, mean over ranks), the dropped
+    assignments and the assignments routed to each expert (summed over the blocks)."""
+    if not n_expert:
+        return ()
+    return ("moe_aux_loss", "moe_dropped", *(f"moe_tokens_e{i}" for i in range(n_expert)))
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
@@ -145,9 +158,12 @@ def announce_run(cfg, info: dict) -> None:
              f"{cfg.gradient_accumulation_steps} x {lay['dp']} {ranks}; {info['tokens_per_iter']:,} tokens/iter")
     lines = [f"{where} | strategy {info['strategy']} | {info['dtype']} | {info['n_params'] / 1e6:.2f}M parameters",
              batch]
-    if cfg.model_parallel_size > 1:
+    if cfg.on_grid(cfg.n_expert):
+        experts = (f"; ep {cfg.ep} (of dp): {cfg.n_expert // cfg.ep} of {cfg.n_expert} experts per rank, "
+                   f"experts data-parallel over dp/ep = {lay['dp'] // cfg.ep}" if cfg.n_expert else "")
         lines.append(f"layout dp {lay['dp']} x tp {lay['tp']}{' (+sp)' if lay['sequence_parallel'] else ''} x "
-                     f"pp {lay['pp']} ({lay['pp_schedule']}) x cp {lay['cp']}; {info['strategy']} across dp x cp")
+                     f"pp {lay['pp']} ({lay['pp_schedule']}) x cp {lay['cp']}; {info['strategy']} across dp x cp"
+                     + experts)
     if info["peak_flops_per_device"] and info["peak_is_estimate"]:
         lines.append(f"MFU is relative to an ESTIMATED CPU peak of {info['peak_flops_per_device'] / 1e9:.0f} "
                      "GFLOP/s per worker (cores x 2.5 GHz x FLOP/cycle)")
@@ -172,7 +188,9 @@ class RunMeter:
         self.master = rt.rank == 0
         dp = rt.world_size // cfg.model_parallel_size  # ranks holding different samples
         self.tokens_per_iter = cfg.batch_size * cfg.gradient_accumulation_steps * dp * cfg.block_size
-        self.layout = cfg.model_parallel_size > 1  # tp/pp/cp: per-rank memory, bytes and bubble
+        self.layout = cfg.on_grid(cfg.n_expert)  # tp/pp/cp (ep): per-rank memory, bytes and bubble
+        self.moe_columns = moe_columns(cfg.n_expert)
+        self.strategy_device = rt.device  # where the router's counts are all-reduced (NCCL: a GPU)
         self.flops_per_token = flops_per_token  # the whole model's (the trainer counts it before wrapping)
         profile = detect(rt.device)
         peak = profile.peak(rt.dtype if rt.dtype != "float32" else ("tf32" if rt.device_type == "cuda" else "float32"))
@@ -182,7 +200,8 @@ class RunMeter:
                      "tokens_per_iter": self.tokens_per_iter, "devices": rt.devices,
                      "global_batch": cfg.batch_size * cfg.gradient_accumulation_steps * dp,
                      "layout": {"dp": dp, "tp": cfg.tp, "pp": cfg.pp, "cp": cfg.cp,
-                                "sequence_parallel": cfg.sequence_parallel, "pp_schedule": cfg.pp_schedule},
+                                "sequence_parallel": cfg.sequence_parallel, "pp_schedule": cfg.pp_schedule,
+                                **({"ep": cfg.ep, "n_expert": cfg.n_expert} if cfg.n_expert else {})},
                      "hardware": profile.name, "peak_flops_per_device": peak, "peak_is_estimate": profile.estimated,
                      "torch": torch.__version__, "start_iter": start_iter, "launcher": launcher_info(),
                      "backend": dist.get_backend() if dist.is_initialized() else None}
@@ -190,7 +209,8 @@ class RunMeter:
         if self.master:
             announce_run(cfg, self.info)  # run.json, config.json and the header lines
             self.writer = MetricsWriter(Path(cfg.out_dir) / "metrics.csv", start_iter,
-                                        COLUMNS + LAYOUT_COLUMNS if self.layout else COLUMNS)
+                                        COLUMNS + (LAYOUT_COLUMNS if self.layout else ())
+                                        + (EP_COLUMNS if self.layout and cfg.n_expert else ()) + self.moe_columns)
         # on stdout, with the eval lines: one stream keeps their order when a launcher relays it
         self.bar = progress_bar(total=cfg.max_iters, initial=start_iter, desc=cfg.name, unit="it",
                                 dynamic_ncols=True, file=sys.stdout, disable=not (self.master and progress))
@@ -207,6 +227,8 @@ class RunMeter:
         self.timer.reset()
         if self.layout:
             self.strategy.figures()  # restart its byte counts too (an evaluation's traffic is not a step's)
+        if self.moe_columns:
+            moe_stats(self.strategy.module)  # and the router's counts
 
     @contextmanager
     def compute(self):
@@ -259,6 +281,8 @@ class RunMeter:
             row.update(val_loss=self.pending_eval["val"], eval_train_loss=self.pending_eval["train"])
         if self.layout:
             row.update(self._layout_figures(it))
+        if self.moe_columns:
+            row.update(self._moe_figures())
         if self.master:
             self.writer.write(row)
         self.bar.update(it + 1 - self.bar.n)
@@ -277,7 +301,22 @@ class RunMeter:
         if self.master:
             atomic_write_bytes(Path(self.cfg.out_dir) / "ranks.json",
                                (json.dumps({"iter": it, "ranks": ranks}, indent=1) + "\n").encode())
-        return {k: max(r.get(k, 0.0) for r in ranks) for k in LAYOUT_COLUMNS if k in mine}
+        return {k: max(r.get(k, 0.0) for r in ranks) for k in LAYOUT_COLUMNS + EP_COLUMNS if k in mine}
+
+    def _moe_figures(self) -> dict:
+        """The router's statistics per step since the last row, over every rank's tokens (a
+        collective at log steps only; tp ranks hold the same tokens, counted once)."""
+        s = moe_stats(self.strategy.module)
+        v = torch.cat([s["tokens_per_expert"].sum(0).double(), s["dropped"].sum().double().reshape(1),
+                       torch.tensor([s["aux_loss"]], dtype=torch.float64)])
+        if self.world_size > 1:
+            v = v.to(self.strategy_device)
+            dist.all_reduce(v)
+            v = v.cpu()
+        counts = (v[:-1] / (self.cfg.tp * self.steps)).tolist()
+        # aux: each pp stage holds its blocks' part, the other ranks copies (tp) or shares (dp, cp) of it
+        return {"moe_aux_loss": v[-1].item() * self.cfg.pp / self.world_size, "moe_dropped": counts[-1],
+                **{f"moe_tokens_e{i}": c for i, c in enumerate(counts[:-1])}}
 
     def finish(self, it: int, best_val: float) -> dict:
         """The last row (the final evaluation), summary.json and the closing line; returns the summary."""

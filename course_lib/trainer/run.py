@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from course_lib.gpt import checkpoint as ckpt_io
 from course_lib.gpt.activation_meter import modelled_bytes
-from course_lib.gpt.config import GRAD_COMM_STRATEGIES, TrainConfig
+from course_lib.gpt.config import GRAD_COMM_STRATEGIES, MoEConfig, TrainConfig
 from course_lib.gpt.data import TrainBatches, eval_batches, load_meta, load_tokens, model_vocab_size
 from course_lib.gpt.model import GPT, GPTConfig, make_adamw
 from course_lib.parallel.parallelize import parallelize
@@ -66,15 +66,17 @@ def setup_run(cfg: TrainConfig, rt: Runtime) -> Run:
     train_tokens, val_tokens = (load_tokens(data_dir, cfg.dataset, s) for s in ("train", "val"))
     torch.manual_seed(cfg.seed)  # the same seed on every rank gives the same initial weights
     gptconf = GPTConfig(block_size=cfg.block_size, vocab_size=model_vocab_size(meta), n_layer=cfg.n_layer,
-                        n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias)
+                        n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias,
+                        **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(MoEConfig)})
     model = GPT(gptconf).to(rt.device).set_recompute(cfg.recompute)
     if cfg.compile:
         model.compile()  # in place: parameter names (and checkpoints) stay those of the plain model
     strategy_name = cfg.resolved_strategy(rt.world_size)
     num_params, flops_per_token = model.num_params(), model.flops_per_token()  # before any wrapper
-    if cfg.model_parallel_size > 1:
-        cfg.check_layout(rt.world_size)  # ranks = dp x tp x pp x cp (the launcher checked it too)
-    strategy = parallelize(model, optimizer_factory(cfg), strategy_name, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp,
+    if cfg.on_grid(cfg.n_expert):
+        cfg.check_layout(rt.world_size)  # ranks = dp x tp x pp x cp, ep | dp (the launcher checked it too)
+    strategy = parallelize(model, optimizer_factory(cfg), strategy_name, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep,
+                           ep_padded=cfg.ep_dispatch == "padded",
                            sequence_parallel=cfg.sequence_parallel, pp_schedule=cfg.pp_schedule,
                            **strategy_options(cfg, strategy_name))
     dp_rank, dp_world_size = strategy.dp_rank, strategy.dp_world_size
@@ -87,7 +89,7 @@ def setup_run(cfg: TrainConfig, rt: Runtime) -> Run:
     torch.manual_seed(cfg.seed + rt.rank)  # per-rank randomness from here on (dropout, as in nanoGPT)
     random.seed(cfg.seed + rt.rank)
     run = Run(cfg, rt, model, strategy, strategy_name, batches, eval_sets, Precision.for_dtype(rt.device_type, rt.dtype), meta,
-              act_model_bytes=math.nan if cfg.model_parallel_size > 1  # per stage: peak_activation_bytes
+              act_model_bytes=math.nan if cfg.on_grid(cfg.n_expert)  # per stage: peak_activation_bytes
               else modelled_bytes(cfg, gptconf.vocab_size, rt.dtype, rt.device_type),
               num_params=num_params, flops_per_token=flops_per_token)
     if cfg.init_from == "resume":

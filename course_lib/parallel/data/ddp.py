@@ -14,7 +14,9 @@ Both broadcast rank 0's parameters and buffers at construction, so every rank st
 same state whatever its seed. Gradients are averaged (divided by ``dp_world_size``), so each rank
 ends with the gradient of the mean loss over the global batch. Tied weights (GPT's wte/lm_head)
 are one parameter, counted and communicated once. Frozen parameters (``requires_grad=False``) are
-skipped; a parameter that got no gradient on any rank keeps ``grad=None`` (the ranks agree through
+skipped, and so are the experts of expert parallelism (flagged ``ep_sharded``: each rank holds
+other experts; :mod:`course_lib.parallel.expert` averages them over their own group); a parameter
+that got no gradient on any rank keeps ``grad=None`` (the ranks agree through
 one flag per parameter), so the optimizer leaves it alone, as in one process.
 
 ``grad_comm_dtype`` (e.g. ``torch.bfloat16``) sends the gradients in 16 bits: each is cast into
@@ -56,7 +58,7 @@ class DataParallelNaive(nn.Module):
 
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
-        params = [p for p in self.module.parameters() if p.requires_grad]
+        params = [p for p in self.module.parameters() if p.requires_grad and not getattr(p, "ep_sharded", False)]
         # Ranks first agree which parameters got a gradient anywhere (one flag each): those that
         # got none keep grad=None, as in one process; the others are averaged (zeros where absent).
         present = torch.tensor([p.grad is not None for p in params], dtype=torch.float32,
@@ -115,7 +117,9 @@ class DataParallelBucket(nn.Module):
         self.dp_world_size = self.comms.world_size
         broadcast_module(module, self.comms)
         self.require_backward_grad_sync = True
-        params = [p for p in module.parameters() if p.requires_grad]  # frozen ones: skipped
+        # frozen ones skipped, and the experts of expert parallelism (ep_sharded: each rank holds other
+        # experts; parallel.expert averages them over their own group)
+        params = [p for p in module.parameters() if p.requires_grad and not getattr(p, "ep_sharded", False)]
         # the first bucket (the last layers) closes at 1 MiB, as in PyTorch's DDP: its all-reduce
         # starts while most of backward is still to run
         self.buckets = [Bucket(b, grad_comm_dtype)

@@ -24,6 +24,11 @@ time (seconds computing vs seconds per step; waits include the OS scheduling the
 Tied weights across stages (GPT's wte on the first stage, lm_head on the last): each stage keeps
 a copy; after backward the two gradients are exchanged and summed, as Megatron-LM does with its
 embedding group, so both copies stay equal. The messages are in :mod:`course_lib.parallel.pipeline.comms`.
+
+A loss term computed on a stage that is not the last (a mixture of experts' load-balancing loss,
+:mod:`course_lib.gpt.moe`): a stage with ``has_extra_loss`` True and an ``extra_loss()`` method (a scalar of its last
+forward) has it added, / m, to the step's loss and to each micro-batch's backward; the stages' losses
+are then summed over the pipeline (an all-reduce) instead of broadcast from the last one.
 """
 
 from __future__ import annotations
@@ -208,6 +213,7 @@ class Pipeline:
         if x.shape[0] % n_micro:
             raise ValueError(f"batch size {x.shape[0]} is not divisible by n_micro={n_micro}")
         xs, ys = x.chunk(n_micro), targets.chunk(n_micro)
+        extra_loss = getattr(self.stage, "has_extra_loss", False) and self.pp_world_size > 1
         t_step, busy_s, clock, busy = time.perf_counter(), 0.0, 0.0, 0
         self.sends, saved, in_flight, peak, held, peak_bytes, micro_bytes = [], {}, 0, 0, 0, 0, {}
         params = {p.untyped_storage().data_ptr() for p in self.stage.parameters()}
@@ -224,6 +230,10 @@ class Pipeline:
                 t0 = time.perf_counter()
                 with _count_saved(params) as counted:
                     out = self.stage(inp, ys[i] if self.is_last else None)
+                    extra = self.stage.extra_loss() if extra_loss and not self.is_last else 0.0
+                if torch.is_tensor(extra):  # a loss term of this (not last) stage: / m as the loss
+                    extra = extra / n_micro
+                    loss_sum += extra.detach().to(loss_sum.dtype)
                 micro_bytes[i] = counted["bytes"]
                 held += micro_bytes[i]
                 peak_bytes = max(peak_bytes, held)
@@ -234,17 +244,20 @@ class Pipeline:
                 clock, busy = max(clock, ready) + FORWARD_TICKS, busy + FORWARD_TICKS
                 if not self.is_last:
                     self.sends += send_activation(self.comms, out.detach(), clock, self.pp_rank + 1)
-                saved[i] = (inp, out)
+                saved[i] = (inp, out, extra)
                 in_flight += 1
                 peak = max(peak, in_flight)
             else:
-                inp, out = saved.pop(i)
+                inp, out, extra = saved.pop(i)
                 ready, grad = 0.0, None
                 if not self.is_last:
                     grad, ready = recv_activation(self.comms, out.shape, self.dtype, self.device, self.pp_rank + 1)
                 t0 = time.perf_counter()
                 with no_sync() if no_sync is not None and i < n_micro - 1 else contextlib.nullcontext():
-                    out.backward(grad)
+                    if torch.is_tensor(extra):
+                        torch.autograd.backward([out, extra], [grad, None])
+                    else:
+                        out.backward(grad)
                 busy_s += time.perf_counter() - t0
                 clock, busy = max(clock, ready) + BACKWARD_TICKS, busy + BACKWARD_TICKS
                 if not self.is_first:
@@ -257,7 +270,10 @@ class Pipeline:
             self._sum_tied_grads()
         total = torch.tensor([clock], dtype=torch.float64, device=self.device)
         self.comms.all_reduce(total, op=torch.distributed.ReduceOp.MAX)  # the step's makespan
-        self.comms.broadcast(loss_sum, src=self.pp_world_size - 1)
+        if extra_loss:  # every stage holds a part of the loss
+            self.comms.all_reduce(loss_sum)
+        else:
+            self.comms.broadcast(loss_sum, src=self.pp_world_size - 1)
         stats = PipelineStats(busy, total.item(), busy_s, time.perf_counter() - t_step, peak, peak_bytes)
         return loss_sum.item(), stats
 

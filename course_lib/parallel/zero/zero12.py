@@ -29,7 +29,8 @@ each shard is an fp32 copy, the step runs in fp32 and the 16-bit parameters are 
 Gradients are reduced in ``reduce_dtype`` (default: fp32, as FSDP2's MixedPrecisionPolicy with
 reduce_dtype=float32), pre-divided by N. In fp32 a shard is a view into the parameter (no copy).
 
-Corners, as one process: frozen parameters (requires_grad=False) are skipped; a parameter that got
+Corners, as one process: frozen parameters (requires_grad=False) are skipped, and so are the
+experts of expert parallelism (``ep_sharded``: stepped whole, unsharded; :mod:`course_lib.parallel.expert`); a parameter that got
 no gradient on any rank keeps ``grad=None`` (flags travel with the gradients, see sharding), so
 AdamW leaves it alone; tied weights are one Parameter; under ``no_sync()`` gradients accumulate
 locally and are communicated once, after the last micro-batch (both stages; as FSDP's no_sync).
@@ -74,7 +75,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.comms = comms or Comms(process_group)
         self.state_comms = Comms(process_group)  # checkpoint traffic, kept out of the step figures
         self.dp_world_size = self.comms.world_size
-        self.params, _ = split_trainable(p for g in groups for p in g["params"])
+        # the experts of expert parallelism (ep_sharded) are not sharded here: each rank steps its
+        # own, whole, with the gradients parallel.expert averaged over their group
+        self.params, _ = split_trainable(p for g in groups for p in g["params"] if not getattr(p, "ep_sharded", False))
         self.stage, self.reduce_dtype, self.max_in_flight = 2 if shard_gradients else 1, reduce_dtype, max_in_flight
         self.layouts = [ShardLayout(b, self.comms.rank, self.dp_world_size)
                         for b in bucket_params(self.params, bucket_cap_mb)]
