@@ -16,6 +16,7 @@ paper does not say whether the token embedding, a look-up, counts as active: 37.
 import pytest
 import torch
 
+from course_lib.analysis.comm_cost import bytes_per_rank, moe_all_to_all_bytes
 from course_lib.analysis.memory import model_state_bytes
 from course_lib.analysis.moe_memory import (
     PUBLISHED,
@@ -25,6 +26,11 @@ from course_lib.analysis.moe_memory import (
     mla_attention_params,
     rank_states,
 )
+from course_lib.experiments.moe_runs import compare_layouts, measured_rows
+from course_lib.gpt.model import GPT, GPTConfig
+from course_lib.launch.spawn import run_ranks
+from course_lib.parallel.comms import Comms
+from course_lib.parallel.expert.comms import combine, dispatch
 
 # a tiny MoE GPT of the course (gpt/moe.py): 2 blocks, 4 experts, top-2
 TINY = dict(block_size=16, vocab_size=65, n_layer=2, n_head=4, n_embd=32, bias=True, n_expert=4, top_k=2)
@@ -69,8 +75,6 @@ def test_gpt_shaped_moe_counts_like_the_dense_gpt():
 
 @pytest.mark.parametrize("extra", [{}, {"bias": False, "n_shared_expert": 1, "top_k": 1}])
 def test_course_gpt_shape_counts_the_modules_parameters(extra):
-    from course_lib.gpt.model import GPT, GPTConfig
-
     cfg = GPTConfig(**{**TINY, **extra})
     model = GPT(cfg)
     shape = MoEShape.of_gpt(cfg)
@@ -122,9 +126,6 @@ T, K, C, E = 24, 2, 8, 8  # tokens per rank, experts per token, hidden size, exp
 def _all_to_all_bytes(rank, world_size):
     """Counted by parallel.comms: one all-to-all of equal splits, and an MoE layer's dispatch and
     combine, forward and backward, with every expert getting the same number of rows."""
-    from course_lib.parallel.comms import Comms
-    from course_lib.parallel.expert.comms import combine, dispatch
-
     comms = Comms()
     buf = torch.arange(world_size * 6, dtype=torch.float32)
     comms.all_to_all(torch.empty_like(buf), buf)
@@ -138,15 +139,11 @@ def _all_to_all_bytes(rank, world_size):
 
 
 def _on_ranks(rank, world_size):
-    from course_lib.experiments.moe_runs import compare_layouts
-
     return compare_layouts(rank, world_size, TINY, RANK_LAYOUTS, steps=2), _all_to_all_bytes(rank, world_size)
 
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    from course_lib.launch.spawn import run_ranks
-
     return run_ranks(_on_ranks, 4, timeout=240)
 
 
@@ -154,9 +151,7 @@ def test_memory_model_within_5_percent_of_every_ranks_measured_states(four_ranks
     """Model states each rank held (parallel.footprint, the most over the step) against
     rank_states: experts over ep, their states replicated over dp/ep; the rest over dp (ZeRO-1:
     its optimizer states sharded over dp); fp32 Adam, 4 + 4 + 8 bytes per parameter."""
-    from course_lib.experiments.moe_runs import layout_rows
-
-    rows = layout_rows([r[0] for r in four_ranks], TINY, RANK_LAYOUTS)
+    rows = measured_rows([r[0] for r in four_ranks], TINY, RANK_LAYOUTS)
     assert len(rows) == 4 * len(RANK_LAYOUTS)
     for row in rows:
         assert row["measured / model"] == pytest.approx(1.0, abs=0.05), row
@@ -170,17 +165,13 @@ def test_all_to_all_bytes_equal_the_cost_model(four_ranks):
     """parallel.comms counts what leaves each rank: (p-1)/p of an all-to-all's buffer
     (bytes_per_rank), and for an MoE layer with an even router moe_all_to_all_bytes (dispatch and
     combine, forward and backward) plus the exchange of the E/ep counts per peer (int64)."""
-    from course_lib.analysis.comm_cost import bytes_per_rank, moe_all_to_all_bytes
-
     for plain, moe, calls in (r[1] for r in four_ranks):
         assert plain == bytes_per_rank("all_to_all", 4 * 6 * 4, 4)  # 24 float32, 3/4 of them leave
         counts = bytes_per_rank("all_to_all", E * 8, 4)
         assert moe == sum(moe_all_to_all_bytes(T, K, C, 4, bytes_per_value=4).values()) + counts
         assert calls == 5  # counts, dispatch, combine; backward: combine, dispatch
     # in training the router is not even: each rank's all-to-all bytes within 25 % of the even router's
-    from course_lib.experiments.moe_runs import layout_rows
-
-    for row in layout_rows([r[0] for r in four_ranks], TINY, RANK_LAYOUTS):
+    for row in measured_rows([r[0] for r in four_ranks], TINY, RANK_LAYOUTS):
         assert row["all_to_all MB"] == pytest.approx(row["even router MB"], rel=0.25), row
 
 

@@ -4,7 +4,7 @@ all-to-all, and expert against data parallelism on CPU ranks, set beside the mod
     history = router_history(read_metrics(run_dir / "metrics.csv"), n_expert)   # tokens per expert
     counts = routing_counts(model, x, ep=4)           # rows each rank would send each rank
     results = run_ranks(compare_layouts, 4, model_kwargs, LAYOUTS, steps)       # every rank's figures
-    rows = layout_rows(results, model_kwargs)         # measured beside analysis.moe_memory
+    rows = measured_rows(results, model_kwargs)         # measured beside analysis.moe_memory
 
 :func:`compare_layouts` builds the same MoE GPT on every rank, cuts it for each layout with
 :func:`course_lib.parallel.parallelize.parallelize` (ep carved out of dp: the experts over the ep
@@ -14,7 +14,7 @@ Per layout and rank it keeps the losses of the global batch, the most model stat
 (:func:`course_lib.parallel.footprint.measure_model_states`, through the strategy's ``figures``),
 the bytes sent in each group (:mod:`course_lib.parallel.comms`: ``ep`` the all-to-alls, ``router``
 the routers' counts, ``dp`` the non-expert gradients, ``edp`` the experts' gradients) and the
-step time. :func:`layout_rows` sets those beside :func:`course_lib.analysis.moe_memory.rank_states`
+step time. :func:`measured_rows` sets those beside :func:`course_lib.analysis.moe_memory.rank_states`
 (fp32 Adam: 4 + 4 + 8 bytes per parameter) and :func:`course_lib.analysis.comm_cost.moe_all_to_all_bytes`.
 """
 
@@ -44,7 +44,7 @@ LAYOUTS: dict[str, dict] = {
     "dp4 ep4": {"ep": 4, "strategy": "ddp"},
     "dp4 ep2 zero1": {"ep": 2, "strategy": "zero1"},
 }
-STAGE = {"ddp": 0, "zero1": 1, "zero2": 2}  # the ZeRO stage of the non-expert states
+DP_STAGE = {"ddp": 0, "zero1": 1, "zero2": 2}  # the ZeRO stage of the non-expert states
 
 
 def router_history(rows: Sequence[Mapping], n_expert: int) -> dict:
@@ -147,7 +147,7 @@ def compare_layouts(rank: int, world_size: int, model_kwargs: dict, layouts: Map
     return out
 
 
-def layout_rows(results: Sequence[Mapping], model_kwargs: dict, layouts: Mapping[str, dict] | None = None) -> list[dict]:
+def measured_rows(results: Sequence[Mapping], model_kwargs: dict, layouts: Mapping[str, dict] | None = None) -> list[dict]:
     """One row per layout and rank: model states measured and by :func:`rank_states` (fp32 Adam),
     their ratio, the step time, the bytes each group sent in the last step, the all-to-all's bytes
     for an even router (:func:`moe_all_to_all_bytes`), and how far the losses are from one process."""
@@ -158,7 +158,7 @@ def layout_rows(results: Sequence[Mapping], model_kwargs: dict, layouts: Mapping
     world = len(results)
     rows = []
     for name, lay in layouts.items():
-        ep, stage = lay.get("ep", 1), STAGE[lay.get("strategy", "ddp")]
+        ep, stage = lay.get("ep", 1), DP_STAGE[lay.get("strategy", "ddp")]
         model = rank_states(shape, dp=world, ep=ep, stage=stage, expert_stage=0, dtype="fp32").total.total
         for rank, res in enumerate(results):
             r = res[name]

@@ -1,10 +1,10 @@
 """The experts lesson's figures (notebook 13): the all-to-all of a real routing, tokens per expert
 over training, expert against data parallelism per rank.
 
-    from course_lib.notebook.moe_plots import plot_all_to_all, plot_tokens_per_expert, plot_layouts
+    from course_lib.notebook.moe_plots import plot_all_to_all, plot_tokens_per_expert, plot_ep_against_dp
     plot_all_to_all(counts)            # counts[r][s]: rows rank r sends to rank s (experiments.moe_runs.routing_counts)
     plot_tokens_per_expert({"run": history})   # experiments.moe_runs.router_history
-    plot_layouts(rows)                 # experiments.moe_runs.layout_rows
+    plot_ep_against_dp(rows)                 # experiments.moe_runs.measured_rows
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def plot_tokens_per_expert(runs: Mapping[str, Mapping]):
     return fig
 
 
-def plot_layouts(rows: Sequence[Mapping]):
+def plot_ep_against_dp(rows: Sequence[Mapping]):
     """Expert against data parallelism, per rank: model states measured (bars) and modelled
     (analysis.moe_memory, black ticks), step time, and bytes sent by the all-to-alls and the
     gradient all-reduces."""
