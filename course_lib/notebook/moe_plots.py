@@ -39,8 +39,9 @@ def plot_all_to_all(counts: Sequence[Sequence[int]], title: str = "dispatch"):
         for s in range(p):
             ax.add_patch(Rectangle((x, y), c[s, r], 0.6, color=colours(r), alpha=0.35 + 0.5 * (s == r),
                                    lw=0.5, ec="white", hatch=None if s == r else "//"))
-            if c[s, r]:
-                ax.text(x + c[s, r] / 2, y + 0.3, f"{int(c[s, r])}\nfrom {s}", ha="center", va="center", fontsize=7)
+            if c[s, r]:  # the source under the count where the block has room for it
+                label = f"{int(c[s, r])}\nfrom {s}" if c[s, r] >= 0.07 * width else f"{int(c[s, r])}"
+                ax.text(x + c[s, r] / 2, y + 0.3, label, ha="center", va="center", fontsize=7)
             x += c[s, r]
         ax.text(-0.02 * width, y + 0.3, f"rank {r}", ha="right", va="center", fontsize=9)
     for r in range(p):  # arrows from block (r -> s) on the left to its place on the right
