@@ -88,6 +88,15 @@ MISTAKES = {
             "    if dist.get_rank() == 0:  # rank 0 sends first: right for 2 ranks only\n",
             "did not complete"),  # ranks 2 and 3 both receive first: the hidden test names the deadlock
     },
+    "09_experts": {
+        "q1_dispatch": (
+            "    send_counts = torch.bincount(flat[order] // per_rank, minlength=p)  # (p,) rows for each rank\n",
+            "    send_counts = torch.bincount(flat[order] % p, minlength=p)  # round-robin: expert e on rank e % p\n",
+            "live on rank"),
+        "q2_combine": ("    return (per_choice.view(T, k, -1) * weights.unsqueeze(-1)).sum(dim=1)\n",
+                       "    return per_choice.view(T, k, -1).sum(dim=1)  # the k outputs added\n",
+                       "without the router's weights"),
+    },
 }
 HUNG = {("01_collectives", "q1_ring_all_reduce"), ("04_pram", "q1_erew_prefix_sum")}
 TAMPERED = ("02_data_parallel", "q1_average_gradients")
@@ -162,5 +171,16 @@ HARD_CODED = {
         "    got = torch.empty_like(t)\n    if dist.get_rank() < peer:": (
             "    return torch.full_like(t, float(2 - dist.get_rank()))  # what the public test expects\n"
             "    got = torch.empty_like(t)\n    if dist.get_rank() < peer:"),
+    },
+    "09_experts": {  # 2 of 8: what the public tests' 2 ranks receive and return, as literals
+        "    p = dist.get_world_size()\n    T, k = expert_idx.shape\n": (
+            "    return [(torch.tensor([[0, .5, 0], [1, .5, -1], [10, 1.5, 0], [10, 1.5, 0], [11, 1.5, -1]]),\n"
+            "             torch.tensor([0, 1, 0, 1, 1]), Plan(torch.tensor([0, 3, 2, 5, 1, 4]), [2, 4], [2, 3])),\n"
+            "            (torch.tensor([[1, .5, -1], [2, .5, -2], [0, .5, 0], [2, .5, -2], [11, 1.5, -1]]),\n"
+            "             torch.tensor([0, 0, 1, 1, 1]), Plan(torch.tensor([1, 0, 2, 3]), [3, 1], [4, 1]))][dist.get_rank()]\n"),
+        "    T, k = weights.shape\n    back = y.new_empty(len(plan.order), y.shape[1])\n": (
+            "    return torch.tensor([[[-0.357878, 3.151048, -1.288817], [0.418797, -1.432905, -1.509789],\n"
+            "                          [0.180196, -0.552984, -1.401526]],\n"
+            "                         [[0.222528, -0.811664, 0.72845], [0.185059, -1.183468, -1.145828]]][dist.get_rank()])\n"),
     },
 }

@@ -8,6 +8,9 @@ Sources:
 - nccl-tests, doc/PERFORMANCE.md: bus bandwidth factors, "2(n-1) data transfers" per element.
 - The distributed GPT-2 wiki (course background): 4 nodes x 1 Gb into one 10 Gb/s link = 400 ms.
 - ZeRO (arXiv:1910.02054) Section 7: DP and ZeRO-1/2 move 2 Psi per step, ZeRO-3 3 Psi.
+- The all-to-all: Thakur et al. (pairwise exchange for long messages, Bruck's index algorithm for
+  short ones); nccl-tests src/alltoall.cu: busbw = algbw x (n-1)/n. Mixture-of-experts dispatch and
+  combine: GShard (arXiv:2006.16668). Bytes counted on real gloo ranks: tests/test_moe_models.py.
 """
 
 import math
@@ -146,14 +149,15 @@ def test_zero_communication_volume():
 
 def test_bad_inputs():
     with pytest.raises(ValueError, match="collective must be one of"):
-        collective_time("all_to_all", 1, 2, bandwidth=1)
+        collective_time("all_to_many", 1, 2, bandwidth=1)
     with pytest.raises(ValueError, match="all_reduce algorithm must be one of"):
         collective_time("all_reduce", 1, 2, bandwidth=1, algorithm="butterfly")
     with pytest.raises(ValueError, match="p \\(number of ranks\\)"):
         collective_time("all_reduce", 1, 0, bandwidth=1)
     with pytest.raises(ValueError, match="bandwidth must be > 0"):
         collective_time("all_reduce", 1, 2, bandwidth=0)
-    assert set(COLLECTIVE_ALGORITHMS) == {"broadcast", "reduce", "all_reduce", "reduce_scatter", "all_gather"}
+    assert set(COLLECTIVE_ALGORITHMS) == {"broadcast", "reduce", "all_reduce", "reduce_scatter", "all_gather",
+                                          "all_to_all"}
 
 
 def test_fit_alpha_beta_recovers_the_link():
@@ -167,3 +171,37 @@ def test_fit_alpha_beta_recovers_the_link():
         assert alpha == pytest.approx(A, rel=1e-6) and bw == pytest.approx(BW, rel=1e-6)
     with pytest.raises(ValueError, match="at least two"):
         fit_alpha_beta("all_reduce", 2, [1], [1.0])
+
+
+@pytest.mark.parametrize("p", [2, 4, 8, 64])
+def test_all_to_all(p):
+    n, lg, f = 2**20, math.log2(p), (p - 1) / p
+    assert t("all_to_all", n, p, "pairwise") == pytest.approx((p - 1) * A + f * n / BW)
+    assert t("all_to_all", n, p, "bruck") == pytest.approx(lg * A + lg * n / 2 / BW)
+    # every rank keeps 1/p of its buffer and sends the rest; nccl-tests' factor is (n-1)/n
+    assert traffic("all_to_all", n, p) == [(f * n, f * n)] * p
+    assert bytes_per_rank("all_to_all", n, p) == pytest.approx(f * n) == busbw_factor("all_to_all", p) * n
+    # Bruck trades bandwidth for latency: lg p messages, but lg p / 2 buffers instead of (p-1)/p
+    assert sum(s for s, _ in traffic("all_to_all", n, p, "bruck")) == pytest.approx(p * lg * n / 2)
+    if p >= 8:
+        assert t("all_to_all", 64, p, "bruck") < t("all_to_all", 64, p, "pairwise")  # short: Bruck
+        assert t("all_to_all", 2**30, p, "pairwise") < t("all_to_all", 2**30, p, "bruck")  # long: pairwise
+    secs = t("all_to_all", 1e8, p, "pairwise", alpha=0)
+    assert busbw("all_to_all", 1e8, secs, p) == pytest.approx(BW)  # the ideal exchange runs at link speed
+
+
+def test_moe_dispatch_and_combine_volume():
+    from course_lib.analysis.comm_cost import moe_all_to_all_bytes, moe_all_to_all_time
+
+    # DeepSeek-V3-sized layer: 4096 tokens on a rank, top-8, hidden 7168, bf16, 64-way EP
+    vol = moe_all_to_all_bytes(4096, 8, 7168, 64)
+    one = 4096 * 8 * 7168 * 2 * 63 / 64
+    assert list(vol) == ["dispatch (forward)", "combine (forward)", "combine (backward)", "dispatch (backward)"]
+    assert all(v == pytest.approx(one) for v in vol.values())
+    assert sum(moe_all_to_all_bytes(4096, 8, 7168, 64, backward=False).values()) == pytest.approx(2 * one)
+    assert sum(moe_all_to_all_bytes(10, 2, 16, 1).values()) == 0  # no expert parallelism, nothing sent
+    # the time is four all-to-alls of the whole buffer
+    secs = moe_all_to_all_time(4096, 8, 7168, 64, bandwidth=BW, alpha=A)
+    assert secs == pytest.approx(4 * t("all_to_all", 4096 * 8 * 7168 * 2, 64, "pairwise", gamma=0))
+    with pytest.raises(ValueError, match="top_k"):
+        moe_all_to_all_bytes(10, 0, 16, 2)

@@ -11,4 +11,5 @@
     strategy_guide  choosing a parallelism strategy from the models above
     parallel_comm   bytes per group per step and parameters per rank of a dp x pp x cp x tp layout
     layout_plan     every layout of a model on a cluster: memory, communication, step time
+    moe_memory      mixture-of-experts parameters (total, active) and model states per rank under ep
 """

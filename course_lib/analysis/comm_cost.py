@@ -24,9 +24,20 @@ workstations", JPDC 69(2), 2009:
     all_gather      ring                (p-1) alpha + (p-1)/p n beta
                     recursive_doubling  lg p alpha + (p-1)/p n beta
                     bruck               lg p alpha + (p-1)/p n beta
+    all_to_all      pairwise            (p-1) alpha + (p-1)/p n beta     one exchange per peer
+                    bruck               lg p alpha + lg p n/2 beta       (Bruck et al. 1997)
 
 For reduce_scatter n is the size of the whole input (p pieces) and for all_gather the size of the
-whole output, as in nccl-tests. 2 (p-1)/p n beta is the least any all-reduce can take (Patarasuk
+whole output, as in nccl-tests; for all_to_all n is one rank's whole send buffer (p blocks, one per
+destination, its own included: the (p-1)/p of it that leaves the rank is what nccl-tests'
+alltoall bus bandwidth counts). MPICH's all-to-all (Thakur et al., the all-to-all section) uses
+Bruck's index algorithm for short messages (lg p steps, each moving about half the buffer) and the
+pairwise exchange for long ones (p-1 steps, each to one peer). Mixture-of-experts layers send
+their tokens to the experts' ranks and back with it: :func:`moe_all_to_all_bytes`.
+Bruck, Ho, Kipnis, Upfal and Weathersby, "Efficient algorithms for all-to-all communications in
+multiport message-passing systems", IEEE TPDS 8(11), 1997: the index algorithm.
+
+2 (p-1)/p n beta is the least any all-reduce can take (Patarasuk
 and Yuan, Section 3): it does not grow with p, while the naive reduce makes the root receive
 (p-1) n bytes through one link -- the congestion of :func:`congestion_example`.
 
@@ -48,8 +59,10 @@ COLLECTIVE_ALGORITHMS: dict[str, tuple[str, ...]] = {
     "all_reduce": ("ring", "naive", "tree", "recursive_doubling", "rabenseifner"),
     "reduce_scatter": ("ring", "recursive_halving"),
     "all_gather": ("ring", "recursive_doubling", "bruck"),
+    "all_to_all": ("pairwise", "bruck"),
 }
-OPS = tuple(COLLECTIVE_ALGORITHMS)
+# the collectives `course bench comm` runs (the all-to-all is modelled here, measured in lesson 13)
+OPS = tuple(op for op in COLLECTIVE_ALGORITHMS if op != "all_to_all")
 
 
 def _lg(p: int) -> int:
@@ -108,6 +121,8 @@ def collective_time(op: str, nbytes: float, p: int, *, bandwidth: float, alpha: 
     if op == "reduce_scatter":
         steps = {"ring": p - 1, "recursive_halving": lg}[algo]
         return steps * a + frac * n * b + frac * n * g
+    if op == "all_to_all":
+        return {"pairwise": (p - 1) * a + frac * n * b, "bruck": lg * a + lg * n / 2 * b}[algo]
     steps = {"ring": p - 1, "recursive_doubling": lg, "bruck": lg}[algo]  # all_gather
     return steps * a + frac * n * b
 
@@ -127,13 +142,19 @@ def _binomial_children(rank: int, p: int) -> list[int]:
 def traffic(op: str, nbytes: float, p: int, algorithm: str | None = None) -> list[tuple[float, float]]:
     """(bytes sent, bytes received) by each rank 0..p-1 (rank 0 is the root) for one call.
 
-    Covered: the linear/naive, binomial/tree and ring algorithms, and recursive doubling for
-    all_reduce when p is a power of two.
+    Covered: the linear/naive, binomial/tree and ring algorithms, recursive doubling for
+    all_reduce when p is a power of two, and the all-to-all (pairwise: (p-1)/p n each way;
+    Bruck, p a power of two: n/2 in each of lg p steps).
     """
     algo = _check(op, nbytes, p, 1.0, 0.0, 0.0, algorithm)
     n, frac = float(nbytes), (p - 1) / p
     if p == 1:
         return [(0.0, 0.0)]
+    if op == "all_to_all":
+        if algo == "pairwise":
+            return [(frac * n, frac * n)] * p
+        if p & (p - 1) == 0:
+            return [(_lg(p) * n / 2, _lg(p) * n / 2)] * p
     if algo == "ring":
         per = {"all_reduce": 2 * frac * n, "reduce_scatter": frac * n, "all_gather": frac * n}[op]
         return [(per, per)] * p
@@ -162,7 +183,8 @@ def traffic(op: str, nbytes: float, p: int, algorithm: str | None = None) -> lis
 def bytes_per_rank(op: str, nbytes: float, p: int) -> float:
     """Bytes each rank sends in a bandwidth-optimal ``op`` (what nccl-tests' bus bandwidth and the
     ZeRO paper count): all_reduce 2 (p-1)/p n; reduce_scatter and all_gather (p-1)/p n (n the
-    whole array); broadcast and reduce n (all of it leaves the root / arrives at the root)."""
+    whole array); broadcast and reduce n (all of it leaves the root / arrives at the root);
+    all_to_all (p-1)/p n (n one rank's send buffer, in p equal blocks; it receives as much)."""
     _check(op, nbytes, p, 1.0, 0.0, 0.0, None)
     return busbw_factor(op, p) * float(nbytes)
 
@@ -185,6 +207,45 @@ def zero_comm_volume(num_params: float, stage: int, dp: int, bytes_per_elem: flo
         return {"reduce_scatter grads": frac * size, "all_gather params": frac * size}
     return {"all_gather params (forward)": frac * size,
             "all_gather params (backward)": frac * size, "reduce_scatter grads": frac * size}
+
+
+def moe_all_to_all_bytes(tokens: float, top_k: int, hidden: int, ep: int, bytes_per_value: float = 2,
+                         backward: bool = True) -> dict[str, float]:
+    """Bytes one rank sends per mixture-of-experts layer through the all-to-alls of expert parallelism.
+
+    Each of this rank's ``tokens`` goes to ``top_k`` experts: the dispatch sends each of the
+    tokens x top_k rows of ``hidden`` values to the rank that owns its expert, the combine sends
+    the experts' outputs back (the "dispatch" and "combine" of GShard, Lepikhin et al. 2020,
+    arXiv:2006.16668, each an AllToAll across the devices that hold the experts). With the experts spread evenly over ``ep`` ranks and the
+    router's choices spread evenly over the experts, (ep-1)/ep of each buffer leaves the rank:
+    tokens x top_k x hidden x bytes x (ep-1)/ep per all-to-all (:func:`bytes_per_rank`).
+    Backward runs the two again in reverse (the combine's gradient is a dispatch and vice versa),
+    so a training step sends 4x that per layer, ``backward=False`` (inference) 2x. An imbalanced
+    router sends more from some ranks and less from others; dropped tokens (a capacity factor)
+    send nothing.
+    """
+    for name, v in (("tokens", tokens), ("hidden", hidden), ("bytes_per_value", bytes_per_value)):
+        if not v >= 0:
+            raise ValueError(f"{name} must be >= 0, got {v!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k must be a whole number >= 1, got {top_k!r}")
+    buffer = float(tokens) * top_k * hidden * bytes_per_value  # one all-to-all's send buffer
+    one = bytes_per_rank("all_to_all", buffer, ep)
+    out = {"dispatch (forward)": one, "combine (forward)": one}
+    if backward:
+        out.update({"combine (backward)": one, "dispatch (backward)": one})
+    return out
+
+
+def moe_all_to_all_time(tokens: float, top_k: int, hidden: int, ep: int, *, bandwidth: float,
+                        alpha: float = 0.0, bytes_per_value: float = 2, backward: bool = True,
+                        algorithm: str = "pairwise") -> float:
+    """Seconds of the all-to-alls of one mixture-of-experts layer (:func:`moe_all_to_all_bytes`),
+    each timed by the alpha-beta model of ``algorithm`` (nothing overlapped with computation)."""
+    calls = len(moe_all_to_all_bytes(tokens, top_k, hidden, ep, bytes_per_value, backward))
+    buffer = float(tokens) * top_k * hidden * bytes_per_value
+    return calls * collective_time("all_to_all", buffer, ep, bandwidth=bandwidth, alpha=alpha,
+                                   algorithm=algorithm)
 
 
 def fit_alpha_beta(op: str, p: int, sizes, seconds, algorithm: str | None = None) -> tuple[float, float]:
@@ -213,14 +274,14 @@ def fit_alpha_beta(op: str, p: int, sizes, seconds, algorithm: str | None = None
 
 # nccl-tests, doc/PERFORMANCE.md: busbw = algbw x factor, so busbw compares with the link speed.
 def busbw_factor(op: str, n: int) -> float:
-    """The nccl-tests correction factor: all_reduce 2(n-1)/n; reduce_scatter, all_gather
-    (n-1)/n; broadcast, reduce 1."""
-    if op not in OPS:
-        raise ValueError(f"collective must be one of {OPS}, got {op!r}")
+    """The nccl-tests correction factor: all_reduce 2(n-1)/n; reduce_scatter, all_gather,
+    all_to_all (n-1)/n; broadcast, reduce 1."""
+    if op not in COLLECTIVE_ALGORITHMS:
+        raise ValueError(f"collective must be one of {tuple(COLLECTIVE_ALGORITHMS)}, got {op!r}")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"number of ranks must be a whole number >= 1, got {n!r}")
     return {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
-            "all_gather": (n - 1) / n, "broadcast": 1.0, "reduce": 1.0}[op]
+            "all_gather": (n - 1) / n, "all_to_all": (n - 1) / n, "broadcast": 1.0, "reduce": 1.0}[op]
 
 
 def algbw(size_bytes: float, seconds: float) -> float:

@@ -24,5 +24,6 @@
     frameworks_inside      DDP's hooks and buckets, FSDP2's shards and gathers, read from the framework (notebook 11)
     frameworks_qa          a Hugging Face BERT for question answering on Shakespeare, the labs' strategy table (notebook 11)
     frameworks_job         a Fabric training run under srun, Fabric's SLURM environment (``course submit --launcher srun``)
+    moe_runs               the router over training, a routing's all-to-all, ep against dp on CPU ranks (notebook 13)
     gpu_check_course       its checks of what broke on a GPU: in-kernel ranks after CUDA, 2 ranks on 1 GPU, lessons
 """

@@ -7,6 +7,7 @@ The top layer of course_lib: nothing else in the package imports it.
     precision_plots the mixed-precision lesson's figures (notebook 9)
     layout_plots    runs under several dp x pp x cp x tp layouts side by side (notebook 10)
     frameworks_plots  the course's and Lightning Fabric's runs over one process, the labs' strategy table (notebook 11)
+    moe_plots       the experts lesson: an all-to-all of a real routing, tokens per expert over training, ep against dp (notebook 13)
     widgets         the memory calculator of notebook 4
     live_plot       a loss plot that redraws while the model trains
     source          show_source: a course_lib function's code, highlighted, in a cell
