@@ -35,6 +35,7 @@ from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.gpt.moe import moe_layers
 from course_lib.parallel.parallelize import parallelize
 from course_lib.parallel.step import train_step
+from course_lib.parallel.strategy import build_strategy
 
 # the layouts of 4 ranks the lesson compares: plain data parallelism (every rank all experts), and
 # the experts over 2 and 4 ranks; ZeRO-1 on the non-expert parameters beside ep 2
@@ -132,16 +133,11 @@ def compare_layouts(rank: int, world_size: int, model_kwargs: dict, layouts: Map
                      "step_ms": 1e3 * statistics.median(times[1:] or times), "tokens": batch_size * cfg.block_size}
     if rank == 0:
         torch.manual_seed(seed)
-        model = GPT(cfg)
-        opt = _adamw(lr)(model)
+        single = build_strategy("single", GPT(cfg), _adamw(lr))  # the same step, one process, the whole batch
         ref = []
         for s in range(steps):
             x, y = _batch(s, n, cfg.vocab_size, cfg.block_size)
-            loss = model(x, y)[1]
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            ref.append(loss.item())
+            ref.append(train_step(single, x[None], y[None]).loss.item())
         out["one process"] = {"losses": ref}
     dist.barrier()
     return out
