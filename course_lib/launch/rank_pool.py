@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
+
 from course_lib.hardware import gpu_count, threads_per_rank
 from course_lib.launch import rank_pool_engine as engine
 from course_lib.launch import rank_pool_health as health
@@ -127,6 +129,9 @@ class RankPool(PoolRecovery):
     def stop(self) -> None:
         """Stop every rank and the controller; nothing is left running."""
         if self._cluster is not None:
+            # found now: once its engine is gone, a nanny is no child of ours, and it lingers for
+            # 3 s trying to tell the stopped controller that its engine exited
+            leftover = [p for p in health.pool_processes(self._dir) if p.pid not in self._pids]
             for pid in self._pids:  # the ranks first: their parents then exit at once (a spare on SIGTERM)
                 kill(pid, signal.SIGKILL)
             try:
@@ -135,6 +140,11 @@ class RankPool(PoolRecovery):
                 pass
             for pid in self._pids:
                 kill(pid, signal.SIGKILL)
+            for p in leftover:  # the nannies, and whatever else of the pool is left (psutil: no reused pid)
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:
+                    pass
         if self._client is not None:
             self._client.close()
         if self._dir is not None:
