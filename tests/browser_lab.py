@@ -78,7 +78,10 @@ def running_lab(tmp: Path):
            f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
            f"--ServerApp.root_dir={served}", "--LabApp.expose_app_in_browser=True",
            f"--LabApp.user_settings_dir={tmp / 'settings'}", f"--LabApp.workspaces_dir={tmp / 'workspaces'}",
-           "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+           "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+           # a kernel that started ranks has children that ignore SIGTERM (multiprocessing's resource
+           # tracker): ipykernel waits for them, and the server would wait 2.5 s before its SIGTERM
+           "--KernelManager.shutdown_wait_time=1"]
     if os.geteuid() == 0:  # containers and CI runners
         cmd.append("--ServerApp.allow_root=True")
     log = open(tmp / "jupyterlab.log", "wb")  # noqa: SIM115 - closed in the finally below

@@ -42,6 +42,20 @@ def parent_pid(pid: int) -> int | None:
         return None
 
 
+def pool_processes(run_dir: Path) -> list[psutil.Process]:
+    """This process's descendants that belong to the pool of ``run_dir``: every engine process (its
+    parent, the engine, and the nanny ipyparallel starts beside each engine) has ``COURSE_RANKS_DIR``
+    set to it."""
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.environ().get("COURSE_RANKS_DIR") == str(run_dir):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return found
+
+
 def exit_status(run_dir: Path, pid: int) -> str:
     """'exit code 3', 'signal SIGABRT' or 'exit status unknown' (the engine's parent writes it)."""
     path = Path(run_dir) / f"exit.{pid}"
