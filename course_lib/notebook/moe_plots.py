@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import FancyArrowPatch, Rectangle
+from matplotlib.ticker import MaxNLocator
 
 
 def plot_all_to_all(counts: Sequence[Sequence[int]], title: str = "dispatch"):
@@ -87,6 +88,8 @@ def plot_tokens_per_expert(runs: Mapping[str, Mapping]):
         bottom.plot(steps, share.max(-1) * E, color="black", lw=1.2)
         bottom.axhline(1, color="gray", ls="--", lw=1)
         bottom.set(xlabel="step", ylim=(0.9, max(2, float((share.max(-1) * E).max()) * 1.1)))
+        for ax in (top, bottom):
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     axes[0, 0].set_ylabel("share of the assignments")
     axes[1, 0].set_ylabel("busiest / mean")
     axes[0, 0].legend(fontsize=7, ncol=2)
