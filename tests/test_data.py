@@ -105,11 +105,16 @@ def test_ranks_take_disjoint_slices_of_one_global_batch():
     tokens = torch.arange(10_000)
     one = data.TrainBatches(tokens, 8, 16, 1, 0, 1, seed=5)  # 1 rank, 8 rows
     two = [data.TrainBatches(tokens, 2, 16, 2, r, 2, seed=5) for r in range(2)]  # 2 ranks x 2 micro x 2 rows
+    accum = data.TrainBatches(tokens, 4, 16, 2, 0, 1, seed=5)  # 1 rank x 2 micro x 4 rows
     for _ in range(3):
         x1, y1 = one.next()
         parts = [b.next() for b in two]
-        x2 = torch.cat([x.reshape(-1, 16) for x, _ in parts])
-        assert torch.equal(x1.reshape(-1, 16), x2)  # the same rows, split over ranks and micro-steps
+        xa, _ = accum.next()
+        # laid out (micro, rank, row): the same rows, split over micro-steps, then ranks
+        x2 = torch.cat([parts[r][0][a] for a in range(2) for r in range(2)])
+        assert torch.equal(x1.reshape(-1, 16), x2)
+        for a in range(2):  # micro-batch a of the ranks together = one process's micro-batch a (gpt/moe.py)
+            assert torch.equal(xa[a], torch.cat([parts[r][0][a] for r in range(2)]))
         assert torch.equal(y1[..., :-1], x1[..., 1:])  # targets are the inputs shifted by one
         assert not torch.equal(parts[0][0], parts[1][0])  # ranks see different data
 

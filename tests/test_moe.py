@@ -139,17 +139,24 @@ def test_trainer_with_experts_ep2_equals_one_process_and_logs_the_router(tmp_pat
     """The recipe, tiny: one process (batch 16) and ep=2 on 2 ranks (batch 8 each), dropless; a
     one-process checkpoint continued under ep=2 (its experts cut out of the full state)."""
     prepare("shakespeare_char", quiet=True)
-    run([cfg(tmp_path, "single", batch_size=16), cfg(tmp_path, "single-to-ep2", batch_size=16, max_iters=5)], 1)
+    run([cfg(tmp_path, "single", batch_size=16), cfg(tmp_path, "single-to-ep2", batch_size=16, max_iters=5),
+         cfg(tmp_path, "single-acc2", batch_size=8, gradient_accumulation_steps=2)], 1)
     run([cfg(tmp_path, "ep2", nproc=2, ep=2, batch_size=8),  # and the half run continued under ep=2
          cfg(tmp_path, "single-to-ep2", nproc=2, ep=2, batch_size=8, init_from="resume"),
          cfg(tmp_path, "pp2", nproc=2, pp=2, batch_size=16),  # the aux loss of both stages
-         cfg(tmp_path, "ep2-padded", nproc=2, ep=2, batch_size=8, ep_dispatch="padded")], 2)
+         cfg(tmp_path, "ep2-padded", nproc=2, ep=2, batch_size=8, ep_dispatch="padded"),
+         cfg(tmp_path, "ep2-acc2", nproc=2, ep=2, batch_size=4, gradient_accumulation_steps=2)], 2)
     want = losses(tmp_path / "single")
     for name in ("ep2", "single-to-ep2", "pp2", "ep2-padded"):
         got = losses(tmp_path / name)
         assert sorted(got) == list(range(11)), name
         for it in range(10):
             assert float(got[it][0]) == pytest.approx(float(want[it][0]), rel=1e-5), (name, it)
+    # with accumulation: each rank's micro-batch a is its share of one process's micro-batch a
+    # (gpt/data.py), so the router's counts and the aux loss are those of one process too
+    want, got = losses(tmp_path / "single-acc2"), losses(tmp_path / "ep2-acc2")
+    for it in range(10):
+        assert float(got[it][0]) == pytest.approx(float(want[it][0]), rel=1e-5), ("ep2-acc2", it)
     aux = {name: [float(r["moe_aux_loss"]) for r in _rows(tmp_path / name)] for name in ("single", "ep2", "pp2")}
     assert aux["ep2"] == pytest.approx(aux["single"], rel=1e-4) and aux["pp2"] == pytest.approx(aux["single"], rel=1e-4)
     for name in ("single", "ep2", "pp2"):

@@ -203,8 +203,11 @@ def _windows(tokens, starts, block_size: int):
 class TrainBatches:
     """Per-step micro-batches for one rank: ``next()`` -> x, y of shape (grad_accum, B, T).
 
-    Each call draws dp_world_size * grad_accum * B start offsets from ``generator`` (identical on
-    every rank) and keeps this rank's slice of the global batch, laid out (rank, micro, row).
+    Each call draws grad_accum * dp_world_size * B start offsets from ``generator`` (identical on
+    every rank) and keeps this rank's slice of the global batch, laid out (micro, rank, row): the
+    ranks' micro-batches a together are micro-batch a of one process with dp_world_size * B rows
+    (the same draws), so what is computed per micro-batch across ranks, as a mixture of experts'
+    router counts (gpt/moe.py), is the same in every layout.
     ``resume_state`` is the generator state before the latest draw: a checkpoint taken while
     that batch is pending saves it, so the resumed run draws the same batch again.
     """
@@ -216,7 +219,7 @@ class TrainBatches:
         if tokens.numel() <= block_size + 1:
             raise DataError(f"the split holds {tokens.numel()} tokens, too few for block_size {block_size}")
         self.tokens, self.block_size, self.device = tokens, block_size, torch.device(device)
-        self.shape = (dp_world_size, grad_accum, batch_size)
+        self.shape = (grad_accum, dp_world_size, batch_size)
         self.dp_rank = dp_rank
         self.generator = torch.Generator().manual_seed(seed)
         self.resume_state = self.generator.get_state()
@@ -227,7 +230,7 @@ class TrainBatches:
 
         self.resume_state = self.generator.get_state()  # drawing again from here repeats this batch
         starts = torch.randint(self.tokens.numel() - self.block_size, self.shape, generator=self.generator)
-        x, y = _windows(self.tokens, starts[self.dp_rank], self.block_size)  # (accum, B, T) each
+        x, y = _windows(self.tokens, starts[:, self.dp_rank], self.block_size)  # (accum, B, T) each
         if self.pin:  # page-locked host memory lets the copy overlap with compute
             return (x.pin_memory().to(self.device, non_blocking=True),
                     y.pin_memory().to(self.device, non_blocking=True))

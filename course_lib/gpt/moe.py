@@ -42,10 +42,9 @@ the layout: a rank learns how many tokens the ranks before it sent to each exper
 experts' loads vary).
 
 Both the aux loss and the capacity are per micro-batch: a layout equals one process when its
-micro-batches hold the same sequences. The trainer's do with ``gradient_accumulation_steps = 1``;
-with accumulation, rank r's micro-batch a holds other sequences than one process's micro-batch a
-(gpt/data.py draws (dp, accum, B)), and the aux loss differs slightly (5e-5 of the loss, measured
-on the tiny test model), while the cross-entropy does not.
+micro-batches hold the same sequences. The trainer's do, with gradient accumulation too: gpt/data.py
+lays a global batch out (micro, rank, row), so the dp ranks' micro-batches a together are micro-batch
+a of one process with dp times the rows.
 
 After each forward the layer keeps its statistics (:attr:`MoE.stats`: tokens routed to each expert
 on this rank, dropped ones, the aux loss), summed over forwards until :func:`moe_stats` reads and
