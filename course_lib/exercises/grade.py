@@ -1,8 +1,7 @@
 """``course grade``: otter's local grading (``otter run``, no Docker), one killable process per
 submission, a score per question and the failure messages of each test case.
 
-    python -m course_lib.exercises.grade SUBMISSION.ipynb AUTOGRADER.zip REPORT.json SEED   # one grading
-    python -m course_lib.exercises.grade --workers       # forks a grading per line read (grade_many's)
+    python -m course_lib.exercises.grade SUBMISSION.ipynb AUTOGRADER.zip REPORT.json SEED   # one worker
 
 Limits, all enforced from outside the student's code:
 
@@ -11,12 +10,9 @@ Limits, all enforced from outside the student's code:
   (``course grade`` sets 10 unless the environment says otherwise): an endless loop or a
   deadlock costs its question, about 10-25 s;
 - every cell of the submission gets ``cell_timeout`` seconds (:class:`CellTimeLimit`);
-- the whole submission is graded in a process of its own, in a session of its own, that
+- the whole submission is graded in a process of its own (this module's ``__main__``) that
   :func:`grade_many` kills, with its kernel and ranks, after ``time_limit`` seconds: whatever
-  happens, ``course grade`` returns and a batch never stalls. These processes are forked from
-  one that has imported otter (``python -m course_lib.exercises.grade --workers``, started once
-  per batch), as a rank is forked from a fork server: each grading then starts in a few
-  milliseconds instead of importing otter and its dependencies anew (about 1 s of CPU each).
+  happens, ``course grade`` returns and a batch never stalls.
 Hidden tests draw their inputs from a seed per submission (:mod:`.draws`), kept in the report.
 """
 
@@ -24,18 +20,14 @@ from __future__ import annotations
 
 import json
 import os
-import select as fd_select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import traceback
 import zipfile
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeoutError  # not the builtin before 3.11
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -236,26 +228,29 @@ def _stopped_report(submission: str, autograder: str, why: str, seconds: float, 
     return GradeReport(submission, autograder, questions, why, [], seconds, seed)
 
 
-def _grade_in_process(submission: str, autograder: str, time_limit: float, workers: _Workers,
+def _grade_in_process(submission: str, autograder: str, time_limit: float, env: dict,
                       seed: int | None = None) -> GradeReport:
-    """Grade one submission in a worker process of its own session (forked by ``workers``); kill
-    the whole session (worker, kernel, ranks) at ``time_limit``."""
+    """Grade one submission in a worker process of its own session; kill the whole session
+    (worker, kernel, ranks) at ``time_limit``."""
     with tempfile.TemporaryDirectory(prefix="course_grade_job_") as tmp:
         out = Path(tmp) / "report.json"
         log = Path(tmp) / "worker.log"
         t0 = time.monotonic()
-        seed = submission_seed(submission) if seed is None else seed
-        pid, ended = workers.start([submission, autograder, str(out), str(seed)], str(log))
-        try:
-            ended.result(timeout=time_limit)
-        except FutureTimeoutError:
-            pass
-        finally:
+        with open(log, "wb") as log_file:
+            seed = submission_seed(submission) if seed is None else seed
+            proc = subprocess.Popen([sys.executable, "-m", "course_lib.exercises.grade", submission,
+                                     autograder, str(out), str(seed)], stdout=log_file, stderr=subprocess.STDOUT,
+                                    env=env, start_new_session=True)
             try:
-                os.killpg(pid, signal.SIGKILL)  # also the kernel and any ranks left over
-            except ProcessLookupError:
+                proc.wait(timeout=time_limit)
+            except subprocess.TimeoutExpired:
                 pass
-            returncode = ended.result()
+            finally:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)  # also the kernel and any ranks left over
+                except ProcessLookupError:
+                    pass
+                proc.wait()
         seconds = time.monotonic() - t0
         if out.is_file():
             return _report_from_dict(json.loads(out.read_text(encoding="utf-8")))
@@ -263,124 +258,9 @@ def _grade_in_process(submission: str, autograder: str, time_limit: float, worke
             why = (f"grading was stopped after the submission's limit of {time_limit:g} s (a cell "
                    "that never ends and ignored its own time limit?); every question scores zero")
         else:
-            said = log.read_text(errors="replace").strip().splitlines()[-3:] if log.is_file() else []
-            why = f"the grading process failed (exit code {returncode}): {' / '.join(said)}"
+            said = log.read_text(errors="replace").strip().splitlines()[-3:]
+            why = f"the grading process failed (exit code {proc.returncode}): {' / '.join(said)}"
         return _stopped_report(submission, autograder, why, seconds, seed)
-
-
-class _Workers:
-    """The parent side of ``python -m course_lib.exercises.grade --workers``: a process that has
-    imported otter and forks one grading process per request, each in a session of its own. Its
-    output says when each request started (its pid) and ended (its exit code); a thread reads it."""
-
-    def __init__(self, env: dict):
-        # -c rather than -m: runpy warns when a package's __init__ imported the module it runs
-        serve = "import sys; from course_lib.exercises.grade import _serve_workers; sys.exit(_serve_workers())"
-        self._proc = subprocess.Popen([sys.executable, "-c", serve], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      env=env, text=True, bufsize=1, start_new_session=True)
-        self._lock = threading.Lock()
-        self._next = 0
-        self._started: dict[int, Future] = {}  # request number -> Future of its pid
-        self._ended: dict[int, Future] = {}  # request number -> Future of its exit code
-        self._reader = threading.Thread(target=self._read, name="course-grade-workers", daemon=True)
-        self._reader.start()
-
-    def start(self, argv: list[str], log: str) -> tuple[int, Future]:
-        """Fork a grading of ``argv`` (``_main``'s arguments), output to ``log``: (its pid, a
-        Future of its exit code)."""
-        with self._lock:
-            n, self._next = self._next, self._next + 1
-            started, ended = self._started[n], self._ended[n] = Future(), Future()
-            self._proc.stdin.write(json.dumps({"n": n, "argv": argv, "log": log}) + "\n")
-            self._proc.stdin.flush()
-        return started.result(timeout=120), ended  # RuntimeError if the forking process is gone
-
-    def _read(self) -> None:
-        for line in self._proc.stdout:
-            what, n, value = line.split()  # "started N PID" or "ended N CODE"
-            with self._lock:
-                (self._started if what == "started" else self._ended).pop(int(n)).set_result(int(value))
-        with self._lock:  # the forking process died: nothing more starts or ends
-            why = f"the process that starts gradings exited (code {self._proc.wait()})"
-            for f in self._started.values():
-                f.set_exception(RuntimeError(why))
-            for f in self._ended.values():
-                f.set_result(-1)
-
-    def close(self) -> None:
-        self._proc.stdin.close()  # it exits once its last grading has ended
-        try:
-            self._proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self._proc.pid, signal.SIGKILL)
-            self._proc.wait()
-        self._reader.join(timeout=5)
-
-
-def _serve_workers() -> int:
-    """``--workers``: import otter once, then fork a grading per request line on stdin; write
-    'started N PID' and 'ended N CODE' lines. Single-threaded, so that forking is safe."""
-    # A process that forks must not have threads: numpy's OpenBLAS (imported by otter) starts a
-    # thread pool when it loads unless told not to; the gradings' own processes keep the setting.
-    blas = os.environ.get("OPENBLAS_NUM_THREADS")
-    os.environ["OPENBLAS_NUM_THREADS"] = "1"
-    try:
-        # otter-grader is the optional `grading` extra: imported only where it grades (here, once)
-        import nbformat  # noqa: F401 - preloaded for every grading forked below
-        import otter.api  # noqa: F401 - preloaded for every grading forked below
-    finally:
-        if blas is None:
-            os.environ.pop("OPENBLAS_NUM_THREADS")
-        else:
-            os.environ["OPENBLAS_NUM_THREADS"] = blas
-
-    out = sys.stdout.fileno()
-    stdin = sys.stdin.fileno()
-    buffer, children, open_input = b"", {}, True  # children: pid -> request number
-    while open_input or children:
-        if open_input:
-            ready, _, _ = fd_select.select([stdin], [], [], 0.05)
-        else:
-            time.sleep(0.05)
-            ready = []
-        while children:  # report every grading that ended
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            os.write(out, f"ended {children.pop(pid)} {os.waitstatus_to_exitcode(status)}\n".encode())
-        if not ready:
-            continue
-        data = os.read(stdin, 65536)
-        if not data:
-            open_input = False
-            continue
-        buffer += data
-        while b"\n" in buffer:
-            line, buffer = buffer.split(b"\n", 1)
-            job = json.loads(line)
-            pid = os.fork()
-            if pid == 0:  # the grading process
-                code = 1
-                try:
-                    os.setsid()  # a session of its own: killed with its kernel and ranks
-                    null = os.open(os.devnull, os.O_RDONLY)
-                    os.dup2(null, 0)
-                    log = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-                    os.dup2(log, 1)
-                    os.dup2(log, 2)
-                    code = _main(job["argv"])
-                except BaseException:  # noqa: BLE001 - the parent reads the log
-                    traceback.print_exc()
-                finally:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                    os._exit(code)
-            children[pid] = job["n"]
-            os.write(out, f"started {job['n']} {pid}\n".encode())
-    return 0
 
 
 def grading_env(base: dict | None = None) -> dict:
@@ -401,12 +281,9 @@ def grade_many(submissions: list, autograders: list | None = None, root: Path | 
         raise ValueError(f"time_limit must be > 0 seconds, got {time_limit!r}")
     work = [(str(Path(s).resolve()), str(Path(a or find_autograder(Path(s), root)).resolve()))
             for s, a in zip(submissions, autograders)]
-    workers = _Workers(grading_env())
-    try:
-        with ThreadPoolExecutor(max(1, min(jobs, len(work)))) as pool:
-            return list(pool.map(lambda w: _grade_in_process(*w, time_limit, workers, seed), work))
-    finally:
-        workers.close()
+    env = grading_env()
+    with ThreadPoolExecutor(max(1, min(jobs, len(work)))) as pool:
+        return list(pool.map(lambda w: _grade_in_process(*w, time_limit, env, seed), work))
 
 
 def _main(argv: list[str]) -> int:
@@ -421,4 +298,4 @@ def _main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_serve_workers() if sys.argv[1:] == ["--workers"] else _main(sys.argv[1:]))
+    sys.exit(_main(sys.argv[1:]))
