@@ -11,7 +11,8 @@ strategy is built), what it does in one line, the ZeRO stage of its memory (Rajb
 2020, "ZeRO", Sec. 5: 0 for plain data parallelism), whose implementation it is, whether it
 takes a 16-bit gradient all-reduce (``grad_comm_dtype``: only the strategies that all-reduce whole
 gradients), and whether it can be the data-parallel flavour beside tensor, pipeline or context
-parallelism (:class:`course_lib.parallel.model_parallel.ModelParallel`).
+parallelism (:class:`course_lib.parallel.model_parallel.ModelParallel`), and whether its collectives
+on CUDA tensors need NCCL (``needs_nccl_on_cuda``: refused on ranks that share a GPU over gloo).
 
 And the configuration's torch-free pieces, which every layer may read without torch or the model:
 :class:`ConfigError`, the field machinery (:func:`check_types`, :func:`field_docs`: a docstring per
@@ -48,6 +49,9 @@ class StrategyInfo:
     whose: str  # "ours" or "PyTorch"
     grad_comm_dtype: bool = False  # takes grad_comm_dtype=bfloat16 (all-reduces whole gradients)
     beside_model_parallel: bool = False  # a data-parallel flavour of ModelParallel (tp/pp/cp)
+    # its collectives on CUDA tensors need NCCL: on ranks sharing a GPU over gloo, PyTorch's FSDP2
+    # crashed a rank (SIGSEGV, an H200, issue 28); launch.checks refuses it there
+    needs_nccl_on_cuda: bool = False
 
 
 STRATEGIES: dict[str, StrategyInfo] = {
@@ -74,9 +78,10 @@ STRATEGIES: dict[str, StrategyInfo] = {
                                 "ZeroRedundancyOptimizer: optimizer states sharded", 1, "PyTorch"),
     "fsdp_grad_op": StrategyInfo("course_lib.parallel.zero.torch_sharded:FSDPGradOp",
                                  "FSDP2 fully_shard, parameters stay gathered from forward to backward", 2,
-                                 "PyTorch"),
+                                 "PyTorch", needs_nccl_on_cuda=True),
     "fsdp_full": StrategyInfo("course_lib.parallel.zero.torch_sharded:FSDPFull",
-                              "FSDP2 fully_shard, parameters resharded after forward", 3, "PyTorch"),
+                              "FSDP2 fully_shard, parameters resharded after forward", 3, "PyTorch",
+                              needs_nccl_on_cuda=True),
 }
 
 STRATEGY_NAMES = tuple(STRATEGIES)

@@ -17,6 +17,7 @@ from course_lib.gpt.data import DataError, prepare
 from course_lib.hardware import cpu_autocast_dtypes, gpu_count
 from course_lib.launch import checks, launch_training
 from course_lib.launch.placement import plan_ranks
+from course_lib.registry import STRATEGIES
 from course_lib.launch.training import cli
 from course_lib.registry import ConfigError
 from course_lib.trainer.config import make_config
@@ -163,7 +164,9 @@ def test_torch_fsdp_on_a_gpu_shared_over_gloo_is_refused(small_data, tmp_path):
     cfg = tiny(small_data, tmp_path / "run", nproc=2)
     shared, nccl = plan_ranks(1, 2), plan_ranks(2, 2)  # cuda:0 twice over gloo; cuda:0, cuda:1 over NCCL
     assert shared.backend == "gloo" and nccl.backend == "nccl"
-    for name in checks.TORCH_FSDP:
+    fsdp = [n for n, info in STRATEGIES.items() if info.needs_nccl_on_cuda]
+    assert fsdp == ["fsdp_grad_op", "fsdp_full"]  # PyTorch's FSDP2, as the registry says
+    for name in fsdp:
         with pytest.raises(ConfigError, match=rf"{name} \(PyTorch's FSDP2\) needs NCCL for CUDA tensors.*share a GPU"):
             checks.check_strategy_world(checks.TrainRequest(cfg.replace(strategy=name), 1, "cuda", plan=shared))
         checks.check_strategy_world(checks.TrainRequest(cfg.replace(strategy=name), 1, "cuda", plan=nccl))

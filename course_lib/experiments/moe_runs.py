@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from course_lib.analysis.comm_cost import moe_all_to_all_bytes
 from course_lib.analysis.moe_memory import MoEShape, rank_states
-from course_lib.gpt.model import GPT, GPTConfig
+from course_lib.gpt.model import GPT, GPTConfig, make_adamw
 from course_lib.gpt.moe import moe_layers
 from course_lib.parallel.parallelize import parallelize
 from course_lib.parallel.step import train_step
@@ -98,7 +98,8 @@ def _batch(step: int, n: int, vocab: int, T: int) -> tuple[torch.Tensor, torch.T
 
 
 def _adamw(lr: float):
-    return lambda m: torch.optim.AdamW(m.parameters(), lr=lr, foreach=True)
+    """The trainer's AdamW (gpt.model.make_adamw), no weight decay: these runs compare layouts."""
+    return lambda m: make_adamw(m, lr, weight_decay=0.0)
 
 
 def compare_layouts(rank: int, world_size: int, model_kwargs: dict, layouts: Mapping[str, dict] | None = None,

@@ -118,16 +118,14 @@ class TrainRequest:
 # --- the checks, in order; each raises a one-line error (LaunchConfigError is a ConfigError). A new
 # kind of parallelism adds its own function to CHECKS.
 
-TORCH_FSDP = ("fsdp_grad_op", "fsdp_full")  # PyTorch's FSDP2 behind the Strategy interface (registry)
-
-
 def check_strategy_world(req: TrainRequest) -> None:
     check_strategy(req.strategy)
     cfg = req.config  # 'single' beside tp/pp: one model replica, no data parallelism (dp = cp = 1)
     if req.strategy == "single" and req.world_size > 1 and not (cfg.cp == 1 and req.world_size == cfg.tp * cfg.pp):
         raise LaunchConfigError(f"strategy 'single' runs one process but {req.world_size} ranks were asked for; "
                                 "use strategy 'auto' or 'ddp', or nproc=1")
-    if req.strategy in TORCH_FSDP and req.device == "cuda" and req.plan and req.plan.backend == "gloo":
+    if (STRATEGIES[req.strategy].needs_nccl_on_cuda and req.device == "cuda" and req.plan
+            and req.plan.backend == "gloo"):
         # Seen on an H200 with torch 2.11 (issue 28): fsdp_grad_op on 2 ranks sharing the GPU over gloo
         # killed rank 0 with SIGSEGV, no Python error. gloo's CUDA paths cover all_reduce and broadcast
         # (torch.distributed docs, "Backends"); FSDP2 all-gathers and reduce-scatters CUDA tensors.
