@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from course_lib.experiments.gpu_check_steps import time_steps
+from course_lib.experiments.gpu_check import time_steps
 from course_lib.gpt.model import GPT, GPTConfig, make_adamw
 from course_lib.hardware import detect
 from course_lib.parallel.step import Precision, train_step

@@ -162,6 +162,7 @@ LIGHT_ENTRY_POINTS = {
     "course submit": "import course_lib.launch.cluster",
     "course info": "import course_lib.hardware",
     "course bench": "import course_lib.experiments.comm_bench",
+    "course check-gpu": "import course_lib.experiments.gpu_check",  # torch once a step runs
 }
 HEAVY = ("torch", "matplotlib", "pandas", "ipywidgets")
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from course_lib.analysis.memory import ModelShape
-from course_lib.experiments import gpu_check, gpu_check_course, gpu_check_steps
+from course_lib.experiments import gpu_check
 from course_lib.experiments.gpu_check import FP16_MATCH, LOSS_MARGIN, NANOGPT_VAL_LOSS, PLAN, judge, run_check
 from course_lib.gpt.data import prepare
 
@@ -63,6 +63,7 @@ def test_plan_fits_the_time_limit_and_dry_run_prints_it():
     assert [s.name for s in PLAN] == ["profile", "data", "recipes", "nccl", "memory", "mfu", "ranks", "share"]
     assert sum(s.budget_s for s in PLAN) <= gpu_check.TIME_LIMIT_S
     assert sum(s.budget_s for s in gpu_check.FULL_PLAN) <= gpu_check.time_limit(gpu_check.FULL_PLAN)
+    assert list(gpu_check.STEP_FUNCTIONS) == [s.name for s in gpu_check.FULL_PLAN]  # a function per step
     done = subprocess.run([sys.executable, "-m", "course_lib.cli", "check-gpu", "--dry-run"],
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
@@ -171,10 +172,10 @@ def test_measurement_steps_run_on_a_cpu_at_toy_sizes(tmp_path):
     """The real step functions, with CPU stand-ins for what needs a GPU (fp32, gloo)."""
     prepare("shakespeare_char", tmp_path / "data", quiet=True)
     data = f"--data_dir={tmp_path / 'data'}"
-    profile = gpu_check_steps.profile_step(tmp_path, device="cpu")
+    profile = gpu_check.profile_step(tmp_path, device="cpu")
     assert (profile["profile"], profile["dtype"], profile["device"]) == ("cpu", "float32", "cpu")
 
-    runs = gpu_check_steps.recipes_step(tmp_path, {"a": [*TINY, data], "b": [*TINY, data, "--seed=7"]})
+    runs = gpu_check.recipes_step(tmp_path, {"a": [*TINY, data], "b": [*TINY, data, "--seed=7"]})
     for name in ("a", "b"):
         summary = json.loads((tmp_path / name / "summary.json").read_text())
         assert runs[name]["best_val_loss"] == summary["best_val_loss"] and runs[name]["iters"] == 3
@@ -182,21 +183,21 @@ def test_measurement_steps_run_on_a_cpu_at_toy_sizes(tmp_path):
         assert (runs[name]["dtype"], runs[name]["world_size"], runs[name]["torchrun"]) == ("float32", 1, True)
     assert runs["a"]["best_val_loss"] != runs["b"]["best_val_loss"]  # two runs, not one read twice
 
-    nccl = gpu_check_steps.nccl_step(tmp_path, [*TINY, data, "--nproc=1", "--strategy=ddp"], backend="gloo",
-                                     sizes=("1K",))
+    nccl = gpu_check.nccl_step(tmp_path, [*TINY, data, "--nproc=1", "--strategy=ddp"], backend="gloo",
+                               sizes=("1K",))
     assert (nccl["run"]["backend"], nccl["run"]["world_size"], nccl["run"]["torchrun"]) == ("gloo", 1, True)
     assert nccl["bench_all_correct"] and {r["op"] for r in nccl["bench"]} >= {"all_reduce", "broadcast"}
 
     shape = ModelShape("toy", n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=65, batch_size=2)
-    mfu = gpu_check_steps.mfu_step(tmp_path, shape, batch_size=2, steps=2, warmup=1, compile_modes=(False,),
-                                   device="cpu", dtype="float32")
+    mfu = gpu_check.mfu_step(tmp_path, shape, batch_size=2, steps=2, warmup=1, compile_modes=(False,),
+                             device="cpu", dtype="float32")
     assert mfu["eager"]["tokens_per_s"] > 0 and 0 < mfu["eager"]["mfu"] < 1 and "compiled" not in mfu
     verdicts = judge({"mfu": mfu}, {}, 1)
     assert _status(verdicts, "GPT-2 small MFU") == "fail"  # the compiled half is missing
 
-    share = gpu_check_course.share_step(tmp_path, [*TINY, data, "--nproc=2"])
+    share = gpu_check.share_step(tmp_path, [*TINY, data, "--nproc=2"])
     assert (share["ran"], share["world_size"], share["device"]) == (True, 2, "cpu")
-    refused = gpu_check_course.share_step(tmp_path, [*TINY, data, "--nproc=0"])  # bad input: nothing starts
+    refused = gpu_check.share_step(tmp_path, [*TINY, data, "--nproc=0"])  # bad input: nothing starts
     assert not refused["ran"] and refused["refused_before_start"] and "nproc" in refused["message"]
 
 
@@ -215,7 +216,7 @@ def test_full_plan_judges_the_gpu_tests_and_every_lesson():
 def test_rank_probe_runs_the_in_kernel_helpers_after_a_backward(tmp_path):
     """The probe check-gpu runs after a CUDA backward, here after a CPU one: every helper answers
     with the right value, in a process of its own."""
-    figures = gpu_check_course.ranks_step(tmp_path, device="cpu")
+    figures = gpu_check.ranks_step(tmp_path, device="cpu")
     for name in ("run_ranks", "notebook_launcher", "isolated"):
         assert figures[name]["ok"], figures[name]
     assert (tmp_path / "ranks_probe.log").exists()
@@ -228,14 +229,14 @@ def test_gpu_tests_and_lessons_steps_count_what_ran(tmp_path):
     (root / "tests" / "test_x.py").write_text(
         "import pytest\n\n@pytest.mark.gpu\ndef test_a():\n    pass\n\n@pytest.mark.gpu\n"
         "def test_b():\n    assert 1 == 2\n\ndef test_not_gpu():\n    pass\n")
-    t = gpu_check_course.gpu_tests_step(tmp_path, root=root)
+    t = gpu_check.gpu_tests_step(tmp_path, root=root)
     assert (t["passed"], t["failed"], t["skipped"]) == (1, 1, 0) and t["exit_code"] == 1
 
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1 + 1")])
     bad = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("raise ValueError('boom')")])
     for name, book in (("01_ok.ipynb", nb), ("02_bad.ipynb", bad)):
         nbformat.write(book, tmp_path / name)
-    lessons = gpu_check_course.lessons_step(tmp_path, [tmp_path / "01_ok.ipynb", tmp_path / "02_bad.ipynb"],
-                                            smoke=True)
+    lessons = gpu_check.lessons_step(tmp_path, [tmp_path / "01_ok.ipynb", tmp_path / "02_bad.ipynb"],
+                                     smoke=True)
     assert lessons["01_ok"]["ok"] and lessons["01_ok"]["seconds"] >= 0
     assert not lessons["02_bad"]["ok"] and "boom" in lessons["02_bad"]["error"]

@@ -28,8 +28,10 @@ ALLOWED = {
     ("course_lib/parallel/pipeline/schedules.py", "train_step"):
         "the pipeline schedule: backward of each micro-batch on each stage (ModelParallel.forward_backward)",
     ("course_lib/pram/kernels_backward.py", "*"): "PyTorch's autograd as the reference of the PRAM kernels",
-    ("course_lib/experiments/gpu_check_course.py", "*"): "one tiny backward to start autograd's threads",
-    ("course_lib/experiments/gpu_check_steps.py", "_library_workspaces"): "one GEMM backward to allocate cuBLAS' workspace",
+    ("course_lib/experiments/gpu_check.py", "probe"): "one tiny backward to start autograd's threads",
+    ("course_lib/experiments/gpu_check.py", "_launcher_rank"): "one tiny backward in a rank, after the kernel's",
+    ("course_lib/experiments/gpu_check.py", "_isolated_check"): "one tiny backward in the isolated process",
+    ("course_lib/experiments/gpu_check.py", "_library_workspaces"): "one GEMM backward to allocate cuBLAS' workspace",
     ("course_lib/experiments/model_parallel_check.py", "compare_tensor_parallel"):
         "the gradients of one backward, tensor-parallel against dense; no optimizer step",
     ("course_lib/experiments/precision.py", "_grads"): "one backward's gradients at several loss scales; no step",

@@ -37,7 +37,7 @@ The other candidate is the end of backward: weights, moments and every gradient 
 parameter) with the activations freed; it wins only for small batches. ``total`` is the larger of
 the two. Not counted: the allocator's rounding and cached blocks, the CUDA context, and the math
 libraries' workspaces (cuBLAS keeps 2 x 32 MiB on Hopper), which a GPU measurement subtracts
-(:mod:`course_lib.experiments.gpu_check_steps`). Checked against the live tensors of a real step
+(:mod:`course_lib.experiments.gpu_check`). Checked against the live tensors of a real step
 on a CPU in tests/test_step_peak.py; on a GPU by ``course check-gpu``.
 """
 

@@ -17,13 +17,11 @@
     comm_bench_workers     what each rank of that benchmark runs (torch.distributed or MPI)
     hang                   a deliberate hang turned into an error (notebook 2)
     debugging              a hand-written data-parallel step with seeded bugs (notebook 12, exercise 8)
-    gpu_check              ``course check-gpu``: the course on one CUDA GPU, a verdict per check
-    gpu_check_steps        the measurements behind each of those checks
+    gpu_check              ``course check-gpu``: the course on one CUDA GPU, its measurements, a verdict per check
     frameworks_fabric      Lightning Fabric on the course's ranks: its strategies, its step, bytes, refusals (notebook 11)
     frameworks_gpt         the course GPT the course's way and Fabric's way, against one process (notebook 11)
     frameworks_inside      DDP's hooks and buckets, FSDP2's shards and gathers, read from the framework (notebook 11)
     frameworks_qa          a Hugging Face BERT for question answering on Shakespeare, the labs' strategy table (notebook 11)
     frameworks_job         a Fabric training run under srun, Fabric's SLURM environment (``course submit --launcher srun``)
     moe_runs               the router over training, a routing's all-to-all, ep against dp on CPU ranks (notebook 13)
-    gpu_check_course       its checks of what broke on a GPU: in-kernel ranks after CUDA, 2 ranks on 1 GPU, lessons
 """

@@ -1,4 +1,5 @@
-"""course check-gpu [--dry-run] [--out runs/gpu-check] [--results benchmarks/RESULTS.md]
+"""course check-gpu [--dry-run] [--full] [--only STEP,...] [--out runs/gpu-check] [--results benchmarks/RESULTS.md]
+python -m course_lib.experiments.gpu_check --probe cuda|cpu   (the probe the ``ranks`` step runs)
 
 One command that checks the course on one CUDA GPU in under 12 minutes, with a verdict per check:
 
@@ -14,14 +15,27 @@ One command that checks the course on one CUDA GPU in under 12 minutes, with a v
    (:mod:`course_lib.analysis.step_peak`): weights + Adam moments within :data:`STATES_TOLERANCE`,
    ``torch.cuda.max_memory_allocated`` within :data:`MEMORY_BAND` of the modelled peak;
 6. the MFU of a GPT-2-small-shaped bf16 step, eager and with ``torch.compile``;
-7. the in-kernel rank helpers after a CUDA backward, and ``course train --nproc=2`` on one GPU
-   (:mod:`course_lib.experiments.gpu_check_course`: what broke when the course first met a GPU);
-8. with ``--full`` (``make test-gpu``) also the tests marked ``gpu`` and every lesson in full
-   mode, each with its wall time.
+7. the in-kernel rank helpers (``run_ranks``, ``notebook_launcher``, ``grading.isolated``) called
+   from a process that has already run a CUDA backward and started a thread, as a notebook kernel
+   has. Forked ranks died there ("Unable to handle autograd's threading in combination with
+   fork-based multiprocessing", "CUDA error: initialization error"). The probe runs in a fresh
+   interpreter (``--probe``, the second command above), so the state it builds is its own, and
+   prints one JSON line;
+8. ``course train --nproc=2`` on one GPU, which must use the GPU (both ranks on it) or refuse
+   before it starts; it once ran the GPU recipe on two CPU ranks without a word;
+9. with ``--full`` (``make test-gpu``) also the tests marked ``gpu`` (pytest in the clone) and
+   every lesson in full mode, each in its own process, with its wall time.
 
 It writes ``gpu_check.json`` (after every step, so a crash loses nothing) and ``gpu_check.md`` in
 ``--out`` and appends the Markdown to ``benchmarks/RESULTS.md`` (in a clone). ``--dry-run`` prints
-the plan. The measurements are in :mod:`course_lib.experiments.gpu_check_steps`.
+the plan; ``--only`` runs some of its steps.
+
+The module reads top to bottom: the thresholds and the plan; one function per step, which takes
+the output folder and returns plain, JSON-ready figures (devices, shapes and trainer arguments are
+parameters, so the tests run the same code on a CPU at toy sizes; the command uses the defaults:
+one CUDA GPU, the course's recipes, GPT-2 small); :func:`judge`, which turns the figures into
+verdicts; the reports; the command line; the probe's entry point. It imports no torch: ``--help``
+and ``--dry-run`` start at once, and a step imports torch and the trainer when it runs.
 """
 
 from __future__ import annotations
@@ -29,15 +43,34 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
+import subprocess
 import sys
+import threading
 import time
 import traceback
-from collections.abc import Callable
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from course_lib.experiments import gpu_check_course
+from tqdm.auto import tqdm
+
+from course_lib.analysis.memory import ModelShape, get_preset
+from course_lib.exercises import grading
+from course_lib.experiments.comm_bench import run_benchmark
+from course_lib.gpt.data import prepare
+from course_lib.hardware import PROFILES, GiB, detect, pick_dtype
+from course_lib.launch.forked import notebook_launcher
+from course_lib.launch.spawn import run_ranks
 from course_lib.utils import atomic_write_bytes, repo_root
+
+if TYPE_CHECKING:  # for the annotations only: torch is imported when a step runs
+    import torch
+
+    from course_lib.parallel.step import Precision
 
 NANOGPT_VAL_LOSS = 1.4697  # nanoGPT README, shakespeare_char, best val loss on one A100
 # One published run, not a mean: our trainer draws its batches and its fixed eval batches from its
@@ -57,6 +90,18 @@ MEMORY_BAND = (0.9, 1.1)
 TIME_LIMIT_S = 720.0  # the plan below sums to 680 s
 STATUSES = ("pass", "fail", "error")
 
+# nanoGPT's recipe (config/train_shakespeare_char.py) in bf16, and the T4 path forced on the same
+# GPU: fp16 autocast, for which the trainer turns on loss scaling (GradScaler).
+RECIPES = {"bf16": ("--config=shakespeare_char", "--dtype=bfloat16"),
+           "fp16": ("--config=shakespeare_char", "--dtype=float16")}
+NCCL_RUN = ("--config=shakespeare_char", "--max_iters=20", "--eval_interval=10", "--eval_iters=2",
+            "--log_interval=5", "--nproc=1", "--strategy=ddp")
+SHARE_RUN = ("--config=shakespeare_char", "--max_iters=20", "--eval_interval=10", "--eval_iters=2",
+             "--log_interval=5", "--nproc=2")
+PROBE_TIMEOUT_S = 300.0
+
+
+# -- the plan -----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Step:
@@ -84,7 +129,6 @@ FULL_PLAN = PLAN + (
     Step("gpu_tests", "tests marked gpu", 120, "python -m pytest -m gpu (in a clone)"),
     Step("lessons", "lessons in full mode", 1500, "notebooks/01..10 executed in full mode, each timed"),
 )
-COURSE_STEPS = ("ranks", "share", "gpu_tests", "lessons")  # measured in gpu_check_course
 
 
 def time_limit(plan=PLAN) -> float:
@@ -106,6 +150,353 @@ def plan_text(plan=PLAN) -> str:
               f"  the whole check within {time_limit(plan):.0f} s"]
     return "\n".join(lines)
 
+
+# -- the steps: one function each, the output folder in, JSON-ready figures out -----------------
+
+def profile_step(out: Path, device: str = "cuda") -> dict:
+    """What :mod:`course_lib.hardware` detects and the dtype the trainer would pick."""
+    # torch here, not at the top: `course check-gpu --help` and `--dry-run` start without it
+    import torch
+
+    profile = detect(device)
+    cuda = device.startswith("cuda")
+    return {"device": torch.cuda.get_device_name(device) if cuda else "cpu",
+            "capability": ".".join(map(str, torch.cuda.get_device_capability(device))) if cuda else None,
+            "profile": profile.name, "known_profile": profile.name in PROFILES,
+            "dtype": pick_dtype(profile), "expected_dtype": profile.train_dtype,
+            "grad_scaler": profile.needs_grad_scaler, "bf16_supported": cuda and torch.cuda.is_bf16_supported(),
+            "memory_gib": round(profile.memory_bytes / GiB, 1), "torch": torch.__version__,
+            "cuda": torch.version.cuda}
+
+
+def data_step(out: Path, data_dir: str | None = None) -> dict:
+    """Prepare shakespeare_char (nothing to do when it is already there)."""
+    t0 = time.perf_counter()
+    folder = prepare("shakespeare_char", data_dir, quiet=True)
+    return {"data_dir": str(folder), "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def _last_iter(metrics: Path) -> int:
+    try:
+        lines = metrics.read_text().strip().splitlines()
+        return int(lines[-1].split(",")[0]) if len(lines) > 1 else 0
+    except (OSError, ValueError):
+        return 0
+
+
+def train_runs(out: Path, runs: dict[str, Sequence[str]], timeout_s: float = 900.0) -> dict:
+    """``course train`` for each of ``runs`` (name -> arguments) side by side, each in its own
+    process and run folder (``out/NAME``, log in ``out/NAME.log``); one progress bar follows
+    their metrics.csv. Returns each run's summary.json and run.json figures and its wall time."""
+    # the trainer's modules import torch: only when a step runs (`--dry-run` starts without it)
+    from course_lib.gpt.checkpoint import load_checkpoint
+    from course_lib.launch.training import build_config
+
+    procs, totals, t0 = {}, {}, time.perf_counter()
+    for name, args in runs.items():
+        argv = [*args, f"--out_dir={out / name}", "--overwrite", "--no-progress"]
+        totals[name] = build_config(argv)[0].max_iters
+        with open(out / f"{name}.log", "w") as log:  # the child keeps its own descriptor
+            procs[name] = (subprocess.Popen([sys.executable, "-m", "course_lib.cli", "train", *argv],
+                                            stdout=log, stderr=subprocess.STDOUT), time.perf_counter())
+    walls = {}
+    with tqdm(total=sum(totals.values()), desc=" + ".join(runs), unit="it") as bar:
+        while len(walls) < len(procs):
+            for name, (proc, start) in procs.items():
+                if name not in walls and proc.poll() is not None:
+                    walls[name] = time.perf_counter() - start
+            bar.update(sum(_last_iter(out / n / "metrics.csv") for n in runs) - bar.n)
+            if time.perf_counter() - t0 > timeout_s:
+                for proc, _ in procs.values():
+                    proc.kill()
+                raise TimeoutError(f"training did not finish in {timeout_s:.0f} s (logs in {out})")
+            time.sleep(1.0)
+    result = {}
+    for name, (proc, _) in procs.items():
+        if proc.returncode != 0:
+            tail = (out / f"{name}.log").read_text()[-1500:]
+            raise RuntimeError(f"course train ({name}) exited with {proc.returncode}:\n{tail}")
+        summary = json.loads((out / name / "summary.json").read_text())
+        info = json.loads((out / name / "run.json").read_text())
+        result[name] = {"best_val_loss": summary["best_val_loss"], "val_loss": summary["val_loss"],
+                        "iters": summary["iters"], "ms_per_iter": summary["ms_per_iter"],
+                        "dtype": info["dtype"], "device": info["device"], "world_size": info["world_size"],
+                        "backend": info.get("backend"), "torchrun": "torchrun_run_id" in info.get("launcher", {}),
+                        "wall_s": round(walls[name], 1)}
+        if info["dtype"] == "float16":  # evidence of loss scaling: the GradScaler's scale at the end
+            scaler = load_checkpoint(out / name / "last.pt", mmap=True)["scaler"]
+            result[name]["loss_scale"] = scaler["state"]["scale"] if scaler else None
+    return result
+
+
+def recipes_step(out: Path, runs: dict[str, Sequence[str]] = RECIPES) -> dict:
+    return train_runs(out, runs)
+
+
+def nccl_step(out: Path, train_args: Sequence[str] = NCCL_RUN, backend: str = "nccl",
+              sizes: Sequence[str] = ("1M", "256M")) -> dict:
+    """The trainer as one torchrun rank in a process group (NCCL on a GPU), then ``course bench comm``."""
+    run = train_runs(out, {"nccl_run": train_args})["nccl_run"]
+    rows = run_benchmark(backend, 1, sizes, iters=20, warmup=5, timeout_s=300)
+    return {"run": run, "bench_backend": backend, "bench_all_correct": all(r["correct"] for r in rows),
+            "bench": [{k: r[k] for k in ("op", "size_bytes", "time_us", "algbw_GBps", "correct")} for r in rows]}
+
+
+def _library_workspaces(device: str) -> tuple[int, int]:
+    """Allocate what the math libraries keep for the life of the process, before measuring.
+
+    The first matmul on a stream makes cuBLAS (and cuBLASLt) take a workspace from PyTorch's
+    caching allocator, which ``memory_allocated`` counts from then on: on Hopper PyTorch sizes it
+    at 32 MiB each (``CUBLAS_WORKSPACE_CONFIG``'s default ``:4096:8``, "Reproducibility" and
+    "cuBLAS workspaces" in PyTorch's CUDA semantics notes). Counting it as model state is the
+    likely source of the ~64 MiB check-gpu once measured above weights + Adam (x1.046): an
+    unverified hypothesis until ``library_workspace_bytes`` is read on a GPU. Returns (what the
+    warm-up allocated and kept, the allocated bytes after it: the baseline of the measurement)."""
+    # torch here, not at the top: `course check-gpu --help` and `--dry-run` start without it
+    import torch
+
+    before = torch.cuda.memory_allocated(device)
+    a = torch.randn(256, 256, device=device, requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        (a @ a).float().sum().backward()  # a bf16 GEMM forward and backward, as the step does
+    del a
+    torch.cuda.synchronize(device)
+    after = torch.cuda.memory_allocated(device)
+    return after - before, after
+
+
+def memory_step(out: Path, preset: str = "gpt2", batch_size: int = 12, device: str = "cuda") -> dict:
+    """A bf16-autocast training step of the trainer against :mod:`course_lib.analysis.step_peak`:
+
+    * after a step (gradients freed), ``memory_allocated`` holds the weights and Adam's two
+      moments: 4 + 8 bytes per parameter, since the trainer keeps them in fp32;
+    * ``max_memory_allocated`` of the next step against the modelled peak: those states, every
+      activation and the cross-entropy's two fp32 (b s, v) gradients at the start of backward
+      (:func:`course_lib.experiments.step_memory.measure_step_peak`)."""
+    # the trainer's modules import torch: only when a step runs (`--dry-run` starts without it)
+    import torch
+
+    from course_lib.experiments.step_memory import measure_step_peak
+    from course_lib.gpt.model import GPTConfig
+
+    shape = get_preset(preset)
+    workspace, base = _library_workspaces(device)
+    cfg = GPTConfig.from_shape(shape)
+    r = measure_step_peak(cfg, batch_size, "bfloat16", device)
+    torch.cuda.empty_cache()
+    return {"preset": shape.name, "batch_size": batch_size, "seq_len": shape.block_size,
+            "num_params": r["num_params"], "states_measured_bytes": r["states_bytes"] - base,
+            "states_model_bytes": r["model_states_bytes"],
+            "states_ratio": (r["states_bytes"] - base) / r["model_states_bytes"],
+            "measured_bytes": r["measured_bytes"] - base, "model_bytes": r["model_bytes"],
+            "ratio": (r["measured_bytes"] - base) / r["model_bytes"], "parts": r["parts"],
+            "library_workspace_bytes": workspace}
+
+
+def _setup(shape: ModelShape, device: str, dtype: str):
+    """The GPT on ``device`` in the single-process strategy (fused AdamW on a GPU), and its autocast."""
+    # the trainer's modules import torch: only when a step runs (`--dry-run` starts without it)
+    import torch
+
+    from course_lib.gpt.model import GPT, GPTConfig
+    from course_lib.parallel.step import Precision
+    from course_lib.parallel.strategy import build_strategy
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_shape(shape)).to(device)
+    fused = {"fused": True} if device.startswith("cuda") else {}
+    single = build_strategy("single", model, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4, **fused))
+    autocast = (nullcontext() if dtype == "float32"
+                else torch.autocast(device.split(":")[0], dtype=getattr(torch, dtype)))
+    return single, Precision(autocast)
+
+
+def time_steps(strategy, x: torch.Tensor, y: torch.Tensor, precision: Precision, steps: int, warmup: int,
+               device: str) -> float:
+    """Seconds per step of the trainer's step on x, y (accum, B, T) after ``warmup`` steps (with
+    torch.compile the first ones compile); on a GPU synchronised before and after the clock."""
+    # the trainer's modules import torch: only when a step runs (`--dry-run` starts without it)
+    import torch
+
+    from course_lib.parallel.step import train_step
+
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    for _ in range(warmup):
+        train_step(strategy, x, y, precision=precision)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        train_step(strategy, x, y, precision=precision)
+    sync()
+    return (time.perf_counter() - t0) / steps
+
+
+def mfu_step(out: Path, preset: str | ModelShape = "gpt2", batch_size: int = 12, steps: int = 20,
+             warmup: int = 3, compile_modes: Sequence[bool] = (False, True), device: str = "cuda",
+             dtype: str = "bfloat16") -> dict:
+    """MFU (PaLM's definition, :meth:`GPT.estimate_mfu`) of a GPT-2-small-shaped training step,
+    eager and with ``torch.compile``, against the data-sheet peak of ``dtype``."""
+    # torch here, not at the top: `course check-gpu --help` and `--dry-run` start without it
+    import torch
+
+    shape = get_preset(preset)
+    peak = detect(device).peak(dtype)
+    result = {"preset": shape.name, "batch_size": batch_size, "seq_len": shape.block_size, "dtype": dtype,
+              "peak_tflops": peak / 1e12 if peak else None}
+    for compiled in compile_modes:
+        single, precision = _setup(shape, device, dtype)
+        model = single.module
+        if compiled:
+            single.model = torch.compile(model)  # what forward is called on; the optimizer keeps model's
+        x = torch.randint(shape.vocab_size, (batch_size, shape.block_size), device=device)
+        y = torch.roll(x, -1, dims=1)
+        t0 = time.perf_counter()
+        s = time_steps(single, x[None], y[None], precision, steps, warmup, device)  # one micro-batch
+        tokens_per_s = batch_size * shape.block_size / s
+        result["compiled" if compiled else "eager"] = {
+            "ms_per_step": s * 1e3, "tokens_per_s": tokens_per_s, "mfu": model.estimate_mfu(tokens_per_s, peak),
+            "setup_s": round(time.perf_counter() - t0 - s * steps, 1)}
+        del model, single
+    if "eager" in result and "compiled" in result:
+        result["compile_speedup"] = result["eager"]["ms_per_step"] / result["compiled"]["ms_per_step"]
+    return result
+
+
+# -- in-kernel ranks after a backward: the probe runs in a process of its own -------------------
+
+def _all_reduce_rank(rank: int, world_size: int, device: str) -> list[float]:
+    # torch in the rank only: planning and judging a check need no torch
+    import torch
+    import torch.distributed as dist
+
+    t = torch.full((2,), float(rank + 1), device=device)
+    dist.all_reduce(t)  # gloo reduces CUDA tensors too (through host copies)
+    return t.cpu().tolist()
+
+
+def _launcher_rank() -> float:
+    # torch in the rank only: planning and judging a check need no torch
+    import torch
+    import torch.distributed as dist
+
+    w = torch.ones(3, requires_grad=True)
+    (w * (dist.get_rank() + 1)).sum().backward()  # autograd in the rank, after the kernel's own
+    g = w.grad.clone()
+    dist.all_reduce(g)
+    return float(g[0])
+
+
+def _isolated_check() -> float:
+    # torch in the checked process only: planning and judging a check need no torch
+    import torch
+
+    w = torch.ones(2, requires_grad=True)
+    (3 * w).sum().backward()
+    return float(w.grad.sum())
+
+
+def probe(device: str = "cuda") -> dict:
+    """Put this process in a notebook kernel's state (a backward on ``device``, a live thread), then
+    call each in-kernel helper; return what each gave and how long it took."""
+    # torch in the probe's own process only: `course check-gpu --dry-run` starts without it
+    import torch
+
+    x = torch.randn(64, 64, device=device, requires_grad=True)
+    (x @ x).sum().backward()  # CUDA initialised and autograd's device threads started
+    stop = threading.Event()
+    threading.Thread(target=stop.wait, daemon=True).start()  # a kernel has threads of its own
+    out = {"device": device, "cuda_initialized": torch.cuda.is_initialized()}
+    calls = {
+        "run_ranks": (lambda: run_ranks(_all_reduce_rank, 2, device, timeout=60), [[3.0, 3.0]] * 2),
+        "notebook_launcher": (lambda: notebook_launcher(_launcher_rank, nproc=2, timeout=60), [3.0, 3.0]),
+        "isolated": (lambda: grading.isolated(_isolated_check, timeout=60), 6.0),
+    }
+    for name, (call, expected) in calls.items():
+        t0 = time.perf_counter()
+        try:
+            got = call()
+            out[name] = {"ok": got == expected, "result": got, "expected": expected}
+        except Exception as e:  # noqa: BLE001 - the failure is the figure
+            out[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:1500]}
+        out[name]["seconds"] = round(time.perf_counter() - t0, 2)
+    stop.set()
+    return out
+
+
+def ranks_step(out: Path, device: str = "cuda", timeout_s: float = PROBE_TIMEOUT_S) -> dict:
+    """The probe in a fresh interpreter; its last stdout line is the JSON figures."""
+    proc = subprocess.run([sys.executable, "-m", "course_lib.experiments.gpu_check", "--probe", device],
+                          capture_output=True, text=True, timeout=timeout_s, check=False)
+    (out / "ranks_probe.log").write_text(proc.stdout + proc.stderr)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"the probe exited with {proc.returncode}:\n{(proc.stdout + proc.stderr)[-1500:]}")
+    return json.loads(lines[-1])
+
+
+# -- several ranks on one GPU -------------------------------------------------------------------
+
+def share_step(out: Path, args: Sequence[str] = SHARE_RUN) -> dict:
+    """``course train --nproc=2`` where there is one GPU: what each rank ran on, or the refusal."""
+    shutil.rmtree(out / "share", ignore_errors=True)  # a metrics.csv left here would read as "started"
+    try:
+        run = train_runs(out, {"share": args}, timeout_s=600.0)["share"]
+        return {"ran": True, **run}
+    except (RuntimeError, ValueError) as e:  # ValueError: the arguments were refused here, in-process
+        log = str(e) if isinstance(e, ValueError) or not (out / "share.log").exists() \
+            else (out / "share.log").read_text()
+        spawned = not isinstance(e, ValueError) and (out / "share" / "metrics.csv").exists()
+        return {"ran": False, "refused_before_start": not spawned, "message": log[-1500:]}
+
+
+# -- the suite's GPU tests and the lessons (--full) ---------------------------------------------
+
+def gpu_tests_step(out: Path, root: Path | None = None, marker: str = "gpu") -> dict:
+    """``pytest -m gpu`` in the clone: counts of passed, failed and skipped tests."""
+    root = root or repo_root()
+    if root is None:
+        raise RuntimeError("the tests are in a clone of the course, not in the wheel")
+    xml = out / "gpu_tests.xml"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", marker, "-p", "no:cacheprovider",
+                           f"--junitxml={xml}"], cwd=root, capture_output=True, text=True, check=False)
+    (out / "gpu_tests.log").write_text(proc.stdout + proc.stderr)
+    suite = ET.parse(xml).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    n = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    return {"exit_code": proc.returncode, "passed": n["tests"] - n["failures"] - n["errors"] - n["skipped"],
+            "failed": n["failures"] + n["errors"], "skipped": n["skipped"], "tail": proc.stdout[-800:]}
+
+
+def lessons_step(out: Path, notebooks: Sequence[Path] | None = None, smoke: bool = False) -> dict:
+    """Execute every lesson (full mode unless ``smoke``), each in its own ``python -m
+    course_lib.notebook.book --lesson`` process (nbclient; a crash ends only that lesson); its wall
+    time or its error."""
+    root = repo_root()
+    if notebooks is None:
+        if root is None:
+            raise RuntimeError("the lessons are run from a clone of the course")
+        notebooks = sorted((root / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    result = {}
+    for path in notebooks:
+        cmd = [sys.executable, "-m", "course_lib.notebook.book", "--lesson", str(path), "--out", str(out / "lessons")]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd + (["--smoke"] if smoke else []), capture_output=True, text=True, check=False)
+        entry = {"ok": proc.returncode == 0, "seconds": round(time.perf_counter() - t0, 1)}
+        if proc.returncode != 0:
+            entry["error"] = (proc.stderr.strip() or proc.stdout.strip())[-1500:]
+        result[Path(path).stem] = entry
+    return result
+
+
+# each step of the plan -> the function that measures it
+STEP_FUNCTIONS: dict[str, Callable[[Path], dict]] = {
+    "profile": profile_step, "data": data_step, "recipes": recipes_step, "nccl": nccl_step,
+    "memory": memory_step, "mfu": mfu_step, "ranks": ranks_step, "share": share_step,
+    "gpu_tests": gpu_tests_step, "lessons": lessons_step,
+}
+
+
+# -- verdicts -----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class CheckVerdict:
@@ -173,12 +564,36 @@ def judge(figures: dict, errors: dict[str, str], wall_s: float, plan=PLAN) -> li
         parts = [f"{k} {f[k]['mfu']:.1%} ({f[k]['ms_per_step']:.1f} ms/step)" for k in modes]
         speed = f", torch.compile x{f['compile_speedup']:.2f} faster" if "compile_speedup" in f else ""
         out.append(_verdict("GPT-2 small MFU", ok, ", ".join(parts) + speed))
-    out += [_verdict(*v) for v in gpu_check_course.judge_course({s.name for s in plan}, need)]
+    if "ranks" in planned and (rk := need("ranks", "in-kernel ranks after a CUDA backward")):
+        names = ("run_ranks", "notebook_launcher", "isolated")
+        ok = all(rk.get(k, {}).get("ok") for k in names)
+        detail = ", ".join(f"{k} {'ok' if rk[k]['ok'] else rk[k].get('error', rk[k].get('result'))} "
+                           f"({rk[k]['seconds']} s)" for k in names if k in rk)
+        out.append(_verdict("in-kernel ranks after a CUDA backward", ok, detail))
+    if "share" in planned and (s := need("share", "--nproc=2 on one GPU")):
+        if s["ran"]:
+            ok = s["world_size"] == 2 and str(s["device"]).startswith("cuda")
+            detail = f"{s['world_size']} ranks on {s['device']}, backend {s['backend']}"
+        else:
+            ok = s["refused_before_start"]
+            detail = ("refused before starting: " if ok else "failed after starting: ") + \
+                     s["message"].strip().splitlines()[-1][:300]
+        out.append(_verdict("--nproc=2 on one GPU", ok, detail))
+    if "gpu_tests" in planned and (t := need("gpu_tests", "tests marked gpu")):
+        ok = t["failed"] == 0 and t["skipped"] == 0 and t["passed"] > 0
+        out.append(_verdict("tests marked gpu", ok,
+                            f"{t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped"))
+    if "lessons" in planned and (ls := need("lessons", "lessons in full mode")):
+        ok = bool(ls) and all(v["ok"] for v in ls.values())
+        out.append(_verdict("lessons in full mode", ok, ", ".join(
+            f"{k[:2]} {v['seconds']:.0f} s{'' if v['ok'] else ' FAILED'}" for k, v in ls.items())))
     limit = time_limit(plan)
     if planned >= {s.name for s in PLAN}:  # the limit is the whole check's
         out.append(_verdict("within the time limit", wall_s <= limit, f"{wall_s:.0f} s of {limit:.0f} s"))
     return out
 
+
+# -- reports and the command line ---------------------------------------------------------------
 
 def report_markdown(report: dict) -> str:
     """The report as a RESULTS.md section."""
@@ -208,11 +623,7 @@ def run_check(out: str | Path, steps: dict[str, Callable[[Path], dict]] | None =
               results_md: Path | None = None, plan=PLAN, log=print) -> dict:
     """Run each step of ``plan`` (``steps`` maps a name to its function; default the real ones),
     keep going past a failed step, save the JSON after each, then judge and write the report."""
-    if steps is None:
-        from course_lib.experiments import gpu_check_steps as m  # imports torch: only when measuring
-
-        steps = {s.name: getattr(gpu_check_course if s.name in COURSE_STEPS else m, f"{s.name}_step")
-                 for s in plan}
+    steps = STEP_FUNCTIONS if steps is None else steps
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "figures": {}, "errors": {},
@@ -279,4 +690,7 @@ def cli(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli(sys.argv[1:]))
+    if sys.argv[1:2] == ["--probe"]:  # the ranks step's probe, in a fresh interpreter: one JSON line
+        print(json.dumps(probe(sys.argv[2] if len(sys.argv) > 2 else "cuda")))
+    else:
+        sys.exit(cli(sys.argv[1:]))
