@@ -21,8 +21,8 @@ Modules:
     forked      notebook_launcher(): a notebook function on N local CPU ranks (via ranks)
     spawn       run_ranks(fn, nproc, *args): a function on N local gloo processes, for the tests,
                 the lessons and the exercises (via ranks)
-    magics      the notebook magics: %%torchrun, %%mpirun, and %ranks start|stop|restart|status|teaching|
-                flight|check_replicas with %%ranks [0,2] for the rank pool
+    magics      the notebook magics: %%torchrun and %%mpirun; the rank pool's
+                %ranks start|stop|restart|status|teaching|flight|check_replicas and %%ranks [0,2]
     placement   where ranks run: the device of each rank and the backend, decided before any start; the SLURM
                 or PBS job this process runs in, and what a launch may ask of it
     rank_pool   RankPool: persistent ranks across cells (ipyparallel engines + a process group); what
