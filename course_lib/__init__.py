@@ -26,7 +26,6 @@ __version__ = "0.1.0"
 
 
 def load_ipython_extension(ipython):  # pragma: no cover - exercised through a real kernel
-    from course_lib.launch import magics, rank_pool_magics  # IPython and the launcher only on %load_ext
+    from course_lib.launch import magics  # IPython and the launcher only on %load_ext
 
-    magics.register(ipython)
-    rank_pool_magics.register(ipython)
+    magics.register(ipython)  # %%torchrun, %%mpirun, %ranks and %%ranks

@@ -24,7 +24,7 @@ import psutil
 import pytest
 from kernel_cells import run, start_kernel
 
-LIMIT = 3  # seconds a cell may run; the collective timeout is 2 s more (rank_pool_recover.PG_MARGIN_S)
+LIMIT = 3  # seconds a cell may run; the collective timeout is 2 s more (rank_pool.PG_MARGIN_S)
 NAMED_WITHIN = LIMIT + 5  # the promise: named within the cell limit plus 5 s
 
 

@@ -21,15 +21,14 @@ Modules:
     forked      notebook_launcher(): a notebook function on N local CPU ranks (via ranks)
     spawn       run_ranks(fn, nproc, *args): a function on N local gloo processes, for the tests,
                 the lessons and the exercises (via ranks)
-    magics      the %%torchrun and %%mpirun cell magics
+    magics      the notebook magics: %%torchrun and %%mpirun; the rank pool's
+                %ranks start|stop|restart|status|teaching|flight|check_replicas and %%ranks [0,2]
     placement   where ranks run: the device of each rank and the backend, decided before any start; the SLURM
                 or PBS job this process runs in, and what a launch may ask of it
-    rank_pool   RankPool: persistent ranks across cells (ipyparallel engines + a process group)
+    rank_pool   RankPool: persistent ranks across cells (ipyparallel engines + a process group); what
+                it does on a hang or a dead rank (each rank's state, restart, regroup, the variables lost)
     rank_pool_engine   what runs in those ranks: setup, the collective tracker, the parent watch
     rank_pool_view     a cell's output grouped by rank, redrawn while it runs
-    rank_pool_magics   %ranks start|stop|restart|status|teaching|flight|check_replicas and %%ranks [0,2]
-    rank_pool_recover  what the pool does on a hang or a dead rank: each rank's state, restart, regroup
-    rank_pool_health   alive or dead and how, a rank's last output, the variables a restart lost
     cluster     ``course submit``: SLURM and PBS batch scripts
     slurm_local a real two-node SLURM on this machine, to try ``course submit`` (make slurm-local)
     torchrun    the torchrun command lines, and the agent (torchrun with its stores on loopback only)

@@ -1,4 +1,6 @@
-"""The ``%%torchrun`` and ``%%mpirun`` cell magics (``%load_ext course_lib``).
+"""The course's notebook magics (``%load_ext course_lib`` registers them all): ``%%torchrun`` and
+``%%mpirun`` run a cell once on N new ranks; ``%ranks`` / ``%%ranks`` drive a
+:class:`~course_lib.launch.rank_pool.RankPool`, ranks that live across cells.
 
     %%torchrun -n 2 --timeout 30
     t = torch.ones(2) * (RANK + 1)
@@ -15,6 +17,20 @@ mode, every collective compared across ranks first, :mod:`course_lib.parallel.co
 the rank; the stop button stops every process. ``%%mpirun -n N`` runs the cell on N MPI ranks
 with ``MPI``, ``comm`` (COMM_WORLD), ``RANK`` and ``WORLD_SIZE`` defined. The last result is
 kept in the notebook as ``torchrun_result`` / ``mpirun_result``.
+
+``%ranks`` and ``%%ranks``: the pool's ranks keep their variables from cell to cell.
+
+    %ranks start 4 [--backend gloo|nccl] [--device cpu|cuda] [--timeout 30]
+    %%ranks                 # the cell on every rank
+    %%ranks 0,2             # on ranks 0 and 2 only
+    %%ranks --timeout 60    # this cell may run 60 s
+    %ranks status | restart | stop
+    %ranks teaching on|off  # teaching mode: every collective compared across ranks first (default on)
+    %ranks flight           # each rank's last collectives, side by side (the flight recorder)
+    %ranks check_replicas model [--optimizer opt] [--batch x] [--local g]   # are the replicas equal?
+
+``%ranks start`` defines ``ranks`` in the notebook: the pool, for ``ranks.pull("t")`` (one value
+per rank) and ``ranks.push(x=...)`` / ``ranks.push_each(x=[...])``.
 """
 
 from __future__ import annotations
@@ -24,20 +40,23 @@ import shlex
 from pathlib import Path
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
 
 from course_lib.launch.api import LaunchError, default_run_dir, launch
 from course_lib.launch.bootstrap import CHECK_ENV
 from course_lib.launch.mpi import mpirun
 from course_lib.launch.placement import LaunchConfigError
+from course_lib.launch.rank_pool import DEFAULT_TIMEOUT_S, RankPool
+from course_lib.launch.rank_pool_view import flight_table
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # IPython shows UsageError as one line instead of exiting
+    def error(self, message):  # IPython shows UsageError as one line in the notebook instead of exiting
         raise UsageError(f"{self.prog}: {message}\n{self.format_usage()}")
 
 
-def _ranks(text: str):
+# -- %%torchrun and %%mpirun: a cell run once on N new ranks -----------------------------------------
+def _show_ranks(text: str):
     if text == "all":
         return "all"
     try:
@@ -112,7 +131,7 @@ class LaunchMagics(Magics):
             result = launch(_write_cell(run_dir, cell), nproc=nproc, nnodes=a.nnodes, module=False,
                             device=a.device, backend=a.backend, timeout=a.time_limit, collective_timeout=a.timeout,
                             env=_env(a.env) | ({CHECK_ENV: "1"} if a.check else {}), run_dir=run_dir, init_process_group=True,
-                            show_ranks=_ranks(a.ranks), rdzv=a.rdzv, nccl_debug=a.nccl_debug,
+                            show_ranks=_show_ranks(a.ranks), rdzv=a.rdzv, nccl_debug=a.nccl_debug,
                             nccl_debug_subsys=a.nccl_debug_subsys, nccl_debug_file=a.nccl_debug_file)
         except LaunchConfigError as e:
             raise UsageError(str(e)) from None
@@ -126,7 +145,7 @@ class LaunchMagics(Magics):
         try:
             result = mpirun(_write_cell(run_dir, cell),
                             n=a.np, module=False, timeout=a.time_limit, env=_env(a.env),
-                            run_dir=run_dir, show_ranks=_ranks(a.ranks))
+                            run_dir=run_dir, show_ranks=_show_ranks(a.ranks))
         except LaunchConfigError as e:
             raise UsageError(str(e)) from None
         self._finish("mpirun", result)
@@ -139,5 +158,90 @@ def _int(text: str, flag: str) -> int:
         raise UsageError(f"{flag} takes a number of processes or 'auto', got {text!r}") from None
 
 
+# -- %ranks and %%ranks: a RankPool driven from notebook cells --------------------------------------
+def _line_parser() -> _Parser:
+    p = _Parser(prog="%ranks", add_help=False)
+    p.add_argument("action", choices=("start", "stop", "restart", "status", "teaching", "flight",
+                                      "check_replicas"))
+    p.add_argument("arg", nargs="?", help="ranks (start), on|off (teaching), the model's name (check_replicas)")
+    p.add_argument("--no-check", dest="check", action="store_false", help="start without teaching mode")
+    p.add_argument("--optimizer", help="check_replicas: the optimizer's name on the ranks")
+    p.add_argument("--batch", help="check_replicas: the name of the batch each rank read")
+    p.add_argument("--local", help="check_replicas: the name of the gradients before the sync (local_grads)")
+    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help="seconds a cell may run, and the collective timeout")
+    return p
+
+
+def _cell_parser() -> _Parser:
+    p = _Parser(prog="%%ranks", add_help=False)
+    p.add_argument("ranks", nargs="?", default=None, help="e.g. 0,2 (default: every rank)")
+    p.add_argument("--timeout", type=float, default=None)
+    return p
+
+
+def parse_ranks(text: str | None) -> list[int] | None:
+    if text in (None, "", "all"):
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"%%ranks: ranks are whole numbers separated by commas, e.g. 0,2 (got {text!r})") from None
+
+
+@magics_class
+class RankPoolMagics(Magics):
+    """Holds the notebook's pool (one per kernel)."""
+
+    pool: RankPool | None = None
+
+    @line_cell_magic
+    def ranks(self, line: str, cell: str | None = None):
+        if cell is None:
+            return self._line(_line_parser().parse_args(shlex.split(line)))
+        a = _cell_parser().parse_args(shlex.split(line))
+        if self.pool is None or not self.pool.running:
+            raise UsageError("no ranks are running: %ranks start N first")
+        self.pool.run(cell, ranks=parse_ranks(a.ranks), timeout=a.timeout)
+        return None
+
+    def _line(self, a):
+        if a.action == "start":
+            if a.arg is None or not a.arg.isdigit():
+                raise UsageError("%ranks start N: how many ranks?")
+            a.n = int(a.arg)
+            if self.pool is not None and self.pool.running:
+                raise UsageError(f"{self.pool.world_size} ranks are running: %ranks stop first, or %ranks restart")
+            try:
+                self.pool = RankPool(a.n, backend=a.backend, device=a.device, timeout=a.timeout, check=a.check)
+            except (LaunchConfigError, ValueError) as e:  # a PlanError too: devices that cannot work
+                raise UsageError(str(e)) from None
+            self.pool.start()
+            self.shell.user_ns["ranks"] = self.pool
+        elif self.pool is None:
+            raise UsageError("no ranks were started: %ranks start N")
+        elif a.action == "stop":
+            self.pool.stop()
+            print("ranks stopped")
+        elif a.action == "restart":
+            self.pool.restart()
+        elif a.action == "status":
+            print("\n".join(self.pool.status()))
+        elif a.action == "teaching":
+            if a.arg not in ("on", "off"):
+                raise UsageError("%ranks teaching on|off")
+            self.pool.set_check(a.arg == "on")
+            print(f"teaching mode {a.arg}: collectives are {'' if a.arg == 'on' else 'not '}compared across ranks")
+        elif a.action == "flight":
+            print(flight_table(self.pool.flight()))
+        else:
+            if a.arg is None and not (a.optimizer or a.batch):
+                raise UsageError("%ranks check_replicas MODEL [--optimizer OPT] [--batch X] [--local GRADS]")
+            print(self.pool.check_replicas(a.arg, a.optimizer, a.batch, a.local))
+
+
 def register(ipython) -> None:
     ipython.register_magics(LaunchMagics)
+    ipython.register_magics(RankPoolMagics)

@@ -11,18 +11,39 @@ Each rank is an ipyparallel engine (a persistent IPython kernel of its own, star
 does not matter what the notebook's kernel did before: CUDA, a backward, threads). The pool adds
 what a classroom needs and ipyparallel does not know about: the default process group and the
 rank's device, one line saying what was chosen, output grouped by rank and streamed live, and
-hangs turned into errors. A cell that runs past ``timeout`` seconds (one rank skipped a
-collective) is stopped: the error names the ranks that were waiting and in which collective, the
-ranks are interrupted, and the process group is made anew; every rank keeps its variables. An
-exception on one rank shows that rank's traceback and leaves the others as they were. Interrupting
-the kernel interrupts the ranks. ``%ranks stop`` (or the kernel's end, however it ends) leaves no
-process behind. The magics are in :mod:`course_lib.launch.rank_pool_magics`, what runs in the
-ranks in :mod:`course_lib.launch.rank_pool_engine`.
+hangs turned into errors. Interrupting the kernel interrupts the ranks. ``%ranks stop`` (or the
+kernel's end, however it ends) leaves no process behind.
+
+When a cell goes wrong:
+
+* a hang (the cell ran past ``timeout`` seconds: one rank skipped a collective): the cell is
+  stopped and the error names each rank's real state, waiting in which collective (the tracker's
+  file), done, or error; the ranks are interrupted and the process group is made anew, every
+  rank keeping its variables;
+* an exception on one rank shows that rank's traceback and leaves the others as they were;
+* a dead rank (its process exited or was killed, e.g. gloo aborting on mismatched sizes): the
+  error says which rank died and how (exit code or signal, its last output), the others come back,
+  the dead rank is started again as a new ipyparallel engine (a spare, ready beside the ranks),
+  the process group is made anew, and the message names the variables that rank lost and the
+  cells that made them. A rank that died between cells is started again before the next cell,
+  ``pull`` or ``push``, with the same message.
+
+How a rank died: each engine runs under a small parent (``rank_pool_engine``'s ``engine`` role)
+that waits for it and writes its exit status to ``DIR/exit.PID``: ipyparallel only sees that an
+engine is gone, not why, and keeps its output in ``DIR/engine.PARENT_PID.log`` (ipyparallel
+deletes its own log of a dead engine). C++ aborts (gloo's ``EnforceNotMet`` on mismatched sizes)
+land there; the last lines that are not ipyparallel's own log are shown.
+
+The ``%ranks`` magics are in :mod:`course_lib.launch.magics`, what runs in the ranks in
+:mod:`course_lib.launch.rank_pool_engine`, how a cell's output is shown in
+:mod:`course_lib.launch.rank_pool_view`.
 """
 
 from __future__ import annotations
 
+import ast
 import os
+import re
 import shutil
 import signal
 import sys
@@ -34,22 +55,16 @@ import psutil
 
 from course_lib.hardware import gpu_count, threads_per_rank
 from course_lib.launch import rank_pool_engine as engine
-from course_lib.launch import rank_pool_health as health
 from course_lib.launch.placement import LaunchConfigError, RankPlan, plan_ranks
-from course_lib.launch.rank_pool_recover import (
-    GRACE_S,
-    PG_MARGIN_S,
-    SPARES,
-    PoolRecovery,
-    RankDiedError,
-    RankHangError,
-    RankPoolError,
-    kill,
-)
 from course_lib.launch.rank_pool_view import RankBoard, error_line
 
 DEFAULT_TIMEOUT_S = 30.0
 OUTPUT_WAIT_S = 5.0  # after a cell's replies: the most the pool waits for the rest of its output
+GRACE_S = 5.0  # after interrupting the ranks: how long they have to come back
+# The collective timeout is the cell limit plus this: the pool sees a hang first, while the ranks
+# still wait in their collective (and say which), then they come back when it times out.
+PG_MARGIN_S = 2.0
+SPARES = 1  # engines started beside the ranks, ready to replace a dead one in a second
 # The controller's heartbeat, in ms (ipyparallel's default: 3000). An engine counts as registered
 # only at the first heartbeat after it connects, so %ranks start waited about one period for its
 # last engine: 1 s instead of 3 s makes a 2-rank pool start in about 6 s instead of 9.5 on 2 cores.
@@ -59,8 +74,43 @@ HEARTBEAT_MS = 1000
 __all__ = ["DEFAULT_TIMEOUT_S", "GRACE_S", "PG_MARGIN_S", "RankDiedError", "RankHangError", "RankPool",
            "RankPoolError"]
 
+# Names every rank has from the start (rank_pool_engine.setup) or from IPython itself.
+_PRESET = frozenset({"torch", "dist", "RANK", "WORLD_SIZE", "DEVICE", "ranks", "In", "Out", "exit", "quit",
+                     "get_ipython"})
+# What a rank's output file holds besides what the rank wrote: ipyparallel's log lines, colours,
+# IPython's echo of a traceback (shown already, from the reply)
+_LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[.,]\d+ \[(IPEngine|KernelNanny|IPKernelApp|IPController)[^\n]*")
+_LOG_TAGS = ("[IPEngine", "[KernelNanny", "[IPKernelApp")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_ECHO = re.compile(r"^\s*(-*>?\s*\d+\s|Cell In\[|File .*:\d+, in |-{20,}|\w+(Error|Exception)\b.*Traceback)")
 
-class RankPool(PoolRecovery):
+
+class RankPoolError(RuntimeError):
+    """A cell failed on some ranks; ``failed`` maps a rank to its error line."""
+
+    def __init__(self, message: str, failed: dict[int, str] | None = None):
+        super().__init__(message)
+        self.failed = failed or {}
+
+
+class RankDiedError(RankPoolError):
+    """A rank's process died; ``died`` maps a rank to how (exit code or signal). It was started
+    again and the process group made anew; its variables are lost (the message names them)."""
+
+    def __init__(self, message: str, died: dict[int, str]):
+        super().__init__(message)
+        self.died = died
+
+
+class RankHangError(RankPoolError):
+    """A cell ran past its time limit; ``waiting`` maps a rank to the collective it waited in."""
+
+    def __init__(self, message: str, waiting: dict[int, str]):
+        super().__init__(message)
+        self.waiting = waiting
+
+
+class RankPool:
     """``world_size`` persistent ranks; see the module docstring. ``timeout``: seconds a cell may
     run, and the process group's collective timeout."""
 
@@ -98,7 +148,7 @@ class RankPool(PoolRecovery):
 
         self._dir = Path(tempfile.mkdtemp(prefix="course_ranks_"))
         entry = [sys.executable, "-m", "course_lib.launch.rank_pool_engine"]
-        # one spare engine, torch imported, waits to replace a rank that dies (rank_pool_recover)
+        # one spare engine, torch imported, waits to replace a rank that dies (restart_ranks)
         cluster = ipp.Cluster(n=self.world_size + SPARES, log_level=40, profile_dir=str(self._dir / "profile"),
                               cluster_id="ranks", shutdown_atexit=True,
                               controller_args=[f"--HeartMonitor.period={HEARTBEAT_MS}"])
@@ -119,7 +169,7 @@ class RankPool(PoolRecovery):
                 str(self._op_file(r)), self.timeout + PG_MARGIN_S, self.threads, self.check))
             self._client[self._engines].push({"ranks": None}, block=True)
             self.history, self._names = [], {}
-            self._parent_pids = {r: health.parent_pid(pid) for r, pid in enumerate(self._pids)}
+            self._parent_pids = {r: _parent_pid(pid) for r, pid in enumerate(self._pids)}
         except BaseException:
             self.stop()
             raise
@@ -131,15 +181,15 @@ class RankPool(PoolRecovery):
         if self._cluster is not None:
             # found now: once its engine is gone, a nanny is no child of ours, and it lingers for
             # 3 s trying to tell the stopped controller that its engine exited
-            leftover = [p for p in health.pool_processes(self._dir) if p.pid not in self._pids]
+            leftover = [p for p in _pool_processes(self._dir) if p.pid not in self._pids]
             for pid in self._pids:  # the ranks first: their parents then exit at once (a spare on SIGTERM)
-                kill(pid, signal.SIGKILL)
+                _kill(pid, signal.SIGKILL)
             try:
                 self._cluster.stop_cluster_sync()
             except Exception:  # noqa: BLE001, S110 - stopping is best effort; the kill below is not
                 pass
             for pid in self._pids:
-                kill(pid, signal.SIGKILL)
+                _kill(pid, signal.SIGKILL)
             for p in leftover:  # the nannies, and whatever else of the pool is left (psutil: no reused pid)
                 try:
                     p.kill()
@@ -167,6 +217,16 @@ class RankPool(PoolRecovery):
     def __exit__(self, *exc) -> None:
         self.stop()
 
+    def status(self) -> list[str]:
+        """One line per rank: its pid, alive or how it died; the pool's line first."""
+        lines = [(f"{self.placement.line()} · cell limit {self.timeout:g} s · teaching mode "
+                 f"{'on' if self.check else 'off'} · {'running' if self.running else 'stopped'}")]
+        if self.running:
+            dead = self.dead_ranks()
+            lines += [f"  rank {r}: pid {pid}, " + (f"DEAD ({dead[r]})" if r in dead else "alive")
+                      for r, pid in enumerate(self._pids)]
+        return lines
+
     # -- running cells -------------------------------------------------------------------------
     def run(self, code: str, ranks=None, timeout: float | None = None, show: bool = True) -> None:
         """Run ``code`` on ``ranks`` (default all), showing each rank's output as it comes
@@ -174,7 +234,7 @@ class RankPool(PoolRecovery):
         targets = self._targets(ranks)
         limit = self.timeout if timeout is None else float(timeout)
         self.history.append((_cell_label(len(self.history)), targets, code))
-        self._log_from = {r: health.log_size(self._log_file(r)) for r in targets}  # this cell's output starts there
+        self._log_from = {r: _log_size(self._log_file(r)) for r in targets}  # this cell's output starts there
         for r in targets:
             self._op_file(r).unlink(missing_ok=True)
         ar = self._client[[self._engines[r] for r in targets]].execute(code, block=False, silent=False)
@@ -183,13 +243,13 @@ class RankPool(PoolRecovery):
         try:
             while not ar.ready():
                 board.update(ar.metadata)
-                dead = [r for r in targets if not health.alive(self._pids[r])]
+                dead = [r for r in targets if not _alive(self._pids[r])]
                 if dead:
                     self._after_death(ar, targets, dead, board)
                 if time.monotonic() - start > limit:
                     self._after_hang(ar, targets, limit, board)
                 time.sleep(0.1)
-            dead = [r for r in targets if not health.alive(self._pids[r])]
+            dead = [r for r in targets if not _alive(self._pids[r])]
             if dead:
                 self._after_death(ar, targets, dead, board)
             # a rank's stdout travels on IOPub and can arrive after its reply: wait for it, or the
@@ -257,6 +317,121 @@ class RankPool(PoolRecovery):
         for r in range(self.world_size):
             self._client[self._engines[r]].push({k: v[r] for k, v in per_rank.items()}, block=True)
 
+    # -- a cell past its limit: interrupt the ranks, a new process group --------------------------
+    @staticmethod
+    def _running(ar, targets: list[int]) -> list[int]:
+        return [r for r, md in zip(targets, ar.metadata, strict=True) if md.get("completed") is None]
+
+    def _after_hang(self, ar, targets: list[int], limit: float, board: RankBoard) -> None:
+        running = self._running(ar, targets)
+        now, waiting = time.time(), {}
+        for r in running:
+            try:
+                op, since, peer = self._op_file(r).read_text().rstrip("\n").split("\t")
+                waiting[r] = f"waiting in {op}" + (f" (peer {peer})" if peer else "") + f" for {now - float(since):.1f} s"
+            except (OSError, ValueError):
+                waiting[r] = "running, not in a collective"
+        finished = _finished(ar, targets, skip=running)
+        killed = self._interrupt(ar, targets)
+        board.update(ar.metadata, final=True, stopped={r: f"past {limit:g} s, {w}" for r, w in waiting.items()})
+        lines = [f"the cell ran past {limit:g} s and was stopped (did a rank skip a collective?)"]
+        lines += [f"  rank {r}: {w}" for r, w in waiting.items()]
+        lines += [f"  rank {r}: {state}" for r, state in finished.items()]
+        kept = "the ranks were interrupted and the process group was made anew; every rank keeps its variables"
+        lines += killed or [kept]
+        raise RankHangError("\n".join(lines), waiting)
+
+    def _interrupt(self, ar, targets: list[int]) -> list[str]:
+        """SIGINT to the ranks still running; wait for them; a new process group for all ranks. A
+        rank that does not come back (stuck in C++ past its collective's timeout) is killed and
+        started again like a dead one; returns what to tell about that (nothing if all came back)."""
+        for r, md in zip(targets, ar.metadata, strict=True):
+            if md.get("completed") is None:
+                _kill(self._pids[r], signal.SIGINT)
+        deadline = time.monotonic() + self.timeout + PG_MARGIN_S + GRACE_S  # a collective returns at its timeout
+        while self._running(ar, targets) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        stuck = self._running(ar, targets)
+        if not stuck:
+            self._regroup()
+            return []
+        for r in stuck:
+            _kill(self._pids[r], signal.SIGKILL)
+        while any(_alive(self._pids[r]) for r in stuck) and time.monotonic() < deadline + GRACE_S:
+            time.sleep(0.05)
+        lines = [f"rank {r} did not come back from the interrupt and was killed" for r in stuck]
+        self.restart_ranks(stuck, lines.append)
+        return lines
+
+    def _regroup(self, fresh: tuple[int, ...] = ()) -> None:
+        """A new process group for every rank; the ranks in ``fresh`` are new engines to set up."""
+        self._groups += 1
+        timeout = self.timeout + PG_MARGIN_S
+        calls = [self._client[self._engines[r]].apply_async(
+            *((engine.setup, r, self.world_size, self.placement.backend, self.placement.devices[r], self._store(),
+               str(self._op_file(r)), timeout, self.threads, self.check, self._groups) if r in fresh else
+              (engine.regroup, self.placement.backend, self._store(), r, self.world_size, timeout,
+               self.placement.devices[r], self.check, self._groups))) for r in range(self.world_size)]
+        results = [c.get(timeout=120) for c in calls]
+        for r in fresh:
+            self._pids[r] = results[r]
+            self._parent_pids[r] = _parent_pid(results[r])
+            self._client[self._engines[r]].push({"ranks": None}, block=True)
+
+    # -- dead ranks ------------------------------------------------------------------------------
+    def _after_death(self, ar, targets: list[int], dead: list[int], board: RankBoard) -> None:
+        """A rank's process died during a cell: let the others come back, start it again, say what was lost."""
+        how = {r: _exit_status(self._dir, self._pids[r]) for r in dead}
+        said = {r: _last_output(self._log_file(r), self._log_from.get(r, 0)) for r in dead}
+        live = [(i, r) for i, r in enumerate(targets) if r not in dead]
+        # a peer waiting for the dead rank fails at once (connection closed) or at its collective's timeout
+        deadline = time.monotonic() + GRACE_S
+        while any(ar.metadata[i].get("completed") is None for i, _ in live) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        stuck = [r for i, r in live if ar.metadata[i].get("completed") is None]
+        for r in stuck:
+            _kill(self._pids[r], signal.SIGINT)
+        deadline = time.monotonic() + self.timeout + PG_MARGIN_S + GRACE_S
+        while any(ar.metadata[i].get("completed") is None for i, _ in live) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        board.update(ar.metadata, final=True, stopped={r: f"DIED, {how[r]}" for r in dead})
+        lines = [f"rank {r} DIED ({how[r]}) while running the cell" + (
+            "; its last output:\n" + "\n".join(f"    {x}" for x in said[r].splitlines()) if said[r] else "")
+            for r in dead]
+        lines += [f"  rank {r}: {state}" for r, state in _finished(ar, targets, dead).items()]
+        self.restart_ranks(dead, lines.append)
+        raise RankDiedError("\n".join(lines), how)
+
+    def restart_ranks(self, dead: list[int], log=print) -> None:
+        """Start the ranks in ``dead`` again as new engines, make the process group anew, say what was lost."""
+        self._retired.update(self._engines[r] for r in dead)
+        deadline = time.monotonic() + 120
+        started = False
+        while len(spares := self._spares()) < len(dead):
+            if not started:  # no spare ready (two deaths in a row): start what is missing
+                self._cluster.start_engines_sync(n=len(dead) - len(spares))
+                started = True
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RankPoolError("a dead rank could not be started again; the pool was stopped: %ranks start N")
+            time.sleep(0.1)
+        for r, e in zip(dead, spares, strict=False):
+            self._engines[r] = e
+        self._cluster.start_engines_sync(n=len(dead))  # the next spares; they register while we go on
+        self._regroup(fresh=tuple(dead))
+        log(f"rank(s) {', '.join(map(str, dead))} started again; the process group was made anew "
+            f"(the other ranks keep their variables)")
+        for r in dead:
+            log(_lost_message(r, self._names.pop(r, []), self.history))
+
+    def _spares(self) -> list[int]:
+        """Registered engines that are no rank and did not die: ready to become one."""
+        return sorted(set(self._client.ids) - set(self._engines) - self._retired)
+
+    def dead_ranks(self) -> dict[int, str]:
+        """Ranks whose process is gone, and how they ended."""
+        return {r: _exit_status(self._dir, pid) for r, pid in enumerate(self._pids) if not _alive(pid)}
+
     # -- helpers ---------------------------------------------------------------------------------
     def _targets(self, ranks) -> list[int]:
         if not self.running:
@@ -282,6 +457,15 @@ class RankPool(PoolRecovery):
     def _op_file(self, rank: int) -> Path:
         return self._dir / f"rank{rank}.op"
 
+    def _remember_names(self, targets: list[int]) -> None:
+        calls = {r: self._client[self._engines[r]].apply_async(_user_names) for r in targets}
+        self._names.update({r: c.get(timeout=30) for r, c in calls.items()})
+
+    def _log_file(self, rank: int) -> str | None:
+        """The engine's output file, written by its parent (rank_pool_engine's ``engine`` role)."""
+        parent = self._parent_pids.get(rank)
+        return None if parent is None else str(self._dir / f"engine.{parent}.log")
+
 
 def _cell_label(index: int) -> str:
     """'In [7]' (the notebook's cell number) inside IPython, else '#3' (the pool's own count)."""
@@ -300,3 +484,132 @@ def _lookup(name: str):
 
     ns = get_ipython().user_ns
     return (True, ns[name]) if name in ns else (False, None)
+
+
+def _finished(ar, targets: list[int], skip=()) -> dict[int, str]:
+    """Each rank that came back from the cell: 'done' or 'error: Name: message'."""
+    out = {}
+    for r, md in zip(targets, ar.metadata, strict=True):
+        if r in skip or md.get("completed") is None:
+            continue
+        out[r] = f"error: {error_line(md) or 'failed'}" if md.get("status") == "error" else "done (finished the cell)"
+    return out
+
+
+# -- the ranks' processes: alive or dead and how, what they last wrote, the variables they hold --
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _parent_pid(pid: int) -> int | None:
+    try:
+        return psutil.Process(pid).ppid()
+    except psutil.NoSuchProcess:
+        return None
+
+
+def _pool_processes(run_dir: Path) -> list[psutil.Process]:
+    """This process's descendants that belong to the pool of ``run_dir``: every engine process (its
+    parent, the engine, and the nanny ipyparallel starts beside each engine) has ``COURSE_RANKS_DIR``
+    set to it."""
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.environ().get("COURSE_RANKS_DIR") == str(run_dir):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return found
+
+
+def _exit_status(run_dir: Path, pid: int) -> str:
+    """'exit code 3', 'signal SIGABRT' or 'exit status unknown' (the engine's parent writes it)."""
+    path = Path(run_dir) / f"exit.{pid}"
+    for _ in range(20):  # the parent writes it right after the engine exits
+        try:
+            code = int(path.read_text())
+            break
+        except (OSError, ValueError):
+            time.sleep(0.05)
+    else:
+        return "exit status unknown"
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def _log_size(log_file: str | None) -> int:
+    try:
+        return Path(log_file).stat().st_size if log_file else 0
+    except OSError:
+        return 0
+
+
+def _last_output(log_file: str | None, since: int = 0, lines: int = 6) -> str:
+    """The last lines an engine wrote to its stderr/stdout after byte ``since`` (C++ aborts land
+    there), without ipyparallel's log lines and without IPython's echo of the traceback."""
+    if not log_file:
+        return ""
+    try:
+        with open(log_file, "rb") as f:
+            f.seek(since)
+            text = _ANSI.sub("", f.read().decode(errors="replace"))
+    except OSError:
+        return ""
+    text = _LOG_LINE.sub("\n", text)  # a log line may start in the middle of another line
+    kept = [line for line in text.splitlines() if line.strip() not in ("", "what():") and not line.startswith(_LOG_TAGS)
+            and not _ECHO.match(line)]
+    return "\n".join(kept[-lines:])
+
+
+def _user_names() -> list[str]:
+    """The names a student defined on this rank (runs in the rank)."""
+    from IPython import get_ipython  # the engine is an IPython kernel
+
+    ns = get_ipython().user_ns
+    preset = ns.get("_course_preset", _PRESET)
+    return sorted(n for n in ns if not n.startswith("_") and n not in preset and n not in _PRESET)
+
+
+def _assigned(code: str) -> set[str]:
+    """The names a cell binds (assignments, for targets, imports, def, class), read from its AST."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return set()
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return names
+
+
+def _lost_message(rank: int, lost: list[str], history: list[tuple[str, list[int], str]]) -> str:
+    """What a restarted rank lost, each name with the last cell that bound it on that rank
+    (history is (label, ranks, code) per cell), and how to get it back."""
+    if not lost:
+        return f"rank {rank} had no variables of its own to lose"
+    made = {}
+    for label, ranks, code in history:
+        if rank in ranks:
+            made.update(dict.fromkeys(_assigned(code) & set(lost), label))
+    names = ", ".join(f"{n} ({made.get(n, 'pushed')})" for n in lost)
+    return (f"rank {rank} LOST its variables {names}: run those cells again on rank {rank} (%%ranks {rank}), "
+            f"or on every rank where they call collectives; ranks.push(...) what was pushed")

@@ -102,7 +102,7 @@ def setup(rank: int, world_size: int, backend: str, device: str, store: str, op_
     _stderr_to_log()
     user = _user_namespace()
     user.update(torch=torch, dist=dist, RANK=rank, WORLD_SIZE=world_size, DEVICE=torch.device(device))
-    user["_course_preset"] = frozenset(user)  # what a student did not define (rank_pool_health.user_names)
+    user["_course_preset"] = frozenset(user)  # what a student did not define (rank_pool._user_names)
     return os.getpid()
 
 
