@@ -19,6 +19,7 @@ import pytest
 
 from course_lib.gpt.data import prepare
 from course_lib.launch import cluster, slurm_local
+from course_lib.launch.procs import pid_alive
 from course_lib.trainer.metrics import read_metrics
 from course_lib.utils import free_port
 
@@ -43,7 +44,7 @@ def slurm(tmp_path_factory):
     yield c
     pids = list(c.pids.values())
     c.stop()
-    assert not any(slurm_local._alive(pid) for pid in pids)
+    assert not any(pid_alive(pid) for pid in pids)
 
 
 def _submit(slurm, cwd, argv):
@@ -128,11 +129,11 @@ def test_daemons_left_by_a_killed_starter_are_stopped(tmp_path):
     subprocess.run([sys.executable, "-c", f"from course_lib.launch import slurm_local; slurm_local.start({str(root)!r})"],
                    check=True, timeout=60)
     pids = [int(line.split()[1]) for line in (root / "pids").read_text().splitlines()]
-    assert len(pids) == 4 and all(slurm_local._alive(pid) for pid in pids)  # munged, slurmctld, 2 slurmd
+    assert len(pids) == 4 and all(pid_alive(pid) for pid in pids)  # munged, slurmctld, 2 slurmd
     done = subprocess.run([sys.executable, "-m", "course_lib.launch.slurm_local", "--stop", "--dir", str(root)],
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0 and f"stopped pids {sorted(pids)}" in done.stdout, done.stderr
-    assert not any(slurm_local._alive(pid) for pid in pids)
+    assert not any(pid_alive(pid) for pid in pids)
     (root / "pids").write_text(f"pytest {os.getpid()}\n")  # a pid that is no longer a daemon of this cluster
     assert slurm_local.stop_leftovers(root) == []
 

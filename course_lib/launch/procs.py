@@ -120,6 +120,22 @@ def _alive(p: psutil.Process) -> bool:
         return False
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs: a zombie (exited, not yet reaped) counts as gone."""
+    try:
+        return _alive(psutil.Process(pid))
+    except psutil.Error:
+        return False
+
+
+def signal_quietly(pid: int, sig: int) -> None:
+    """``os.kill(pid, sig)``, where a process already gone is not an error."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
 class ProcessTree:
     """A started process and every descendant seen so far (call :meth:`refresh` regularly)."""
 

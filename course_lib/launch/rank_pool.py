@@ -42,7 +42,6 @@ The ``%ranks`` magics are in :mod:`course_lib.launch.magics`, what runs in the r
 from __future__ import annotations
 
 import ast
-import os
 import re
 import shutil
 import signal
@@ -56,6 +55,7 @@ import psutil
 from course_lib.hardware import gpu_count, threads_per_rank
 from course_lib.launch import rank_pool_engine as engine
 from course_lib.launch.placement import LaunchConfigError, RankPlan, plan_ranks
+from course_lib.launch.procs import pid_alive, signal_quietly
 from course_lib.launch.rank_pool_view import RankBoard, error_line
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -183,13 +183,13 @@ class RankPool:
             # 3 s trying to tell the stopped controller that its engine exited
             leftover = [p for p in _pool_processes(self._dir) if p.pid not in self._pids]
             for pid in self._pids:  # the ranks first: their parents then exit at once (a spare on SIGTERM)
-                _kill(pid, signal.SIGKILL)
+                signal_quietly(pid, signal.SIGKILL)
             try:
                 self._cluster.stop_cluster_sync()
             except Exception:  # noqa: BLE001, S110 - stopping is best effort; the kill below is not
                 pass
             for pid in self._pids:
-                _kill(pid, signal.SIGKILL)
+                signal_quietly(pid, signal.SIGKILL)
             for p in leftover:  # the nannies, and whatever else of the pool is left (psutil: no reused pid)
                 try:
                     p.kill()
@@ -243,13 +243,13 @@ class RankPool:
         try:
             while not ar.ready():
                 board.update(ar.metadata)
-                dead = [r for r in targets if not _alive(self._pids[r])]
+                dead = [r for r in targets if not pid_alive(self._pids[r])]
                 if dead:
                     self._after_death(ar, targets, dead, board)
                 if time.monotonic() - start > limit:
                     self._after_hang(ar, targets, limit, board)
                 time.sleep(0.1)
-            dead = [r for r in targets if not _alive(self._pids[r])]
+            dead = [r for r in targets if not pid_alive(self._pids[r])]
             if dead:
                 self._after_death(ar, targets, dead, board)
             # a rank's stdout travels on IOPub and can arrive after its reply: wait for it, or the
@@ -347,7 +347,7 @@ class RankPool:
         started again like a dead one; returns what to tell about that (nothing if all came back)."""
         for r, md in zip(targets, ar.metadata, strict=True):
             if md.get("completed") is None:
-                _kill(self._pids[r], signal.SIGINT)
+                signal_quietly(self._pids[r], signal.SIGINT)
         deadline = time.monotonic() + self.timeout + PG_MARGIN_S + GRACE_S  # a collective returns at its timeout
         while self._running(ar, targets) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -356,8 +356,8 @@ class RankPool:
             self._regroup()
             return []
         for r in stuck:
-            _kill(self._pids[r], signal.SIGKILL)
-        while any(_alive(self._pids[r]) for r in stuck) and time.monotonic() < deadline + GRACE_S:
+            signal_quietly(self._pids[r], signal.SIGKILL)
+        while any(pid_alive(self._pids[r]) for r in stuck) and time.monotonic() < deadline + GRACE_S:
             time.sleep(0.05)
         lines = [f"rank {r} did not come back from the interrupt and was killed" for r in stuck]
         self.restart_ranks(stuck, lines.append)
@@ -390,7 +390,7 @@ class RankPool:
             time.sleep(0.1)
         stuck = [r for i, r in live if ar.metadata[i].get("completed") is None]
         for r in stuck:
-            _kill(self._pids[r], signal.SIGINT)
+            signal_quietly(self._pids[r], signal.SIGINT)
         deadline = time.monotonic() + self.timeout + PG_MARGIN_S + GRACE_S
         while any(ar.metadata[i].get("completed") is None for i, _ in live) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -430,7 +430,7 @@ class RankPool:
 
     def dead_ranks(self) -> dict[int, str]:
         """Ranks whose process is gone, and how they ended."""
-        return {r: _exit_status(self._dir, pid) for r, pid in enumerate(self._pids) if not _alive(pid)}
+        return {r: _exit_status(self._dir, pid) for r, pid in enumerate(self._pids) if not pid_alive(pid)}
 
     # -- helpers ---------------------------------------------------------------------------------
     def _targets(self, ranks) -> list[int]:
@@ -497,20 +497,6 @@ def _finished(ar, targets: list[int], skip=()) -> dict[int, str]:
 
 
 # -- the ranks' processes: alive or dead and how, what they last wrote, the variables they hold --
-def _kill(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def _parent_pid(pid: int) -> int | None:
     try:
         return psutil.Process(pid).ppid()

@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from course_lib.launch.procs import pid_alive, signal_quietly
 from course_lib.utils import free_port
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol")
@@ -141,37 +142,14 @@ class LocalSlurm:
         """SIGTERM every daemon by pid (slurmd first, munged last), SIGKILL what is left."""
         order = sorted(self.pids, key=lambda name: (name.startswith("munged"), name.startswith("slurmctld")))
         for name in order:
-            _signal(self.pids[name], signal.SIGTERM)
+            signal_quietly(self.pids[name], signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for name in order:
-            while _alive(self.pids[name]) and time.monotonic() < deadline:
+            while pid_alive(self.pids[name]) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            if _alive(self.pids[name]):
-                _signal(self.pids[name], signal.SIGKILL)
+            if pid_alive(self.pids[name]):
+                signal_quietly(self.pids[name], signal.SIGKILL)
         self.pids.clear()
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie child of ours counts as gone
-        if os.waitpid(pid, os.WNOHANG) != (0, 0):
-            return False
-    except ChildProcessError:
-        pass
-    try:  # and so does anyone's zombie (state Z), e.g. a daemon whose starter died
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _pid_from(path: Path, timeout: float) -> int:
