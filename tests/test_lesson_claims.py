@@ -212,3 +212,29 @@ def test_notebooks_take_show_source_from_the_library(monkeypatch):
             if "show_source(" in text and path.name not in users:
                 users.append(path.name)
     assert len(users) >= 3, users
+
+
+def test_show_doc_shows_a_docstring_as_text_without_its_markup(monkeypatch):
+    import IPython.display
+
+    from course_lib.analysis.comm_cost import zero_comm_volume
+    from course_lib.notebook.source import doc_markdown, show_doc
+
+    text = '''First line.
+
+        See :func:`~course_lib.parallel.step.train_step` and :mod:`course_lib.parallel.comms`, and
+        ``exact=True`` (:data:`GB`). An example::
+
+            train_step(strategy, x, y)
+
+        Last paragraph.
+        '''
+    assert doc_markdown(text) == ("First line.\n\nSee `train_step` and `course_lib.parallel.comms`, and\n"
+                                  "`exact=True` (`GB`). An example:\n\n    train_step(strategy, x, y)\n\nLast paragraph.")
+    assert doc_markdown(text, slice(2, 4)) == "    train_step(strategy, x, y)\n\nLast paragraph."
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", shown.append)
+    show_doc(zero_comm_volume)
+    (md,) = shown
+    assert md.data.startswith("Bytes each data-parallel rank sends") and "`exact` keeps" in md.data
+    assert "``" not in md.data and not md.data.endswith("\n")
