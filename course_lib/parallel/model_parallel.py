@@ -63,9 +63,12 @@ class ModelParallel(Strategy):
         self.comms, self.inner, self.pipeline = comms, inner, pipeline
         self.comms["dp"] = getattr(inner, "comms", Comms(grid.dp_cp_group))
         self.module, self.model, self.optimizer = stage, inner.model, inner.optimizer
-        self.names = {p: n for n, p in stage.named_parameters()}
+        # the whole tensors forward computes with, by name (ZeRO-3's stage shows its shards between
+        # uses; compute_parameters() are in the order of named_parameters())
+        self.names = dict(zip(inner.compute_parameters(), (n for n, _ in stage.named_parameters())))
         self.group, self.dp_rank, self.dp_world_size = grid.dp_cp_group, grid.dp_rank, grid.dp_world_size
-        self.shards = getattr(inner.optimizer, "shards", None)  # ZeRO-1/2: gradients live on fp32 shards
+        # ZeRO-1/2: gradients live on the optimizer's fp32 shards; ZeRO-3: on the module's fp32 masters
+        self.shards = getattr(inner.optimizer, "shards", getattr(inner.model, "masters", None))
         self.sharded = self.shards is not None
         self._states_after_backward = None
         self.last_stats, self.last_micro = None, 0  # the last step's PipelineStats (bubble) and m
@@ -83,7 +86,7 @@ class ModelParallel(Strategy):
         accum, B, T = x.shape
         g = self.grid
         x, y = (cp_split(t.reshape(accum * B, T), g.cp_rank, g.cp_world_size) for t in (x, y))
-        loss, self.last_stats = self.pipeline.train_step(x, y, accum, no_sync=self.inner.no_sync)
+        loss, self.last_stats = self.pipeline.train_step(x, y, accum, no_sync=self.inner.no_sync, model=self.model)
         self.last_micro = accum
         self._states_after_backward = measure_model_states(self)  # full gradients, before any reduce-scatter
         # a Python float from the pipeline: keep its digits; on the device, for the trainer's all-reduce
@@ -93,7 +96,7 @@ class ModelParallel(Strategy):
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         g = self.grid
         x, y = (cp_split(t, g.cp_rank, g.cp_world_size) for t in (x, y))
-        return self.pipeline.eval_loss(x, y)
+        return self.pipeline.eval_loss(x, y, model=self.model)
 
     def no_sync(self):
         return self.inner.no_sync()
@@ -236,7 +239,8 @@ class ModelParallel(Strategy):
     def _inner_groups(self) -> list[list[nn.Parameter]]:
         """The stage's parameters in the groups (and order) of the dp strategy's optimizer state."""
         opt = self.inner.optimizer
-        full = getattr(opt, "full_params", None)  # ShardedOptimizer (zero1/2): its groups hold fp32 shards
+        # ShardedOptimizer (zero1/2), Zero3: the optimizer's groups hold fp32 shards of these
+        full = getattr(opt, "full_params", getattr(self.inner, "full_params", None))
         if full is None:
             return [g["params"] for g in opt.param_groups]
         sizes = [len(g["params"]) for g in opt.param_groups]  # the same groups, one shard per parameter

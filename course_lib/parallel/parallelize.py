@@ -80,5 +80,7 @@ def parallelize(model: nn.Module, make_optimizer: OptimizerFactory, dp_strategy:
     if dp_strategy == "single" and grid.dp_world_size * grid.cp_world_size > 1:
         dp_strategy = "ddp"
     group = {} if dp_strategy == "single" else {"group": grid.dp_cp_group, **dp_options}
+    if registry.STRATEGIES[dp_strategy].zero_stage == 3:  # ZeRO-3 gathers block by block (the rest: the root)
+        group["units"] = list(stage.transformer.h.values())
     inner = build_strategy(dp_strategy, stage, make_optimizer, **group)
     return ModelParallel(stage, pipeline, inner, grid, comms, make_optimizer)

@@ -205,11 +205,14 @@ class Pipeline:
         self.device = next(stage.parameters()).device  # NCCL sends CUDA tensors only
         self.loss_dtype = torch.promote_types(self.dtype, torch.float32)  # fp32, or fp64 for fp64 models
 
-    def train_step(self, x: torch.Tensor, targets: torch.Tensor, n_micro: int, no_sync=None):
+    def train_step(self, x: torch.Tensor, targets: torch.Tensor, n_micro: int, no_sync=None, model=None):
         """Forward and backward of one batch (gradients accumulate in the stage's parameters).
         Returns the batch's mean loss (on every rank) and this rank's :class:`PipelineStats`.
         ``no_sync``: a context manager factory (a data-parallel wrapper's) entered for every
-        backward but the last micro-batch's, which is the last backward of both schedules."""
+        backward but the last micro-batch's, which is the last backward of both schedules.
+        ``model``: what each forward calls (a data-parallel wrapper of the stage, e.g. ZeRO-3's,
+        which gathers its shards); default the stage."""
+        model = self.stage if model is None else model
         if x.shape[0] % n_micro:
             raise ValueError(f"batch size {x.shape[0]} is not divisible by n_micro={n_micro}")
         xs, ys = x.chunk(n_micro), targets.chunk(n_micro)
@@ -229,7 +232,7 @@ class Pipeline:
                     inp.requires_grad_()
                 t0 = time.perf_counter()
                 with _count_saved(params) as counted:
-                    out = self.stage(inp, ys[i] if self.is_last else None)
+                    out = model(inp, ys[i] if self.is_last else None)
                     extra = self.stage.extra_loss() if extra_loss and not self.is_last else 0.0
                 if torch.is_tensor(extra):  # a loss term of this (not last) stage: / m as the loss
                     extra = extra / n_micro
@@ -278,12 +281,14 @@ class Pipeline:
         return loss_sum.item(), stats
 
     @torch.no_grad()
-    def eval_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Forward only, the whole batch at once (evaluation): its loss, on every rank."""
+    def eval_loss(self, x: torch.Tensor, targets: torch.Tensor, model=None) -> torch.Tensor:
+        """Forward only, the whole batch at once (evaluation): its loss, on every rank. ``model``:
+        as in :meth:`train_step`."""
+        model = self.stage if model is None else model
         loss = torch.zeros((), dtype=self.loss_dtype, device=self.device)
         inp = x if self.is_first else recv_activation(self.comms, self.stage.activation_shape(x), self.dtype,
                                                       self.device, self.pp_rank - 1)[0]
-        out = self.stage(inp, targets if self.is_last else None)
+        out = model(inp, targets if self.is_last else None)
         if self.is_last:
             loss += out.to(self.loss_dtype)
         else:
