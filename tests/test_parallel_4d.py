@@ -44,10 +44,10 @@ def batch(step: int, dp: int):
     return idx[..., :-1].contiguous(), idx[..., 1:].contiguous()
 
 
-def reference(dp: int, dtype, steps: int = STEPS, start: dict | None = None):
+def reference(dp: int, dtype, steps: int = STEPS, start: dict | None = None, frozen=()):
     """One process, the same global batches; losses and the full state after ``steps``."""
     torch.manual_seed(0)
-    model = GPT(CFG).to(dtype)
+    model = freeze(GPT(CFG).to(dtype), frozen)
     opt = optimizer_factory(TRAIN)(model)
     if start is not None:
         model.load_state_dict(start["model"])
@@ -67,10 +67,16 @@ def reference(dp: int, dtype, steps: int = STEPS, start: dict | None = None):
     return losses, {"model": model.state_dict(), "optimizer": opt.state_dict()}
 
 
+def freeze(model: GPT, names) -> GPT:
+    for n, p in model.named_parameters():
+        p.requires_grad_(n not in names)
+    return model
+
+
 def train_layout(layout: dict, dtype, steps: int = STEPS, start: dict | None = None):
     """Every rank: build the grid and the strategy, train ``steps``; (losses, full state, stats)."""
     torch.manual_seed(0)
-    strategy = parallelize(GPT(CFG).to(dtype), optimizer_factory(TRAIN), layout["strategy"], tp=layout["tp"],
+    strategy = parallelize(freeze(GPT(CFG).to(dtype), layout["frozen"]), optimizer_factory(TRAIN), layout["strategy"], tp=layout["tp"],
                            pp=layout["pp"], cp=layout["cp"], sequence_parallel=layout["sp"], pp_schedule=layout["schedule"])
     grid = strategy.grid
     assert grid.dp_world_size == layout["dp"]
@@ -93,8 +99,12 @@ def train_layout(layout: dict, dtype, steps: int = STEPS, start: dict | None = N
                                                                 "n_tensors": n_tensors}
 
 
-def layout(dp=1, tp=1, pp=1, cp=1, sp=False, schedule="1f1b", strategy="ddp"):
-    return {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "sp": sp, "schedule": schedule, "strategy": strategy}
+def layout(dp=1, tp=1, pp=1, cp=1, sp=False, schedule="1f1b", strategy="ddp", frozen=()):
+    return {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "sp": sp, "schedule": schedule, "strategy": strategy,
+            "frozen": frozen}
+
+
+FROZEN = ("transformer.h.0.attn.c_attn.bias", "transformer.h.1.ln_2.weight")  # one on each stage of pp2
 
 
 LAYOUTS_4 = {
@@ -103,6 +113,9 @@ LAYOUTS_4 = {
     "pp2-dp2-zero1": (layout(pp=2, dp=2, schedule="afab", strategy="zero1"), torch.float32),
     "cp2-dp2": (layout(cp=2, dp=2), torch.float64),
     "tp2+sp-dp2-zero2": (layout(tp=2, dp=2, sp=True, strategy="zero2"), torch.float32),
+    # ZeRO-3 beside the grid: over dp with the pipeline's micro-batches in flight, over cp beside tp+sp
+    "pp2-dp2-zero3": (layout(pp=2, dp=2, strategy="zero3", frozen=FROZEN), torch.float32),  # + frozen
+    "tp2+sp-cp2-zero3": (layout(tp=2, cp=2, sp=True, strategy="zero3"), torch.float32),
 }
 LAYOUTS_8 = {"tp2+sp-pp2-cp2-zero1": (layout(tp=2, pp=2, cp=2, sp=True, strategy="zero1"), torch.float32)}
 
@@ -112,12 +125,15 @@ def layouts_worker(rank: int, world_size: int, layouts: dict) -> dict:
     if world_size == 4:  # resume: tp2-pp2's full state, continued as cp2-dp2 for one more step
         start = out["tp2-pp2"][1]
         out["resume"] = train_layout(layout(cp=2, dp=2), torch.float64, steps=1, start=start)[:2]
-    return {k: v if rank == 0 or k == "resume" else (v[0], None, None, v[3]) for k, v in out.items()}
+        # and pp2-dp2-zero3's, continued as tp2-dp2-zero3 (other shards of the same full state)
+        out["resume3"] = train_layout(layout(tp=2, dp=2, strategy="zero3", frozen=FROZEN), torch.float32, steps=1,
+                                      start=out["pp2-dp2-zero3"][1])[:2]
+    return {k: v if rank == 0 or k.startswith("resume") else (v[0], None, None, v[3]) for k, v in out.items()}
 
 
-def assert_equal_to_one_process(name: str, got, dtype, dp: int):
+def assert_equal_to_one_process(name: str, got, dtype, dp: int, frozen=()):
     losses, state, _, _ = got
-    ref_losses, ref = reference(dp, dtype)
+    ref_losses, ref = reference(dp, dtype, frozen=frozen)
     loss_tol, tol = (1e-12, 1e-10) if dtype == torch.float64 else (1e-5, 2e-4)
     assert max(abs(a - b) / a for a, b in zip(losses, ref_losses)) < loss_tol, (name, losses, ref_losses)
     assert list(state["model"]) == list(ref["model"]), name  # the one full format, same keys and order
@@ -151,7 +167,7 @@ def assert_figures_match_the_models(name: str, lay: dict, dtype, figures: dict):
 def test_layouts_on_4_ranks_equal_one_process_and_resume_across_layouts():
     results = run_ranks(layouts_worker, 4, LAYOUTS_4)
     for name, (lay, dtype) in LAYOUTS_4.items():
-        assert_equal_to_one_process(name, results[0][name], dtype, lay["dp"])
+        assert_equal_to_one_process(name, results[0][name], dtype, lay["dp"], lay["frozen"])
         assert all(r[name][0] == results[0][name][0] for r in results[1:]), name  # same loss everywhere
         for r in results:
             assert_figures_match_the_models(name, lay, dtype, r[name][3])
@@ -161,6 +177,10 @@ def test_layouts_on_4_ranks_equal_one_process_and_resume_across_layouts():
     got_losses, got = results[0]["resume"]
     assert abs(got_losses[0] - want_losses[0]) < 1e-12
     assert all(torch.allclose(got["model"][k], v, atol=1e-10, rtol=0) for k, v in want["model"].items())
+    want_losses, want = reference(2, torch.float32, steps=1, start=results[0]["pp2-dp2-zero3"][1], frozen=FROZEN)
+    got_losses, got = results[0]["resume3"]
+    assert abs(got_losses[0] - want_losses[0]) / want_losses[0] < 1e-5
+    assert all(torch.allclose(got["model"][k], v, atol=2e-4, rtol=0) for k, v in want["model"].items())
     # the pipeline's measured bubble on its logical clock: (p - 1) / (m + p - 1) with m = ACCUM
     stats = results[0]["tp2-pp2"][2]
     assert stats.bubble == pytest.approx((2 - 1) / (ACCUM + 2 - 1))

@@ -111,7 +111,7 @@ class ModelParallel(Strategy):
         stage = self.module
         if self.grid.ep_world_size > 1:
             sync_expert_grads(stage, self.comms["edp"], self.grid.dp_world_size * self.grid.cp_world_size)
-        if stage.tied is not None:  # first <-> last stage: both get the sum
+        if stage.tied is not None and stage.tied.requires_grad:  # first <-> last stage: both get the sum
             mine = self._grad(stage.tied)
             other = 0 if stage.is_last else self.grid.pp_world_size - 1
             mine.add_(exchange_tied_grad(self.comms["pp"], mine, other))
@@ -195,6 +195,8 @@ class ModelParallel(Strategy):
         its state-dict keys: from a weightless (meta-device) twin."""
         with torch.device("meta"):
             ref = GPT(self.cfg)
+        for n, p in ref.named_parameters():
+            p.requires_grad_(n not in self.module.frozen)  # the trainer's optimizer skips frozen ones
         name_of = {id(p): n for n, p in ref.named_parameters()}
         groups = [[name_of[id(p)] for p in g["params"]] for g in self.make_optimizer(ref).param_groups]
         return groups, list(ref.state_dict())

@@ -74,6 +74,7 @@ def parallelize(model: nn.Module, make_optimizer: OptimizerFactory, dp_strategy:
     p0 = next(model.parameters())
     stage.to(device=p0.device, dtype=p0.dtype)
     stage.load_full_state(model.state_dict())
+    stage.freeze(n for n, p in model.named_parameters() if not p.requires_grad)  # frozen stays frozen
     # 3. pp, continued: the schedule (the tied weight's gradients are summed after the dp reduction: sum_tied=False)
     pipeline = Pipeline(stage, grid.pp_comms, pp_schedule, sum_tied=False)
     # 5. dp / ZeRO over dp x cp, wrapping the stage
