@@ -81,6 +81,8 @@ LAYOUTS_4 = {  # dp = 4 / tp; the experts' replicas dp / ep
     "dp4-ep4-padded": layout(ep=4, padded=True),
     "dp4-ep2-zero1": layout(ep=2, strategy="zero1"),  # ZeRO on the other parameters, experts apart
     "tp2-dp2-ep2-zero2": layout(tp=2, ep=2, strategy="zero2"),
+    "tp2-dp2-ep2-zero3": layout(tp=2, ep=2, strategy="zero3"),  # ZeRO-3 shards the rest, the experts whole
+    "pp2-dp2-ep2-zero3": layout(pp=2, ep=2, strategy="zero3"),
 }
 LAYOUTS_8 = {"dp8-ep4": layout(ep=4)}
 
