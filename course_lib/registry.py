@@ -317,6 +317,6 @@ def moe_layout_error(cfg) -> str | None:
         return "capacity_factor with cp > 1 is not supported: which tokens are dropped would depend on cp"
     if cfg.nproc > 1 and cfg.strategy not in MODEL_PARALLEL_STRATEGIES:
         return (f"strategy {cfg.strategy!r} with n_expert on several ranks: use one of "
-                f"{', '.join(MODEL_PARALLEL_STRATEGIES)} (ZeRO-1/2 shard the other parameters; the experts "
+                f"{', '.join(MODEL_PARALLEL_STRATEGIES)} (ZeRO-1/2/3 shard the other parameters; the experts "
                 "are averaged over their own data-parallel group, parallel.expert)")
     return None

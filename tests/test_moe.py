@@ -122,7 +122,7 @@ def cfg(tmp_path, name: str, **overrides):
     ({"nproc": 6, "ep": 4, "n_expert": 4}, r"ep \(4\) must divide dp = ranks / \(tp\*pp\*cp\) = 6"),
     ({"nproc": 4, "ep": 4, "tp": 2}, r"ep \(4\) must divide dp = ranks / \(tp\*pp\*cp\) = 2"),
     ({"nproc": 4, "ep": 2, "sequence_parallel": True, "tp": 2}, r"n_expert with sequence_parallel is not supported"),
-    ({"nproc": 2, "ep": 2, "strategy": "zero3"}, r"strategy 'zero3' with n_expert on several ranks: use one of"),
+    ({"nproc": 2, "ep": 2, "strategy": "fsdp_full"}, r"strategy 'fsdp_full' with n_expert on several ranks: use one of"),
     ({"nproc": 2, "top_k": 5}, r"top_k must be in \[1, n_expert=4\], got 5"),
     ({"nproc": 2, "cp": 2, "capacity_factor": 1.25}, r"capacity_factor with cp > 1 is not supported"),
     ({"nproc": 2, "ep": 2, "dropout": 0.1}, r"dropout=0.1 with tp/pp/cp is not supported"),

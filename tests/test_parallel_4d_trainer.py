@@ -97,7 +97,7 @@ def _csv(path):
     ({"nproc": 4, "tp": 4, "n_head": 2}, r"n_head \(2\) must be divisible by tp \(4\)"),
     ({"nproc": 4, "pp": 4, "n_layer": 2}, r"n_layer \(2\) must be divisible by pp \(4\)"),
     ({"nproc": 2, "cp": 2, "block_size": 30}, r"block_size \(30\) must be divisible by 2\*cp \(4\)"),
-    ({"nproc": 4, "tp": 2, "pp": 2, "strategy": "zero3"}, r"strategy 'zero3' does not combine with tp/pp/cp"),
+    ({"nproc": 4, "tp": 2, "pp": 2, "strategy": "fsdp_full"}, r"strategy 'fsdp_full' does not combine with tp/pp/cp"),
     ({"nproc": 2, "tp": 2, "dropout": 0.1}, r"dropout=0.1 with tp/pp/cp is not supported"),
     ({"nproc": 2, "sequence_parallel": True}, r"sequence_parallel .* needs tp > 1"),
 ])
