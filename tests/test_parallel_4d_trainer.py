@@ -57,13 +57,13 @@ def test_layouts_train_like_one_process_and_resume_across_layouts(tmp_path):
          cfg(tmp_path, "single4", strategy="single", batch_size=4, gradient_accumulation_steps=4),
          cfg(tmp_path, "single-to-tp2pp2", strategy="single", batch_size=8, max_iters=HALF)], 1)
     run([cfg(tmp_path, name, nproc=4, **o) for name, o in LAYOUTS_4.items()]
-        + [cfg(tmp_path, "tp2pp2-to-single", nproc=4, tp=2, pp=2, batch_size=8, max_iters=HALF),
+        + [cfg(tmp_path, "zero3-to-single", nproc=4, tp=2, cp=2, strategy="zero3", batch_size=8, max_iters=HALF),
            cfg(tmp_path, "single-to-tp2pp2", nproc=4, tp=2, pp=2, batch_size=8, init_from="resume")], 4)
-    run([cfg(tmp_path, "tp2pp2-to-single", strategy="single", batch_size=8, init_from="resume")], 1)
+    run([cfg(tmp_path, "zero3-to-single", strategy="single", batch_size=8, init_from="resume")], 1)
     for name, o in LAYOUTS_4.items():
         assert_same_run(tmp_path, name, "single8" if o["batch_size"] == 8 else "single4")
     assert_same_run(tmp_path, "single-to-tp2pp2", "single8")
-    assert_same_run(tmp_path, "tp2pp2-to-single", "single8")
+    assert_same_run(tmp_path, "zero3-to-single", "single8")  # saved under tp2-cp2 with ZeRO-3 over cp
 
     # per-rank figures: the pipeline bubble of every step, (p - 1) / (m + p - 1) = 1/3
     rows = [r for r in _csv(tmp_path / "tp2-pp2" / "metrics.csv") if r["bubble"]]
