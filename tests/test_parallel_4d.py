@@ -6,7 +6,8 @@ F.cross_entropy, ring attention with zigzag chunks (Liu et al. 2023) against cau
 gradients. Then :func:`parallelize` (its ModelParallel) trains a tiny GPT (n_layer 2, n_embd 32, n_head 4, block 16,
 vocab 64) under several layouts; in float64 its losses, parameters and AdamW states after 3 steps
 must equal a single process that sees the same global batch (ZeRO keeps an fp32 master copy, so its
-layouts run in fp32). Its full state dict is the single process's, and loads into another layout.
+layouts run in fp32; ZeRO-3's with frozen parameters too). Its full state dict is the single
+process's, and loads into another layout.
 """
 
 from __future__ import annotations
@@ -256,10 +257,10 @@ ACT_CFG = GPTConfig(block_size=64, vocab_size=65, n_layer=2, n_head=4, n_embd=64
 
 def activations_worker(rank: int, world_size: int, cases: list) -> list[int]:
     out = []
-    for tp, pp, sp, schedule, micro in cases:
+    for tp, pp, sp, schedule, micro, *dp_strategy in cases:
         torch.manual_seed(0)
-        strategy = parallelize(GPT(ACT_CFG), optimizer_factory(TRAIN), "ddp", tp=tp, pp=pp, sequence_parallel=sp,
-                               pp_schedule=schedule, model_parallel=True)
+        strategy = parallelize(GPT(ACT_CFG), optimizer_factory(TRAIN), *dp_strategy or ["ddp"], tp=tp, pp=pp,
+                               sequence_parallel=sp, pp_schedule=schedule, model_parallel=True)
         x = torch.randint(0, ACT_CFG.vocab_size, (micro, 8, ACT_CFG.block_size), generator=torch.Generator().manual_seed(0))
         strategy.forward_backward(x, x)
         strategy.zero_grad()
@@ -274,13 +275,15 @@ def test_activation_memory_against_korthikanti_and_the_schedules():
     no s x s scores kept) without and with tp=2. Sequence parallelism holds less than plain tp;
     Korthikanti's figure is lower still, since Megatron keeps only the sequence shard of a
     column-parallel linear's input and gathers it again in backward, where we keep the gathered
-    input. With 4 micro-batches on 2 stages, AFAB's first stage holds all 4, 1F1B's 2."""
+    input. With 4 micro-batches on 2 stages, AFAB's first stage holds all 4, 1F1B's 2; the same under
+    ZeRO-3 (its whole parameters, gathered again per micro-batch, are no activations)."""
     one, tp2, sp2 = (1, 1, False, "1f1b", 1), (2, 1, False, "1f1b", 1), (2, 1, True, "1f1b", 1)
     afab, ofob = (1, 2, False, "afab", 4), (1, 2, False, "1f1b", 4)
-    got = run_ranks(activations_worker, 2, [one, tp2, sp2, afab, ofob])[0]
+    got = run_ranks(activations_worker, 2, [one, tp2, sp2, afab, ofob, (*afab, "zero3")])[0]
     for measured, (tp, *_rest) in zip(got[:2], (one, tp2)):
         want = activation_bytes(ACT_CFG.n_layer, 64, 8, 64, 4, 65, t=tp, bytes_per_value=4, dropout=False,
                                 flash_attention=True)
         assert measured == pytest.approx(want, rel=0.10), (tp, measured, want)
     assert got[2] < got[1]  # sp: LayerNorm regions sharded along the sequence
     assert got[3] / got[4] == pytest.approx(2.0, rel=0.05)  # stage 0: m = 4 in flight vs p = 2
+    assert got[5] == got[3]

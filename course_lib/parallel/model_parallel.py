@@ -7,7 +7,7 @@ and then dp/ZeRO in one documented order. One training step, on every rank::
     x, y (accum, B, T): this dp rank's samples   -> this cp rank's chunks (accum, B, T/cp)
     forward_backward (Pipeline.train_step): the accum micro-batches through the pp stages (AFAB or 1F1B);
         every tp/sp/cp collective happens inside the stage's forward and backward
-    finish_grads: the data-parallel strategy (ddp, zero1, zero2) averages the gradients over
+    finish_grads: the data-parallel strategy (ddp, zero1, zero2, zero3) averages the gradients over
         the dp x cp group (cp ranks saw different tokens of the same samples); with ep > 1 the
         experts apart, over their edp x cp group (parallel.expert.layer.sync_expert_grads); then
         the tied embedding's gradient is summed between the first and last stage, and under
@@ -86,7 +86,8 @@ class ModelParallel(Strategy):
         accum, B, T = x.shape
         g = self.grid
         x, y = (cp_split(t.reshape(accum * B, T), g.cp_rank, g.cp_world_size) for t in (x, y))
-        loss, self.last_stats = self.pipeline.train_step(x, y, accum, no_sync=self.inner.no_sync, model=self.model)
+        loss, self.last_stats = self.pipeline.train_step(x, y, accum, no_sync=self.inner.no_sync, model=self.model,
+                                                         params=self.names)
         self.last_micro = accum
         self._states_after_backward = measure_model_states(self)  # full gradients, before any reduce-scatter
         # a Python float from the pipeline: keep its digits; on the device, for the trainer's all-reduce

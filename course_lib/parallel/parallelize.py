@@ -20,12 +20,16 @@ The order, and why it is that order::
     5. dp / ZeRO last, over the dp x cp group: it wraps the model as it finally is (the stage of
        tp/sp/cp blocks), so what it buckets, shards and averages are this rank's own tensors;
        cp ranks saw different tokens of the same samples, so they average with the dp ranks.
-       With ep > 1 it skips the experts: ModelParallel averages them over their edp x cp group
-       (parallel.expert.layer.sync_expert_grads).
+       Any of ``registry.DP_FLAVOURS``: single, ddp, zero1, zero2 and zero3; ZeRO-3 (FSDP beside
+       tp: torchtitan's 2D layout) shards the stage with each block a unit and the rest (embeddings,
+       ln_f, head) the root, gathered again for each micro-batch's forward and backward of the
+       pipeline's schedule (AFAB, 1F1B), which forwards through its wrapper.
+       With ep > 1 it skips the experts (ZeRO-1/2/3 shard none of them): ModelParallel averages
+       them over their edp x cp group (parallel.expert.layer.sync_expert_grads).
 
 Steps 2 to 4 build one module, :class:`~course_lib.parallel.gpt_parallel.GPTStage` (pp chooses its
 blocks, tp/sp its layers, cp its attention), and load this rank's shards of the full weights into
-it; :class:`~course_lib.parallel.model_parallel.ModelParallel` then runs the step over all of it.
+it (the GPT's frozen parameters stay frozen); :class:`~course_lib.parallel.model_parallel.ModelParallel` then runs the step over all of it.
 """
 
 from __future__ import annotations
