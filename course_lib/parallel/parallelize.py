@@ -29,7 +29,8 @@ The order, and why it is that order::
 
 Steps 2 to 4 build one module, :class:`~course_lib.parallel.gpt_parallel.GPTStage` (pp chooses its
 blocks, tp/sp its layers, cp its attention), and load this rank's shards of the full weights into
-it (the GPT's frozen parameters stay frozen); :class:`~course_lib.parallel.model_parallel.ModelParallel` then runs the step over all of it.
+it (the GPT's frozen parameters stay frozen);
+:class:`~course_lib.parallel.model_parallel.ModelParallel` then runs the step over all of it.
 """
 
 from __future__ import annotations
