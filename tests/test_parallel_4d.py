@@ -28,7 +28,7 @@ from course_lib.parallel.comms import Comms
 from course_lib.parallel.context.ring_attention import cp_positions, cp_split, ring_attention
 from course_lib.parallel.gpt_parallel import shard, shard_spec, unshard
 from course_lib.parallel.parallelize import parallelize
-from course_lib.parallel.step import train_step
+from course_lib.parallel.step import Precision, train_step
 from course_lib.parallel.tensor.vocab import vocab_parallel_cross_entropy, vocab_range
 from course_lib.trainer.config import TrainConfig
 from course_lib.trainer.loop import optimizer_factory
@@ -74,7 +74,7 @@ def freeze(model: GPT, names) -> GPT:
     return model
 
 
-def train_layout(layout: dict, dtype, steps: int = STEPS, start: dict | None = None):
+def train_layout(layout: dict, dtype, steps: int = STEPS, start: dict | None = None, precision=None):
     """Every rank: build the grid and the strategy, train ``steps``; (losses, full state, stats)."""
     torch.manual_seed(0)
     strategy = parallelize(freeze(GPT(CFG).to(dtype), layout["frozen"]), optimizer_factory(TRAIN), layout["strategy"], tp=layout["tp"],
@@ -92,7 +92,8 @@ def train_layout(layout: dict, dtype, steps: int = STEPS, start: dict | None = N
     for s in range(steps):
         x, y = batch(s, grid.dp_world_size)
         mine = slice(B * grid.dp_rank, B * (grid.dp_rank + 1))
-        loss = train_step(strategy, x[:, mine], y[:, mine], grad_clip=1.0, phase=phase).loss.reshape(1)
+        loss = train_step(strategy, x[:, mine], y[:, mine], grad_clip=1.0, phase=phase,
+                          **({"precision": precision} if precision else {})).loss.reshape(1)
         dist.all_reduce(loss)  # tp and pp ranks hold equal losses; dp and cp ranks their part
         losses.append(loss.item() / grid.world_size)
     n_tensors = sum(p.requires_grad for p in strategy.module.parameters())  # DDP's presence flags
@@ -129,6 +130,10 @@ def layouts_worker(rank: int, world_size: int, layouts: dict) -> dict:
         # and pp2-dp2-zero3's, continued as tp2-dp2-zero3 (other shards of the same full state)
         out["resume3"] = train_layout(layout(tp=2, dp=2, strategy="zero3", frozen=FROZEN), torch.float32, steps=1,
                                       start=out["pp2-dp2-zero3"][1])[:2]
+        # mixed precision (the trainer's bf16 autocast): ZeRO-3 steps as DDP does in the same layout
+        bf16 = Precision.for_dtype("cpu", "bfloat16")
+        out["resume_bf16"] = {s: train_layout(layout(tp=2, dp=2, strategy=s), torch.float32, steps=2, precision=bf16)[:2]
+                              for s in ("ddp", "zero3")}
     return {k: v if rank == 0 or k.startswith("resume") else (v[0], None, None, v[3]) for k, v in out.items()}
 
 
@@ -182,6 +187,10 @@ def test_layouts_on_4_ranks_equal_one_process_and_resume_across_layouts():
     got_losses, got = results[0]["resume3"]
     assert abs(got_losses[0] - want_losses[0]) / want_losses[0] < 1e-5
     assert all(torch.allclose(got["model"][k], v, atol=2e-4, rtol=0) for k, v in want["model"].items())
+    (ddp_losses, ddp), (z3_losses, z3) = results[0]["resume_bf16"].values()  # bf16 autocast, tp2-dp2
+    assert z3_losses == pytest.approx(ddp_losses, rel=1e-6)
+    assert all(torch.allclose(z3["model"][k], v, atol=1e-6, rtol=0) for k, v in ddp["model"].items())
+    assert z3_losses == pytest.approx(reference(2, torch.float32, steps=2)[0], rel=1e-3)  # bf16's rounding
     # the pipeline's measured bubble on its logical clock: (p - 1) / (m + p - 1) with m = ACCUM
     stats = results[0]["tp2-pp2"][2]
     assert stats.bubble == pytest.approx((2 - 1) / (ACCUM + 2 - 1))
