@@ -107,6 +107,13 @@ def test_bad_layouts_are_refused_before_spawning(tmp_path, overrides, message):
     assert "\n" not in str(e.value)
 
 
+def test_zero3_beside_tp_pp_cp_passes_the_checks(tmp_path):
+    """ZeRO-3 is a data-parallel flavour of the grid (FSDP + TP, + pp, + cp): accepted before spawning."""
+    prepare("shakespeare_char", quiet=True)
+    for o in ({"tp": 2}, {"pp": 2}, {"tp": 2, "cp": 2, "sequence_parallel": True}):
+        assert check_request(cfg(tmp_path, "z3", nproc=4, strategy="zero3", **o)).config.strategy == "zero3"
+
+
 def test_resume_with_another_global_batch_is_refused(tmp_path):
     saved = cfg(tmp_path, "r", batch_size=8).to_dict()
     check_layout_change(saved, 1, cfg(tmp_path, "r", nproc=4, tp=2, pp=2, batch_size=8), 4)  # dp 1: fine
