@@ -71,7 +71,8 @@ STRATEGIES: dict[str, StrategyInfo] = {
                           "gradients sharded too, reduce-scattered bucket by bucket in backward", 2, "ours",
                           beside_model_parallel=True),
     "zero3": StrategyInfo("course_lib.parallel.zero.zero3:Zero3",
-                          "parameters sharded too: all-gathered per layer for forward and for backward", 3, "ours"),
+                          "parameters sharded too: all-gathered per layer for forward and for backward", 3, "ours",
+                          beside_model_parallel=True),
     "torch_ddp": StrategyInfo("course_lib.parallel.strategy:TorchDDP",
                               "DistributedDataParallel (buckets, overlap)", 0, "PyTorch", grad_comm_dtype=True),
     "torch_zero1": StrategyInfo("course_lib.parallel.zero.torch_sharded:TorchZero1",
@@ -316,6 +317,6 @@ def moe_layout_error(cfg) -> str | None:
         return "capacity_factor with cp > 1 is not supported: which tokens are dropped would depend on cp"
     if cfg.nproc > 1 and cfg.strategy not in MODEL_PARALLEL_STRATEGIES:
         return (f"strategy {cfg.strategy!r} with n_expert on several ranks: use one of "
-                f"{', '.join(MODEL_PARALLEL_STRATEGIES)} (ZeRO-1/2 shard the other parameters; the experts "
+                f"{', '.join(MODEL_PARALLEL_STRATEGIES)} (ZeRO-1/2/3 shard the other parameters; the experts "
                 "are averaged over their own data-parallel group, parallel.expert)")
     return None

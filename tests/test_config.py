@@ -131,7 +131,7 @@ def test_configurations_are_owned_by_their_components():
                               (DataConfig, {"dataset": "owt"}, "dataset must be one of"),
                               (OptimizerConfig, {"beta2": 1.0}, r"beta2 must be in \[0, 1\)"),
                               (RunConfig, {"device": "tpu"}, "device must be"),
-                              (ParallelConfig, {"tp": 2, "strategy": "zero3"}, "does not combine with tp/pp/cp")]:
+                              (ParallelConfig, {"tp": 2, "strategy": "fsdp_full"}, "does not combine with tp/pp/cp")]:
         with pytest.raises(ConfigError, match=message):
             cls(**bad)
         with pytest.raises(ConfigError, match=message):  # the same check, run by the whole

@@ -119,7 +119,7 @@ def test_mla_counts_its_projections():
 # --- against real gloo ranks ------------------------------------------------------------------------
 
 RANK_LAYOUTS = {"dp4 ep2": {"ep": 2, "strategy": "ddp"}, "dp4 ep4": {"ep": 4, "strategy": "ddp"},
-                "dp4 ep2 zero1": {"ep": 2, "strategy": "zero1"}}
+                "dp4 ep2 zero1": {"ep": 2, "strategy": "zero1"}, "dp4 ep2 zero3": {"ep": 2, "strategy": "zero3"}}
 T, K, C, E = 24, 2, 8, 8  # tokens per rank, experts per token, hidden size, experts (uniform routing)
 
 
@@ -150,7 +150,8 @@ def four_ranks():
 def test_memory_model_within_5_percent_of_every_ranks_measured_states(four_ranks):
     """Model states each rank held (parallel.footprint, the most over the step) against
     rank_states: experts over ep, their states replicated over dp/ep; the rest over dp (ZeRO-1:
-    its optimizer states sharded over dp); fp32 Adam, 4 + 4 + 8 bytes per parameter."""
+    its optimizer states sharded over dp; ZeRO-3: its parameters, gradients and optimizer states,
+    the experts left whole); fp32 Adam, 4 + 4 + 8 bytes per parameter."""
     rows = measured_rows([r[0] for r in four_ranks], TINY, RANK_LAYOUTS)
     assert len(rows) == 4 * len(RANK_LAYOUTS)
     for row in rows:
@@ -159,6 +160,7 @@ def test_memory_model_within_5_percent_of_every_ranks_measured_states(four_ranks
     by = {(r["layout"], r["rank"]): r["states MB"] for r in rows}
     assert by[("dp4 ep4", 0)] < by[("dp4 ep2", 0)]  # more ep, fewer experts per rank
     assert by[("dp4 ep2 zero1", 0)] < by[("dp4 ep2", 0)]  # ZeRO-1 shards the rest's optimizer states
+    assert by[("dp4 ep2 zero3", 0)] < by[("dp4 ep2 zero1", 0)]  # ZeRO-3 its parameters and gradients too
 
 
 def test_all_to_all_bytes_equal_the_cost_model(four_ranks):

@@ -6,7 +6,8 @@ F.cross_entropy, ring attention with zigzag chunks (Liu et al. 2023) against cau
 gradients. Then :func:`parallelize` (its ModelParallel) trains a tiny GPT (n_layer 2, n_embd 32, n_head 4, block 16,
 vocab 64) under several layouts; in float64 its losses, parameters and AdamW states after 3 steps
 must equal a single process that sees the same global batch (ZeRO keeps an fp32 master copy, so its
-layouts run in fp32). Its full state dict is the single process's, and loads into another layout.
+layouts run in fp32; ZeRO-3's with frozen parameters too). Its full state dict is the single
+process's, and loads into another layout.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from course_lib.parallel.comms import Comms
 from course_lib.parallel.context.ring_attention import cp_positions, cp_split, ring_attention
 from course_lib.parallel.gpt_parallel import shard, shard_spec, unshard
 from course_lib.parallel.parallelize import parallelize
-from course_lib.parallel.step import train_step
+from course_lib.parallel.step import Precision, train_step
 from course_lib.parallel.tensor.vocab import vocab_parallel_cross_entropy, vocab_range
 from course_lib.trainer.config import TrainConfig
 from course_lib.trainer.loop import optimizer_factory
@@ -44,10 +45,10 @@ def batch(step: int, dp: int):
     return idx[..., :-1].contiguous(), idx[..., 1:].contiguous()
 
 
-def reference(dp: int, dtype, steps: int = STEPS, start: dict | None = None):
+def reference(dp: int, dtype, steps: int = STEPS, start: dict | None = None, frozen=()):
     """One process, the same global batches; losses and the full state after ``steps``."""
     torch.manual_seed(0)
-    model = GPT(CFG).to(dtype)
+    model = freeze(GPT(CFG).to(dtype), frozen)
     opt = optimizer_factory(TRAIN)(model)
     if start is not None:
         model.load_state_dict(start["model"])
@@ -67,10 +68,16 @@ def reference(dp: int, dtype, steps: int = STEPS, start: dict | None = None):
     return losses, {"model": model.state_dict(), "optimizer": opt.state_dict()}
 
 
-def train_layout(layout: dict, dtype, steps: int = STEPS, start: dict | None = None):
+def freeze(model: GPT, names) -> GPT:
+    for n, p in model.named_parameters():
+        p.requires_grad_(n not in names)
+    return model
+
+
+def train_layout(layout: dict, dtype, steps: int = STEPS, start: dict | None = None, precision=None):
     """Every rank: build the grid and the strategy, train ``steps``; (losses, full state, stats)."""
     torch.manual_seed(0)
-    strategy = parallelize(GPT(CFG).to(dtype), optimizer_factory(TRAIN), layout["strategy"], tp=layout["tp"],
+    strategy = parallelize(freeze(GPT(CFG).to(dtype), layout["frozen"]), optimizer_factory(TRAIN), layout["strategy"], tp=layout["tp"],
                            pp=layout["pp"], cp=layout["cp"], sequence_parallel=layout["sp"], pp_schedule=layout["schedule"])
     grid = strategy.grid
     assert grid.dp_world_size == layout["dp"]
@@ -85,7 +92,8 @@ def train_layout(layout: dict, dtype, steps: int = STEPS, start: dict | None = N
     for s in range(steps):
         x, y = batch(s, grid.dp_world_size)
         mine = slice(B * grid.dp_rank, B * (grid.dp_rank + 1))
-        loss = train_step(strategy, x[:, mine], y[:, mine], grad_clip=1.0, phase=phase).loss.reshape(1)
+        loss = train_step(strategy, x[:, mine], y[:, mine], grad_clip=1.0, phase=phase,
+                          **({"precision": precision} if precision else {})).loss.reshape(1)
         dist.all_reduce(loss)  # tp and pp ranks hold equal losses; dp and cp ranks their part
         losses.append(loss.item() / grid.world_size)
     n_tensors = sum(p.requires_grad for p in strategy.module.parameters())  # DDP's presence flags
@@ -93,8 +101,12 @@ def train_layout(layout: dict, dtype, steps: int = STEPS, start: dict | None = N
                                                                 "n_tensors": n_tensors}
 
 
-def layout(dp=1, tp=1, pp=1, cp=1, sp=False, schedule="1f1b", strategy="ddp"):
-    return {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "sp": sp, "schedule": schedule, "strategy": strategy}
+def layout(dp=1, tp=1, pp=1, cp=1, sp=False, schedule="1f1b", strategy="ddp", frozen=()):
+    return {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "sp": sp, "schedule": schedule, "strategy": strategy,
+            "frozen": frozen}
+
+
+FROZEN = ("transformer.h.0.attn.c_attn.bias", "transformer.h.1.ln_2.weight")  # one on each stage of pp2
 
 
 LAYOUTS_4 = {
@@ -103,6 +115,9 @@ LAYOUTS_4 = {
     "pp2-dp2-zero1": (layout(pp=2, dp=2, schedule="afab", strategy="zero1"), torch.float32),
     "cp2-dp2": (layout(cp=2, dp=2), torch.float64),
     "tp2+sp-dp2-zero2": (layout(tp=2, dp=2, sp=True, strategy="zero2"), torch.float32),
+    # ZeRO-3 beside the grid: over dp with the pipeline's micro-batches in flight, over cp beside tp+sp
+    "pp2-dp2-zero3": (layout(pp=2, dp=2, strategy="zero3", frozen=FROZEN), torch.float32),  # + frozen
+    "tp2+sp-cp2-zero3": (layout(tp=2, cp=2, sp=True, strategy="zero3"), torch.float32),
 }
 LAYOUTS_8 = {"tp2+sp-pp2-cp2-zero1": (layout(tp=2, pp=2, cp=2, sp=True, strategy="zero1"), torch.float32)}
 
@@ -112,12 +127,19 @@ def layouts_worker(rank: int, world_size: int, layouts: dict) -> dict:
     if world_size == 4:  # resume: tp2-pp2's full state, continued as cp2-dp2 for one more step
         start = out["tp2-pp2"][1]
         out["resume"] = train_layout(layout(cp=2, dp=2), torch.float64, steps=1, start=start)[:2]
-    return {k: v if rank == 0 or k == "resume" else (v[0], None, None, v[3]) for k, v in out.items()}
+        # and pp2-dp2-zero3's, continued as tp2-dp2-zero3 (other shards of the same full state)
+        out["resume3"] = train_layout(layout(tp=2, dp=2, strategy="zero3", frozen=FROZEN), torch.float32, steps=1,
+                                      start=out["pp2-dp2-zero3"][1])[:2]
+        # mixed precision (the trainer's bf16 autocast): ZeRO-3 steps as DDP does in the same layout
+        bf16 = Precision.for_dtype("cpu", "bfloat16")
+        out["resume_bf16"] = {s: train_layout(layout(tp=2, dp=2, strategy=s), torch.float32, steps=2, precision=bf16)[:2]
+                              for s in ("ddp", "zero3")}
+    return {k: v if rank == 0 or k.startswith("resume") else (v[0], None, None, v[3]) for k, v in out.items()}
 
 
-def assert_equal_to_one_process(name: str, got, dtype, dp: int):
+def assert_equal_to_one_process(name: str, got, dtype, dp: int, frozen=()):
     losses, state, _, _ = got
-    ref_losses, ref = reference(dp, dtype)
+    ref_losses, ref = reference(dp, dtype, frozen=frozen)
     loss_tol, tol = (1e-12, 1e-10) if dtype == torch.float64 else (1e-5, 2e-4)
     assert max(abs(a - b) / a for a, b in zip(losses, ref_losses)) < loss_tol, (name, losses, ref_losses)
     assert list(state["model"]) == list(ref["model"]), name  # the one full format, same keys and order
@@ -151,7 +173,7 @@ def assert_figures_match_the_models(name: str, lay: dict, dtype, figures: dict):
 def test_layouts_on_4_ranks_equal_one_process_and_resume_across_layouts():
     results = run_ranks(layouts_worker, 4, LAYOUTS_4)
     for name, (lay, dtype) in LAYOUTS_4.items():
-        assert_equal_to_one_process(name, results[0][name], dtype, lay["dp"])
+        assert_equal_to_one_process(name, results[0][name], dtype, lay["dp"], lay["frozen"])
         assert all(r[name][0] == results[0][name][0] for r in results[1:]), name  # same loss everywhere
         for r in results:
             assert_figures_match_the_models(name, lay, dtype, r[name][3])
@@ -161,6 +183,14 @@ def test_layouts_on_4_ranks_equal_one_process_and_resume_across_layouts():
     got_losses, got = results[0]["resume"]
     assert abs(got_losses[0] - want_losses[0]) < 1e-12
     assert all(torch.allclose(got["model"][k], v, atol=1e-10, rtol=0) for k, v in want["model"].items())
+    want_losses, want = reference(2, torch.float32, steps=1, start=results[0]["pp2-dp2-zero3"][1], frozen=FROZEN)
+    got_losses, got = results[0]["resume3"]
+    assert abs(got_losses[0] - want_losses[0]) / want_losses[0] < 1e-5
+    assert all(torch.allclose(got["model"][k], v, atol=2e-4, rtol=0) for k, v in want["model"].items())
+    (ddp_losses, ddp), (z3_losses, z3) = results[0]["resume_bf16"].values()  # bf16 autocast, tp2-dp2
+    assert z3_losses == pytest.approx(ddp_losses, rel=1e-6)
+    assert all(torch.allclose(z3["model"][k], v, atol=1e-6, rtol=0) for k, v in ddp["model"].items())
+    assert z3_losses == pytest.approx(reference(2, torch.float32, steps=2)[0], rel=1e-3)  # bf16's rounding
     # the pipeline's measured bubble on its logical clock: (p - 1) / (m + p - 1) with m = ACCUM
     stats = results[0]["tp2-pp2"][2]
     assert stats.bubble == pytest.approx((2 - 1) / (ACCUM + 2 - 1))
@@ -236,10 +266,10 @@ ACT_CFG = GPTConfig(block_size=64, vocab_size=65, n_layer=2, n_head=4, n_embd=64
 
 def activations_worker(rank: int, world_size: int, cases: list) -> list[int]:
     out = []
-    for tp, pp, sp, schedule, micro in cases:
+    for tp, pp, sp, schedule, micro, *dp_strategy in cases:
         torch.manual_seed(0)
-        strategy = parallelize(GPT(ACT_CFG), optimizer_factory(TRAIN), "ddp", tp=tp, pp=pp, sequence_parallel=sp,
-                               pp_schedule=schedule, model_parallel=True)
+        strategy = parallelize(GPT(ACT_CFG), optimizer_factory(TRAIN), *dp_strategy or ["ddp"], tp=tp, pp=pp,
+                               sequence_parallel=sp, pp_schedule=schedule, model_parallel=True)
         x = torch.randint(0, ACT_CFG.vocab_size, (micro, 8, ACT_CFG.block_size), generator=torch.Generator().manual_seed(0))
         strategy.forward_backward(x, x)
         strategy.zero_grad()
@@ -254,13 +284,15 @@ def test_activation_memory_against_korthikanti_and_the_schedules():
     no s x s scores kept) without and with tp=2. Sequence parallelism holds less than plain tp;
     Korthikanti's figure is lower still, since Megatron keeps only the sequence shard of a
     column-parallel linear's input and gathers it again in backward, where we keep the gathered
-    input. With 4 micro-batches on 2 stages, AFAB's first stage holds all 4, 1F1B's 2."""
+    input. With 4 micro-batches on 2 stages, AFAB's first stage holds all 4, 1F1B's 2; the same under
+    ZeRO-3 (its whole parameters, gathered again per micro-batch, are no activations)."""
     one, tp2, sp2 = (1, 1, False, "1f1b", 1), (2, 1, False, "1f1b", 1), (2, 1, True, "1f1b", 1)
     afab, ofob = (1, 2, False, "afab", 4), (1, 2, False, "1f1b", 4)
-    got = run_ranks(activations_worker, 2, [one, tp2, sp2, afab, ofob])[0]
+    got = run_ranks(activations_worker, 2, [one, tp2, sp2, afab, ofob, (*afab, "zero3")])[0]
     for measured, (tp, *_rest) in zip(got[:2], (one, tp2)):
         want = activation_bytes(ACT_CFG.n_layer, 64, 8, 64, 4, 65, t=tp, bytes_per_value=4, dropout=False,
                                 flash_attention=True)
         assert measured == pytest.approx(want, rel=0.10), (tp, measured, want)
     assert got[2] < got[1]  # sp: LayerNorm regions sharded along the sequence
     assert got[3] / got[4] == pytest.approx(2.0, rel=0.05)  # stage 0: m = 4 in flight vs p = 2
+    assert got[5] == got[3]

@@ -57,13 +57,13 @@ def test_layouts_train_like_one_process_and_resume_across_layouts(tmp_path):
          cfg(tmp_path, "single4", strategy="single", batch_size=4, gradient_accumulation_steps=4),
          cfg(tmp_path, "single-to-tp2pp2", strategy="single", batch_size=8, max_iters=HALF)], 1)
     run([cfg(tmp_path, name, nproc=4, **o) for name, o in LAYOUTS_4.items()]
-        + [cfg(tmp_path, "tp2pp2-to-single", nproc=4, tp=2, pp=2, batch_size=8, max_iters=HALF),
+        + [cfg(tmp_path, "zero3-to-single", nproc=4, tp=2, cp=2, strategy="zero3", batch_size=8, max_iters=HALF),
            cfg(tmp_path, "single-to-tp2pp2", nproc=4, tp=2, pp=2, batch_size=8, init_from="resume")], 4)
-    run([cfg(tmp_path, "tp2pp2-to-single", strategy="single", batch_size=8, init_from="resume")], 1)
+    run([cfg(tmp_path, "zero3-to-single", strategy="single", batch_size=8, init_from="resume")], 1)
     for name, o in LAYOUTS_4.items():
         assert_same_run(tmp_path, name, "single8" if o["batch_size"] == 8 else "single4")
     assert_same_run(tmp_path, "single-to-tp2pp2", "single8")
-    assert_same_run(tmp_path, "tp2pp2-to-single", "single8")
+    assert_same_run(tmp_path, "zero3-to-single", "single8")  # saved under tp2-cp2 with ZeRO-3 over cp
 
     # per-rank figures: the pipeline bubble of every step, (p - 1) / (m + p - 1) = 1/3
     rows = [r for r in _csv(tmp_path / "tp2-pp2" / "metrics.csv") if r["bubble"]]
@@ -97,7 +97,7 @@ def _csv(path):
     ({"nproc": 4, "tp": 4, "n_head": 2}, r"n_head \(2\) must be divisible by tp \(4\)"),
     ({"nproc": 4, "pp": 4, "n_layer": 2}, r"n_layer \(2\) must be divisible by pp \(4\)"),
     ({"nproc": 2, "cp": 2, "block_size": 30}, r"block_size \(30\) must be divisible by 2\*cp \(4\)"),
-    ({"nproc": 4, "tp": 2, "pp": 2, "strategy": "zero3"}, r"strategy 'zero3' does not combine with tp/pp/cp"),
+    ({"nproc": 4, "tp": 2, "pp": 2, "strategy": "fsdp_full"}, r"strategy 'fsdp_full' does not combine with tp/pp/cp"),
     ({"nproc": 2, "tp": 2, "dropout": 0.1}, r"dropout=0.1 with tp/pp/cp is not supported"),
     ({"nproc": 2, "sequence_parallel": True}, r"sequence_parallel .* needs tp > 1"),
 ])
@@ -105,6 +105,13 @@ def test_bad_layouts_are_refused_before_spawning(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message) as e:
         check_request(cfg(tmp_path, "bad", **overrides))
     assert "\n" not in str(e.value)
+
+
+def test_zero3_beside_tp_pp_cp_passes_the_checks(tmp_path):
+    """ZeRO-3 is a data-parallel flavour of the grid (FSDP + TP, + pp, + cp): accepted before spawning."""
+    prepare("shakespeare_char", quiet=True)
+    for o in ({"tp": 2}, {"pp": 2}, {"tp": 2, "cp": 2, "sequence_parallel": True}):
+        assert check_request(cfg(tmp_path, "z3", nproc=4, strategy="zero3", **o)).config.strategy == "zero3"
 
 
 def test_resume_with_another_global_batch_is_refused(tmp_path):

@@ -4,7 +4,7 @@ A tiny MoE GPT (n_layer 2, n_embd 32, block 16, 4 experts, top-2, a bias) trains
 float64 under several dp x ep layouts (ep carved out of dp: ``dp`` below is the data-parallel
 degree, dp/ep the experts' replicas), one with tp, one with a capacity factor and one with the
 padded all-to-all; its per-step losses must be within 1e-5 relative of one process on the same
-global batch (within ~1e-12 in float64; ZeRO-1/2 on the non-expert parameters run in float32),
+global batch (within ~1e-12 in float64; ZeRO-1/2/3 on the non-expert parameters run in float32),
 its full state dict equal, and with a capacity factor the
 dropped assignments (summed over the ranks) equal one process's: the capacity rule does not
 depend on the layout. The all-to-all's counted bytes equal the arithmetic of
@@ -81,6 +81,8 @@ LAYOUTS_4 = {  # dp = 4 / tp; the experts' replicas dp / ep
     "dp4-ep4-padded": layout(ep=4, padded=True),
     "dp4-ep2-zero1": layout(ep=2, strategy="zero1"),  # ZeRO on the other parameters, experts apart
     "tp2-dp2-ep2-zero2": layout(tp=2, ep=2, strategy="zero2"),
+    "tp2-dp2-ep2-zero3": layout(tp=2, ep=2, strategy="zero3"),  # ZeRO-3 shards the rest, the experts whole
+    "pp2-dp2-ep2-zero3": layout(pp=2, ep=2, strategy="zero3"),
 }
 LAYOUTS_8 = {"dp8-ep4": layout(ep=4)}
 

@@ -20,7 +20,7 @@ def test_every_reader_takes_its_names_from_the_registry():
     assert registry.STRATEGY_NAMES == tuple(registry.STRATEGIES)
     assert registry.GRAD_COMM_STRATEGIES == ("ddp", "ddp_naive", "torch_ddp")  # whole-gradient all-reduce
     assert config.FIELDS["strategy"].default == "auto" and not hasattr(config, "STRATEGY_NAMES")  # no second name
-    assert registry.DP_FLAVOURS == ("single", "ddp", "zero1", "zero2")
+    assert registry.DP_FLAVOURS == ("single", "ddp", "zero1", "zero2", "zero3")
     for name, info in registry.STRATEGIES.items():
         module, cls = info.cls.split(":")
         assert getattr(importlib.import_module(module), cls).name == name, name  # a real class, rightly named

@@ -20,6 +20,9 @@ all-gather) per rank (:func:`~course_lib.analysis.comm_cost.bytes_per_rank`). Pe
   (v h / t) between the first and last stage.
 * dp (the dp x cp group): the gradients of the stage, all-reduced (DDP), or reduce-scattered and
   the parameters all-gathered (ZeRO-1/2): the same bytes (Rajbhandari et al. 2020, Sec. 7).
+  ZeRO-3 per micro-batch: the blocks all-gathered for forward and again for backward, the rest of
+  the stage (the root unit: embeddings, ln_f, head) once, and every gradient reduce-scattered
+  (paper Sec. 7.2.2: 3 Psi; no ``no_sync``, so m times a step).
 """
 
 from __future__ import annotations
@@ -85,4 +88,10 @@ def sent_bytes_per_step(n_layer: int, n_embd: int, vocab_size: int, block_size: 
         total = stage_params(n_layer, n_embd, vocab_size, block_size, bias, tp, pp, pp_rank)["total"]
         flags = n_tensors if not zero else 0  # ZeRO's flags ride in its padded rows (within 1 %)
         out["dp"] = bytes_per_rank("all_reduce", (total + flags) * e, n_dp)  # = reduce-scatter + all-gather
+        if zero_stage == 3:
+            blocks = stage_params(n_layer, n_embd, vocab_size, block_size, bias, tp, pp, 0)["total"] - \
+                stage_params(0, n_embd, vocab_size, block_size, bias, tp, pp, 0)["total"]  # this stage's L layers
+            gathered = 2 * blocks + (total - blocks)
+            out["dp"] = m * (bytes_per_rank("all_gather", gathered * e, n_dp)
+                             + bytes_per_rank("reduce_scatter", total * e, n_dp))
     return out

@@ -45,7 +45,7 @@ LAYOUTS: dict[str, dict] = {
     "dp4 ep4": {"ep": 4, "strategy": "ddp"},
     "dp4 ep2 zero1": {"ep": 2, "strategy": "zero1"},
 }
-DP_STAGE = {"ddp": 0, "zero1": 1, "zero2": 2}  # the ZeRO stage of the non-expert states
+DP_STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}  # the ZeRO stage of the non-expert states
 
 
 def router_history(rows: Sequence[Mapping], n_expert: int) -> dict:

@@ -182,6 +182,7 @@ class GPTStage(nn.Module):
         elif self.is_first and pp_world_size > 1:
             tied = self.transformer.wte.weight
         object.__setattr__(self, "tied", tied)  # a reference, not a second registration
+        self.frozen: frozenset[str] = frozenset()  # full-model names of frozen parameters (freeze)
         self.vocab_start = vocab_range(cfg.vocab_size, self.tp_comms.rank, self.tp_comms.world_size)[0]
 
     def local_tokens(self, n_local: int) -> int:
@@ -224,6 +225,13 @@ class GPTStage(nn.Module):
         """Under sequence parallelism, parameters replicated over tp see only this rank's tokens:
         their gradients must be summed over the tp group."""
         return self.sequence_parallel and shard_spec(name) is None
+
+    def freeze(self, names) -> None:
+        """Freeze the parameters of these full-model names (the GPT's frozen ones: they stay frozen
+        here; the last stage's copy of the tied weight follows ``transformer.wte.weight``)."""
+        self.frozen = frozenset(names)
+        for n, p in self.named_parameters():
+            p.requires_grad_(("transformer.wte.weight" if n == "lm_head.weight" else n) not in self.frozen)
 
     @torch.no_grad()
     def load_full_state(self, full: dict[str, torch.Tensor]) -> None:

@@ -7,7 +7,7 @@ and then dp/ZeRO in one documented order. One training step, on every rank::
     x, y (accum, B, T): this dp rank's samples   -> this cp rank's chunks (accum, B, T/cp)
     forward_backward (Pipeline.train_step): the accum micro-batches through the pp stages (AFAB or 1F1B);
         every tp/sp/cp collective happens inside the stage's forward and backward
-    finish_grads: the data-parallel strategy (ddp, zero1, zero2) averages the gradients over
+    finish_grads: the data-parallel strategy (ddp, zero1, zero2, zero3) averages the gradients over
         the dp x cp group (cp ranks saw different tokens of the same samples); with ep > 1 the
         experts apart, over their edp x cp group (parallel.expert.layer.sync_expert_grads); then
         the tied embedding's gradient is summed between the first and last stage, and under
@@ -63,9 +63,12 @@ class ModelParallel(Strategy):
         self.comms, self.inner, self.pipeline = comms, inner, pipeline
         self.comms["dp"] = getattr(inner, "comms", Comms(grid.dp_cp_group))
         self.module, self.model, self.optimizer = stage, inner.model, inner.optimizer
-        self.names = {p: n for n, p in stage.named_parameters()}
+        # the whole tensors forward computes with, by name (ZeRO-3's stage shows its shards between
+        # uses; compute_parameters() are in the order of named_parameters())
+        self.names = dict(zip(inner.compute_parameters(), (n for n, _ in stage.named_parameters())))
         self.group, self.dp_rank, self.dp_world_size = grid.dp_cp_group, grid.dp_rank, grid.dp_world_size
-        self.shards = getattr(inner.optimizer, "shards", None)  # ZeRO-1/2: gradients live on fp32 shards
+        # ZeRO-1/2: gradients live on the optimizer's fp32 shards; ZeRO-3: on the module's fp32 masters
+        self.shards = getattr(inner.optimizer, "shards", getattr(inner.model, "masters", None))
         self.sharded = self.shards is not None
         self._states_after_backward = None
         self.last_stats, self.last_micro = None, 0  # the last step's PipelineStats (bubble) and m
@@ -83,7 +86,8 @@ class ModelParallel(Strategy):
         accum, B, T = x.shape
         g = self.grid
         x, y = (cp_split(t.reshape(accum * B, T), g.cp_rank, g.cp_world_size) for t in (x, y))
-        loss, self.last_stats = self.pipeline.train_step(x, y, accum, no_sync=self.inner.no_sync)
+        loss, self.last_stats = self.pipeline.train_step(x, y, accum, no_sync=self.inner.no_sync, model=self.model,
+                                                         params=self.names)
         self.last_micro = accum
         self._states_after_backward = measure_model_states(self)  # full gradients, before any reduce-scatter
         # a Python float from the pipeline: keep its digits; on the device, for the trainer's all-reduce
@@ -93,7 +97,7 @@ class ModelParallel(Strategy):
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         g = self.grid
         x, y = (cp_split(t, g.cp_rank, g.cp_world_size) for t in (x, y))
-        return self.pipeline.eval_loss(x, y)
+        return self.pipeline.eval_loss(x, y, model=self.model)
 
     def no_sync(self):
         return self.inner.no_sync()
@@ -108,7 +112,7 @@ class ModelParallel(Strategy):
         stage = self.module
         if self.grid.ep_world_size > 1:
             sync_expert_grads(stage, self.comms["edp"], self.grid.dp_world_size * self.grid.cp_world_size)
-        if stage.tied is not None:  # first <-> last stage: both get the sum
+        if stage.tied is not None and stage.tied.requires_grad:  # first <-> last stage: both get the sum
             mine = self._grad(stage.tied)
             other = 0 if stage.is_last else self.grid.pp_world_size - 1
             mine.add_(exchange_tied_grad(self.comms["pp"], mine, other))
@@ -192,6 +196,8 @@ class ModelParallel(Strategy):
         its state-dict keys: from a weightless (meta-device) twin."""
         with torch.device("meta"):
             ref = GPT(self.cfg)
+        for n, p in ref.named_parameters():
+            p.requires_grad_(n not in self.module.frozen)  # the trainer's optimizer skips frozen ones
         name_of = {id(p): n for n, p in ref.named_parameters()}
         groups = [[name_of[id(p)] for p in g["params"]] for g in self.make_optimizer(ref).param_groups]
         return groups, list(ref.state_dict())
@@ -236,7 +242,8 @@ class ModelParallel(Strategy):
     def _inner_groups(self) -> list[list[nn.Parameter]]:
         """The stage's parameters in the groups (and order) of the dp strategy's optimizer state."""
         opt = self.inner.optimizer
-        full = getattr(opt, "full_params", None)  # ShardedOptimizer (zero1/2): its groups hold fp32 shards
+        # ShardedOptimizer (zero1/2), Zero3: the optimizer's groups hold fp32 shards of these
+        full = getattr(opt, "full_params", getattr(self.inner, "full_params", None))
         if full is None:
             return [g["params"] for g in opt.param_groups]
         sizes = [len(g["params"]) for g in opt.param_groups]  # the same groups, one shard per parameter

@@ -20,12 +20,17 @@ The order, and why it is that order::
     5. dp / ZeRO last, over the dp x cp group: it wraps the model as it finally is (the stage of
        tp/sp/cp blocks), so what it buckets, shards and averages are this rank's own tensors;
        cp ranks saw different tokens of the same samples, so they average with the dp ranks.
-       With ep > 1 it skips the experts: ModelParallel averages them over their edp x cp group
-       (parallel.expert.layer.sync_expert_grads).
+       Any of ``registry.DP_FLAVOURS``: single, ddp, zero1, zero2 and zero3; ZeRO-3 (FSDP beside
+       tp: torchtitan's 2D layout) shards the stage with each block a unit and the rest (embeddings,
+       ln_f, head) the root, gathered again for each micro-batch's forward and backward of the
+       pipeline's schedule (AFAB, 1F1B), which forwards through its wrapper.
+       With ep > 1 it skips the experts (ZeRO-1/2/3 shard none of them): ModelParallel averages
+       them over their edp x cp group (parallel.expert.layer.sync_expert_grads).
 
 Steps 2 to 4 build one module, :class:`~course_lib.parallel.gpt_parallel.GPTStage` (pp chooses its
 blocks, tp/sp its layers, cp its attention), and load this rank's shards of the full weights into
-it; :class:`~course_lib.parallel.model_parallel.ModelParallel` then runs the step over all of it.
+it (the GPT's frozen parameters stay frozen);
+:class:`~course_lib.parallel.model_parallel.ModelParallel` then runs the step over all of it.
 """
 
 from __future__ import annotations
@@ -74,11 +79,14 @@ def parallelize(model: nn.Module, make_optimizer: OptimizerFactory, dp_strategy:
     p0 = next(model.parameters())
     stage.to(device=p0.device, dtype=p0.dtype)
     stage.load_full_state(model.state_dict())
+    stage.freeze(n for n, p in model.named_parameters() if not p.requires_grad)  # frozen stays frozen
     # 3. pp, continued: the schedule (the tied weight's gradients are summed after the dp reduction: sum_tied=False)
     pipeline = Pipeline(stage, grid.pp_comms, pp_schedule, sum_tied=False)
     # 5. dp / ZeRO over dp x cp, wrapping the stage
     if dp_strategy == "single" and grid.dp_world_size * grid.cp_world_size > 1:
         dp_strategy = "ddp"
     group = {} if dp_strategy == "single" else {"group": grid.dp_cp_group, **dp_options}
+    if registry.STRATEGIES[dp_strategy].zero_stage == 3:  # ZeRO-3 gathers block by block (the rest: the root)
+        group["units"] = list(stage.transformer.h.values())
     inner = build_strategy(dp_strategy, stage, make_optimizer, **group)
     return ModelParallel(stage, pipeline, inner, grid, comms, make_optimizer)

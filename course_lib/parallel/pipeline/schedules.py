@@ -175,12 +175,14 @@ class PipelineStats:
 @contextlib.contextmanager
 def _count_saved(param_storages: set[int]):
     """Bytes of the tensors autograd saves for backward inside the block, each storage once,
-    parameters excluded (as :func:`course_lib.experiments.memory_measure.saved_activation_bytes`)."""
+    parameters excluded (as :func:`course_lib.experiments.memory_measure.saved_activation_bytes`).
+    ``param_storages``: the parameters' storages by identity (``_cdata``), which a ZeRO-3 gather
+    keeps while it re-allocates their bytes."""
     seen, counted = set(), {"bytes": 0}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
-        if st.data_ptr() not in param_storages and st.data_ptr() not in seen:
+        if st._cdata not in param_storages and st.data_ptr() not in seen:
             seen.add(st.data_ptr())
             counted["bytes"] += st.nbytes()
         return t
@@ -205,18 +207,23 @@ class Pipeline:
         self.device = next(stage.parameters()).device  # NCCL sends CUDA tensors only
         self.loss_dtype = torch.promote_types(self.dtype, torch.float32)  # fp32, or fp64 for fp64 models
 
-    def train_step(self, x: torch.Tensor, targets: torch.Tensor, n_micro: int, no_sync=None):
+    def train_step(self, x: torch.Tensor, targets: torch.Tensor, n_micro: int, no_sync=None, model=None,
+                   params=None):
         """Forward and backward of one batch (gradients accumulate in the stage's parameters).
         Returns the batch's mean loss (on every rank) and this rank's :class:`PipelineStats`.
         ``no_sync``: a context manager factory (a data-parallel wrapper's) entered for every
-        backward but the last micro-batch's, which is the last backward of both schedules."""
+        backward but the last micro-batch's, which is the last backward of both schedules.
+        ``model``: what each forward calls (a data-parallel wrapper of the stage, e.g. ZeRO-3's,
+        which gathers its shards); default the stage. ``params``: the tensors it computes with (not
+        counted as activations); default the stage's parameters."""
+        model = self.stage if model is None else model
         if x.shape[0] % n_micro:
             raise ValueError(f"batch size {x.shape[0]} is not divisible by n_micro={n_micro}")
         xs, ys = x.chunk(n_micro), targets.chunk(n_micro)
         extra_loss = getattr(self.stage, "has_extra_loss", False) and self.pp_world_size > 1
         t_step, busy_s, clock, busy = time.perf_counter(), 0.0, 0.0, 0
         self.sends, saved, in_flight, peak, held, peak_bytes, micro_bytes = [], {}, 0, 0, 0, 0, {}
-        params = {p.untyped_storage().data_ptr() for p in self.stage.parameters()}
+        params = {p.untyped_storage()._cdata for p in (self.stage.parameters() if params is None else params)}
         loss_sum = torch.zeros((), dtype=self.loss_dtype, device=self.device)
         for op, i in schedule_ops(self.schedule, n_micro, self.pp_rank, self.pp_world_size):
             if op == "F":
@@ -229,7 +236,7 @@ class Pipeline:
                     inp.requires_grad_()
                 t0 = time.perf_counter()
                 with _count_saved(params) as counted:
-                    out = self.stage(inp, ys[i] if self.is_last else None)
+                    out = model(inp, ys[i] if self.is_last else None)
                     extra = self.stage.extra_loss() if extra_loss and not self.is_last else 0.0
                 if torch.is_tensor(extra):  # a loss term of this (not last) stage: / m as the loss
                     extra = extra / n_micro
@@ -278,12 +285,14 @@ class Pipeline:
         return loss_sum.item(), stats
 
     @torch.no_grad()
-    def eval_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Forward only, the whole batch at once (evaluation): its loss, on every rank."""
+    def eval_loss(self, x: torch.Tensor, targets: torch.Tensor, model=None) -> torch.Tensor:
+        """Forward only, the whole batch at once (evaluation): its loss, on every rank. ``model``:
+        as in :meth:`train_step`."""
+        model = self.stage if model is None else model
         loss = torch.zeros((), dtype=self.loss_dtype, device=self.device)
         inp = x if self.is_first else recv_activation(self.comms, self.stage.activation_shape(x), self.dtype,
                                                       self.device, self.pp_rank - 1)[0]
-        out = self.stage(inp, targets if self.is_last else None)
+        out = model(inp, targets if self.is_last else None)
         if self.is_last:
             loss += out.to(self.loss_dtype)
         else:

@@ -35,10 +35,18 @@ the optimizer steps the fp32 shards. FSDP2's MixedPrecisionPolicy(param_dtype, r
 ``replicate(p) -> bool`` keeps chosen parameters (e.g. norms and biases: ``lambda p: p.dim() < 2``)
 whole on every rank, their gradients all-reduced after backward: a few more bytes per rank, no
 gather per use. Frozen parameters are always kept whole (in ``compute_dtype``) and never stepped.
+The experts of expert parallelism (flagged ``ep_sharded``: each rank holds other experts;
+:mod:`course_lib.parallel.expert`) are left alone, as ZeRO-1/2 and DDP leave them: whole, their
+gradients averaged by ``sync_expert_grads`` over their own group, stepped as they are.
 
 A freed parameter keeps its shape, its storage resized to 0 bytes (autograd saved the tensor, so
 backward reads the re-gathered values). Accumulation: every backward reduce-scatters and the
 shards add up. Units must run alike on every rank (gathers are collectives).
+
+Several forwards before their backwards (a pipeline schedule, AFAB or 1F1B: micro-batches in
+flight) work too: every unit is gathered again before each backward that needs it (the root by a
+hook on the forward's output, as the other units by hooks on theirs), and each backward
+reduce-scatters into the shards' gradients, which add up.
 """
 
 from __future__ import annotations
@@ -82,6 +90,11 @@ class FullyShardedDataParallel(nn.Module):
         broadcast_module(module, self.comms)  # every rank starts from rank 0's state
         self.names = {p: n for n, p in module.named_parameters()}  # tied weights: once
         trainable, frozen = split_trainable(self.names)
+        own = [p for p in trainable if getattr(p, "ep_sharded", False)]  # experts: left to parallel.expert
+        if own and compute_dtype is not None:
+            raise ValueError("ZeRO-3's compute_dtype with expert-parallel experts (ep > 1) is not supported: "
+                             "the experts stay in their dtype; use autocast (the trainer's mixed precision)")
+        trainable = [p for p in trainable if not getattr(p, "ep_sharded", False)]
         keep = [p for p in trainable if replicate is not None and replicate(p)] + frozen
         sharded = [p for p in trainable if not any(p is k for k in keep)]
         units = [u for u in (default_units(module) if units is None else units) if u is not module]
@@ -93,6 +106,7 @@ class FullyShardedDataParallel(nn.Module):
         self.layout_of: dict[nn.Parameter, tuple[ShardLayout, int]] = {}
         self.masters: dict[nn.Parameter, nn.Parameter] = {}  # whole parameter -> fp32 master
         registered = [(m, attr, p) for m in module.modules() for attr, p in m._parameters.items() if p is not None]
+        self.masters.update({p: p for p in own})  # stepped whole, as they are
         with torch.no_grad():
             for unit in self.units:
                 unit.row = unit.layout.pack([p.data for p in unit.params], torch.float32)[rank].clone()
@@ -151,6 +165,10 @@ class FullyShardedDataParallel(nn.Module):
         for unit in (self.order or [])[: self.prefetch]:
             unit.start_gather(self.comms)
         out = self.module(*args, **kwargs)
+        if self.root is not None and torch.is_grad_enabled():  # whole again for this output's backward
+            for t in tensors_in(out):  # (another micro-batch's backward may have freed it: a pipeline)
+                if t.requires_grad:
+                    t.register_hook(lambda grad: self.root.wait_gather(self.comms))
         if self.order is None and torch.is_grad_enabled():
             self.order = self._recording
         elif torch.is_grad_enabled():  # backward starts with the last units: gather them now
