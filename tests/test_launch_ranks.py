@@ -8,6 +8,7 @@ named before anything starts, hangs and failures name their ranks; the GPU case 
 from __future__ import annotations
 
 import json
+import re
 import os
 import sys
 import threading
@@ -230,3 +231,30 @@ def test_after_a_cuda_backward_in_the_parent_every_front_end_runs():
         torch.testing.assert_close(grad, torch.full((3,), 2.0))
     assert notebook_launcher(lambda: torch.cuda.is_available(), nproc=2) == [True, True]
     assert isolated(lambda: torch.ones(2, device="cuda").sum().item()) == 2.0
+
+
+def test_a_kernel_that_ran_ranks_shuts_down_by_itself(tmp_path):
+    """ipykernel's shutdown waits for every child of its process group to go, and the fork
+    server's resource tracker ignores SIGTERM: the kernel used to be killed by its frontend
+    (jupyter_client: SIGTERM after 2.5 s) before its atexit handlers ran. The fork server and the
+    tracker are stopped when the kernel is told to shut down, so it finishes its own shutdown."""
+    pytest.importorskip("jupyter_client")
+    import psutil
+    from kernel_cells import run, start_kernel
+
+    km, kc = start_kernel(tmp_path)
+    try:
+        cell = run(kc, "import atexit, os, psutil\n"
+                       f"atexit.register(lambda: open({str(tmp_path / 'atexit')!r}, 'w').write('ran'))\n"
+                       "from course_lib.launch.spawn import run_ranks\n"
+                       "def f(rank, world_size):\n    return rank\n"
+                       "print(run_ranks(f, 2))\n"
+                       "print('helpers', [p.pid for p in psutil.Process().children()])")
+        assert "[0, 1]" in cell.stdout, cell.stdout + cell.stderr
+        helpers = [int(p) for p in re.findall(r"\d+", cell.stdout.split("helpers", 1)[1])]
+        assert len(helpers) == 2  # the fork server and the resource tracker
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel()  # graceful: the shutdown request, then jupyter_client's wait
+    assert (tmp_path / "atexit").read_text() == "ran", "the kernel was killed, not shut down"
+    assert not [p for p in helpers if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]

@@ -60,6 +60,7 @@ from typing import Any
 
 import cloudpickle
 
+from course_lib.launch.procs import signal_quietly
 from course_lib.launch.rank_child import rank_main
 
 START_LIMIT_S = 120.0  # the fork server's first start imports torch: seconds on a busy machine
@@ -107,7 +108,43 @@ def _context(method: str):
         # Takes effect when this process starts its fork server (the first run); a server that
         # something else started already keeps its own list: ranks then import torch themselves.
         ctx.set_forkserver_preload(PRELOAD + [m for m in PRELOAD_IF_IMPORTED if m in sys.modules])
+        _stop_helpers_with_the_kernel()
     return ctx
+
+
+def _stop_helpers_with_the_kernel() -> None:
+    """In a Jupyter kernel, stop the fork server and multiprocessing's resource tracker as soon as
+    the kernel is asked to shut down (or restart).
+
+    At shutdown ipykernel terminates every child in its process group and waits until they are gone
+    (SIGTERM, retried for 14 s before SIGKILL); the resource tracker that the fork server brings
+    ignores SIGTERM by design and lives while this process holds its pipe. So a kernel that had run
+    ranks never finished its own shutdown: the frontend killed it after its wait (jupyter_client:
+    2.5 s, then SIGTERM), skipping its atexit handlers. ``do_shutdown`` sets the shell's
+    ``exit_now`` before that wait: observing it, the helpers are stopped first, and the kernel
+    shuts down as one that ran no ranks.
+    """
+    ipython = sys.modules.get("IPython")  # a kernel has imported it; a script has not
+    shell = ipython.get_ipython() if ipython is not None else None
+    if shell is not None and getattr(shell, "kernel", None) is not None:
+        shell.observe(_stop_helpers, names="exit_now")  # once: traitlets keeps one of each handler
+
+
+def _stop_helpers(change) -> None:
+    if not change["new"]:
+        return
+    # The fork server first: it holds the resource tracker's pipe too. SIGTERM ends it at once (left
+    # to exit by itself it tears down its imported torch, about 1 s; its ranks, if any, follow it by
+    # their parent-death signal). ``_stop`` (Python >= 3.8) closes this process's end of a helper's
+    # pipe and reaps it; attributes a Python lacks are skipped.
+    server = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
+    if getattr(server, "_forkserver_pid", None):
+        signal_quietly(server._forkserver_pid, signal.SIGTERM)
+    tracker = getattr(sys.modules.get("multiprocessing.resource_tracker"), "_resource_tracker", None)
+    for helper in (server, tracker):
+        stop = getattr(helper, "_stop", None)
+        if stop is not None:
+            stop()
 
 
 def _culprit(name: str, obj: Any, dumps, seen: frozenset = frozenset()) -> str:
