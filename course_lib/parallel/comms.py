@@ -163,9 +163,17 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def ep_sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is one rank's own expert weights under expert parallelism (flagged by
+    :class:`course_lib.parallel.expert.layer.ExpertParallelMoE`, as Megatron-LM marks its expert
+    parameters): the data-parallel strategies leave such tensors alone, and the expert-parallel
+    layer averages them over their own group."""
+    return getattr(t, "ep_sharded", False)
+
+
 @torch.no_grad()
 def broadcast_module(module: torch.nn.Module, comms: Comms, src: int = 0) -> None:
     """Make every rank's parameters and buffers equal to rank ``src``'s (initial-state sync)."""
     for t in list(module.parameters()) + list(module.buffers()):
-        if not getattr(t, "ep_sharded", False):  # each rank's own experts (parallel.expert)
+        if not ep_sharded(t):  # each rank's own experts (parallel.expert)
             comms.broadcast(t.data, src=src)

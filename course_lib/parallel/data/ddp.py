@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from course_lib.parallel.data.buckets import bucket_params
-from course_lib.parallel.comms import Comms, broadcast_module
+from course_lib.parallel.comms import Comms, broadcast_module, ep_sharded
 from course_lib.parallel.strategy import CommsStrategy
 
 
@@ -58,7 +58,7 @@ class DataParallelNaive(nn.Module):
 
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
-        params = [p for p in self.module.parameters() if p.requires_grad and not getattr(p, "ep_sharded", False)]
+        params = [p for p in self.module.parameters() if p.requires_grad and not ep_sharded(p)]
         # Ranks first agree which parameters got a gradient anywhere (one flag each): those that
         # got none keep grad=None, as in one process; the others are averaged (zeros where absent).
         present = torch.tensor([p.grad is not None for p in params], dtype=torch.float32,
@@ -119,7 +119,7 @@ class DataParallelBucket(nn.Module):
         self.require_backward_grad_sync = True
         # frozen ones skipped, and the experts of expert parallelism (ep_sharded: each rank holds other
         # experts; parallel.expert averages them over their own group)
-        params = [p for p in module.parameters() if p.requires_grad and not getattr(p, "ep_sharded", False)]
+        params = [p for p in module.parameters() if p.requires_grad and not ep_sharded(p)]
         # the first bucket (the last layers) closes at 1 MiB, as in PyTorch's DDP: its all-reduce
         # starts while most of backward is still to run
         self.buckets = [Bucket(b, grad_comm_dtype)

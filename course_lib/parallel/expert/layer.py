@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from course_lib.gpt.moe import MoE
-from course_lib.parallel.comms import Comms
+from course_lib.parallel.comms import Comms, ep_sharded
 from course_lib.parallel.expert.comms import combine, dispatch
 
 
@@ -103,7 +103,7 @@ def sync_expert_grads(module: torch.nn.Module, edp_comms: Comms, dp_cp_size: int
     """The experts' gradients of the mean loss over the global batch: summed over the replicas
     of this rank's experts (``edp_comms``: dp/ep x cp ranks), divided by dp x cp (module docstring).
     One message for all of them."""
-    grads = [p.grad for p in module.parameters() if getattr(p, "ep_sharded", False) and p.grad is not None]
+    grads = [p.grad for p in module.parameters() if ep_sharded(p) and p.grad is not None]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from course_lib.parallel.data.buckets import bucket_params
-from course_lib.parallel.comms import Comms, broadcast_module
+from course_lib.parallel.comms import Comms, broadcast_module, ep_sharded
 from course_lib.parallel.zero.sharding import (
     ShardLayout,
     clip_sharded_grad_norm_,
@@ -77,7 +77,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.dp_world_size = self.comms.world_size
         # the experts of expert parallelism (ep_sharded) are not sharded here: each rank steps its
         # own, whole, with the gradients parallel.expert averaged over their group
-        self.params, _ = split_trainable(p for g in groups for p in g["params"] if not getattr(p, "ep_sharded", False))
+        self.params, _ = split_trainable(p for g in groups for p in g["params"] if not ep_sharded(p))
         self.stage, self.reduce_dtype, self.max_in_flight = 2 if shard_gradients else 1, reduce_dtype, max_in_flight
         self.layouts = [ShardLayout(b, self.comms.rank, self.dp_world_size)
                         for b in bucket_params(self.params, bucket_cap_mb)]

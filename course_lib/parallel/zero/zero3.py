@@ -57,7 +57,7 @@ import functools
 import torch
 from torch import nn
 
-from course_lib.parallel.comms import Comms, broadcast_module
+from course_lib.parallel.comms import Comms, broadcast_module, ep_sharded
 from course_lib.parallel.zero.sharding import (
     ShardLayout,
     clip_sharded_grad_norm_,
@@ -90,11 +90,11 @@ class FullyShardedDataParallel(nn.Module):
         broadcast_module(module, self.comms)  # every rank starts from rank 0's state
         self.names = {p: n for n, p in module.named_parameters()}  # tied weights: once
         trainable, frozen = split_trainable(self.names)
-        own = [p for p in trainable if getattr(p, "ep_sharded", False)]  # experts: left to parallel.expert
+        own = [p for p in trainable if ep_sharded(p)]  # experts: left to parallel.expert
         if own and compute_dtype is not None:
             raise ValueError("ZeRO-3's compute_dtype with expert-parallel experts (ep > 1) is not supported: "
                              "the experts stay in their dtype; use autocast (the trainer's mixed precision)")
-        trainable = [p for p in trainable if not getattr(p, "ep_sharded", False)]
+        trainable = [p for p in trainable if not ep_sharded(p)]
         keep = [p for p in trainable if replicate is not None and replicate(p)] + frozen
         sharded = [p for p in trainable if not any(p is k for k in keep)]
         units = [u for u in (default_units(module) if units is None else units) if u is not module]
