@@ -240,6 +240,41 @@ def test_refuses_training_config_that_does_not_fit(nothing_spawned):
         launch_training(cfg)
 
 
+def test_the_memory_estimate_follows_the_layout():
+    """check_memory's estimate divides what tp, pp, cp and ep divide, counts the experts, and keeps
+    the plain run's number (ZeRO states + Korthikanti activations of one micro-batch)."""
+    from course_lib.analysis.memory import ModelShape, breakdown
+    from course_lib.trainer.config import make_config
+
+    base = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "batch_size": 8, "dataset": "shakespeare_char",
+            "device": "cpu"}
+
+    def need(world, dtype="float32", **fields):
+        return checks.estimate_bytes(make_config(None, {**base, "nproc": world, **fields}), world, dtype)
+
+    cfg = make_config(None, {**base, "nproc": 1})
+    shape = ModelShape("c", 4, 4, 128, 64, 65, 8, bias=cfg.bias, dropout=cfg.dropout)
+    assert need(1) == pytest.approx(breakdown(preset=shape, dtype="fp32").total)  # as before for one process
+    assert need(2, strategy="zero3") == pytest.approx(breakdown(preset=shape, dp=2, stage=3, dtype="fp32").total)
+    ddp = need(2, strategy="ddp")
+    assert need(2, tp=2) < 0.6 * ddp  # every matrix split in two, and the activations mostly
+    assert need(2, tp=2, sequence_parallel=True) < need(2, tp=2)  # and the rest of the activations
+    assert need(2, cp=2, strategy="ddp") < ddp  # half of every sequence
+    assert need(2, pp=2, gradient_accumulation_steps=8) < ddp  # half of the layers
+    assert need(2, pp=2, gradient_accumulation_steps=8, pp_schedule="afab") > need(2, pp=2, gradient_accumulation_steps=8)
+    moe = {"n_expert": 8, "top_k": 2}
+    import torch  # here: the rest of this file's tests run without torch or the model
+
+    from course_lib.gpt.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(block_size=64, vocab_size=65, n_layer=4, n_head=4, n_embd=128, bias=cfg.bias, n_expert=8, top_k=2))
+    params = sum(p.numel() for p in gpt.parameters())  # the tied head counted once
+    assert need(1, **moe) - need(1) == pytest.approx(16 * (params - shape.num_params()))  # fp32 Adam: 4 + 4 + 8 B
+    assert need(2, ep=2, strategy="ddp", **moe) < need(2, strategy="ddp", **moe)  # four experts per rank
+    assert need(2, strategy="zero3", **moe) > need(2, strategy="zero3") + 0.5 * (need(2, strategy="ddp", **moe) - ddp)
+
+
 # ---------------------------------------------------------------- a machine with one GPU (Colab's T4)
 # (where the ranks run on it: tests/test_placement.py)
 

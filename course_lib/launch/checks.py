@@ -19,12 +19,13 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 
-import course_lib.launch.placement as placement
-import course_lib.launch.torchrun as torchrun
-from course_lib.analysis.memory import ModelShape, breakdown
+import course_lib.launch.placement as placement  # noqa: PLR0402 - the module itself: launch/__init__'s lazy names stay unread
+import course_lib.launch.torchrun as torchrun  # noqa: PLR0402 - as above
+from course_lib.analysis.memory import ModelShape, breakdown, model_state_bytes
 from course_lib.gpt import data
 from course_lib.hardware import detect, pick_dtype
 from course_lib.launch.placement import LaunchConfigError, RankPlan
@@ -237,8 +238,36 @@ def _vocab_size(config: TrainConfig) -> int:
 
 
 def estimate_bytes(config: TrainConfig, world_size: int, dtype: str) -> float:
-    """Per-device training memory of ``config``: ZeRO model states + Korthikanti activations."""
+    """Per-device training memory of ``config`` on ``world_size`` ranks: model states + activations.
+
+    Model states of one rank: tp divides every matrix, pp the layers, ep the experts
+    (:func:`course_lib.analysis.moe_memory.rank_states`); the strategy's ZeRO stage shards the rest
+    over the dp x cp ranks, the course's shard group, and leaves the experts whole, as the
+    course's ZeRO does. Activations of one micro-batch: Korthikanti et al. 2022
+    (:func:`course_lib.analysis.memory.breakdown`) over tp (with sequence parallelism as asked)
+    and over cp (each rank holds 1/cp of every sequence). With pp, a stage holds n_layer / pp
+    layers' activations of every micro-batch under AFAB and of at most pp under 1F1B (the first
+    stage's count; Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+    Clusters", Sec. 2.2). Not modelled: the experts' dispatch buffers and the pipeline's sent
+    activations, small beside the rest at the course's sizes.
+    """
+    tp, pp, cp = config.tp, config.pp, config.cp
+    dp_cp = max(1, world_size // (tp * pp))  # the ranks one ZeRO shard group spans
+    stage = STRATEGIES[config.resolved_strategy(world_size)].zero_stage or 0
+    precision = "fp32" if dtype == "float32" else "mixed"
+    vocab_size = _vocab_size(config)
     shape = ModelShape("config", config.n_layer, config.n_head, config.n_embd, config.block_size,
-                       _vocab_size(config), config.batch_size, bias=config.bias, dropout=config.dropout)
-    return breakdown(preset=shape, dp=world_size, stage=STRATEGIES[config.resolved_strategy(world_size)].zero_stage or 0,
-                     dtype="fp32" if dtype == "float32" else "mixed").total
+                       vocab_size, config.batch_size, bias=config.bias, dropout=config.dropout)
+    if config.n_expert:
+        # here: moe_memory builds its table of published models on import, which a dense run never reads
+        from course_lib.analysis.moe_memory import MoEShape, rank_states
+
+        moe = MoEShape.of_gpt(SimpleNamespace(**config.to_dict(), vocab_size=vocab_size))
+        states = rank_states(moe, dp=dp_cp, ep=config.ep, tp=tp, pp=pp, stage=stage, expert_stage=0,
+                             dtype=precision).total.total
+    else:
+        states = model_state_bytes(shape.num_params() / pp, dp_cp, stage, dtype=precision, tp=tp).total
+    micro = breakdown(preset=shape, tp=tp, sequence_parallel=config.sequence_parallel, dtype=precision).activations / cp
+    m = config.gradient_accumulation_steps
+    in_flight = m if config.pp_schedule == "afab" else min(pp, m)
+    return states + micro * in_flight / pp
