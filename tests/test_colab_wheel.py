@@ -190,8 +190,9 @@ def _record_time(name: str, seconds: float | None, ok: bool) -> None:
 def _run_notebook(colab: Colab, notebook: Path, with_files: bool, allow_errors: bool):
     """Run ``notebook`` in an empty folder of its own (plus its folder's files when
     ``with_files``) with a fresh home; (the executed notebook, seconds, the CellExecutionError or None)."""
-    from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
+
+    from course_lib.notebook.runner import NotebookRunner
 
     stem = notebook.stem
     folder = colab.base / "run" / stem
@@ -207,7 +208,7 @@ def _run_notebook(colab: Colab, notebook: Path, with_files: bool, allow_errors: 
     # "immediate": the kernel's process group is killed once the last cell is done. A graceful
     # shutdown waits 2.5 s in every notebook that started ranks (ipykernel waits for its children,
     # and multiprocessing's resource tracker ignores SIGTERM), then jupyter_client kills it anyway.
-    client = NotebookClient(nb, timeout=CELL_TIMEOUT, kernel_name=KERNEL, allow_errors=allow_errors,
+    client = NotebookRunner(nb, timeout=CELL_TIMEOUT, kernel_name=KERNEL, allow_errors=allow_errors,
                             shutdown_kernel="immediate", resources={"metadata": {"path": str(folder)}})
     t0 = time.perf_counter()
     try:

@@ -67,7 +67,7 @@ def test_run_ranks_bounds_hangs_and_reports_failures():
 
 @pytest.mark.timeout(120)
 def test_cell_time_limit_stops_an_endless_cell_and_grading_goes_on():
-    from nbclient import NotebookClient
+    from course_lib.notebook.runner import NotebookRunner
 
     nb = nbformat.v4.new_notebook(cells=[
         nbformat.v4.new_code_cell("x = 1"),
@@ -77,7 +77,7 @@ def test_cell_time_limit_stops_an_endless_cell_and_grading_goes_on():
     plugin = exercises.CellTimeLimit("sub.ipynb", {}, {"cell_timeout": 2})
     nb = plugin.before_execution(nb)
     nb.cells.append(nbformat.v4.new_code_cell("import time\ntime.sleep(3)\n'tests ran'"))  # otter's cell
-    NotebookClient(nb, timeout=60, kernel_name="python3", allow_errors=True).execute()
+    NotebookRunner(nb, timeout=60, kernel_name="python3", allow_errors=True).execute()
     loop, after, last = nb.cells[2], nb.cells[3], nb.cells[-1]
     assert loop.outputs[0]["ename"] == "TimeoutError" and "longer than 2 s" in loop.outputs[0]["evalue"]
     assert after.outputs[0]["data"]["text/plain"] == "2"

@@ -66,10 +66,10 @@ GRADESCOPE = "04_pram"  # its zip is run by otter's runner in a fresh virtual en
 
 EXECUTE = """
 import sys, nbformat
-from nbclient import NotebookClient
+from course_lib.notebook.runner import NotebookRunner
 path, out = sys.argv[1], sys.argv[2]
 nb = nbformat.read(path, as_version=4)
-NotebookClient(nb, timeout=300, kernel_name="python3", allow_errors=True,
+NotebookRunner(nb, timeout=300, kernel_name="python3", allow_errors=True,
                resources={"metadata": {"path": str(__import__("pathlib").Path(path).parent)}}).execute()
 nbformat.write(nb, out)
 """

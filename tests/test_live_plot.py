@@ -109,8 +109,8 @@ def test_a_saved_notebook_keeps_the_final_plot_and_progress_line(tmp_path, monke
     """Run train_live in a real Jupyter kernel and read the outputs it leaves in the notebook:
     the last plot and status (not the first) as static HTML, and the finished progress line."""
     import nbformat
-    from nbclient import NotebookClient
 
+    from course_lib.notebook.runner import NotebookRunner
     from course_lib.notebook.static import WIDGET_VIEW
     from course_lib.utils import repo_root
 
@@ -124,7 +124,7 @@ def test_a_saved_notebook_keeps_the_final_plot_and_progress_line(tmp_path, monke
         "    'eval_iters': 2, 'log_interval': 1, 'n_layer': 1, 'n_head': 2, 'n_embd': 32, 'block_size': 32,\n"
         "    'batch_size': 4, 'warmup_iters': 2, 'lr_decay_iters': 12, 'threads': 1})\n"
         "summary = train_live(cfg, interval_s=0.05)")]
-    NotebookClient(nb, timeout=120, kernel_name="python3",
+    NotebookRunner(nb, timeout=120, kernel_name="python3",
                    resources={"metadata": {"path": str(repo_root())}}).execute()
     outputs = [o for o in nb.cells[0].outputs if o.output_type == "display_data"]
     plots = [o for o in outputs if "course-live-loss-status" in o.data.get("text/html", "")]

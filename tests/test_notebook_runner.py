@@ -1,0 +1,84 @@
+"""The notebook runner: nbclient's client, its channels polled in slices (course_lib.notebook.runner).
+
+    python -m pytest tests/test_notebook_runner.py -q
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from queue import Empty
+
+import nbformat
+import pytest
+
+from course_lib.notebook.runner import NotebookRunner, poll_in_slices
+
+
+class LostWakeUp:
+    """A channel whose poll is never woken: a message that arrives while it waits is returned only
+    when its timeout runs out (what nbclient issue #312 shows on the kernel's shell socket)."""
+
+    def __init__(self, arrives_after_s: float | None):
+        self.t0 = time.monotonic()
+        self.arrives = None if arrives_after_s is None else self.t0 + arrives_after_s
+
+    def arrived(self) -> bool:
+        return self.arrives is not None and time.monotonic() >= self.arrives
+
+    async def get_msg(self, timeout: float | None = None):
+        if not self.arrived():
+            await asyncio.sleep(3600 if timeout is None else timeout)
+        if self.arrived():
+            return {"msg": "reply"}
+        raise Empty
+
+
+def _time(channel, timeout):
+    t0 = time.monotonic()
+    try:
+        result = asyncio.run(channel.get_msg(timeout=timeout))
+    except Empty:
+        result = Empty
+    return result, time.monotonic() - t0
+
+
+def test_a_lost_wake_up_costs_one_slice_not_the_timeout():
+    raw, took = _time(LostWakeUp(arrives_after_s=0.2), timeout=3)
+    assert raw == {"msg": "reply"} and took >= 3  # the stall, as nbclient meets it
+    sliced = LostWakeUp(arrives_after_s=0.2)
+    poll_in_slices(sliced, slice_s=0.25)
+    got, took = _time(sliced, timeout=3)
+    assert got == {"msg": "reply"} and took < 1
+    waiting = LostWakeUp(arrives_after_s=0.6)  # no timeout: the same, without end
+    poll_in_slices(waiting, slice_s=0.25)
+    got, took = _time(waiting, timeout=None)
+    assert got == {"msg": "reply"} and 0.6 <= took < 1.5
+
+
+def test_the_timeout_still_ends_the_wait():
+    never = LostWakeUp(arrives_after_s=None)
+    poll_in_slices(never, slice_s=0.25)
+    got, took = _time(never, timeout=0.6)
+    assert got is Empty and 0.6 <= took < 1.2
+    got, took = _time(never, timeout=0)
+    assert got is Empty and took < 0.2
+
+
+@pytest.mark.timeout(120)
+def test_it_runs_a_notebook_with_a_widget_as_nbclient_does(monkeypatch):
+    """A real kernel: the explorer-like cell of lesson 01, its output and the next cell's."""
+    monkeypatch.setenv("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("import ipywidgets as widgets\n"
+                                  "w = widgets.interactive(lambda n: print('n =', n), n=widgets.IntSlider(value=3))\n"
+                                  "w"),
+        nbformat.v4.new_code_cell("print('after the widget')"),
+        nbformat.v4.new_code_cell("1 / 0"),
+    ])
+    runner = NotebookRunner(nb, timeout=60, kernel_name="python3", allow_errors=True)
+    runner.execute()
+    widget, after, error = nb.cells
+    assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in widget.outputs)
+    assert after.outputs[0]["text"] == "after the widget\n"
+    assert error.outputs[0]["ename"] == "ZeroDivisionError"  # errors are nbclient's, unchanged
