@@ -192,7 +192,7 @@ def _run_notebook(colab: Colab, notebook: Path, with_files: bool, allow_errors: 
     ``with_files``) with a fresh home; (the executed notebook, seconds, the CellExecutionError or None)."""
     from nbclient.exceptions import CellExecutionError
 
-    from course_lib.notebook.runner import NotebookRunner
+    from course_lib.exercises.runner import NotebookRunner
 
     stem = notebook.stem
     folder = colab.base / "run" / stem

@@ -67,7 +67,7 @@ def test_run_ranks_bounds_hangs_and_reports_failures():
 
 @pytest.mark.timeout(120)
 def test_cell_time_limit_stops_an_endless_cell_and_grading_goes_on():
-    from course_lib.notebook.runner import NotebookRunner
+    from course_lib.exercises.runner import NotebookRunner
 
     nb = nbformat.v4.new_notebook(cells=[
         nbformat.v4.new_code_cell("x = 1"),

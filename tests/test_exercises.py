@@ -66,7 +66,7 @@ GRADESCOPE = "04_pram"  # its zip is run by otter's runner in a fresh virtual en
 
 EXECUTE = """
 import sys, nbformat
-from course_lib.notebook.runner import NotebookRunner
+from course_lib.exercises.runner import NotebookRunner
 path, out = sys.argv[1], sys.argv[2]
 nb = nbformat.read(path, as_version=4)
 NotebookRunner(nb, timeout=300, kernel_name="python3", allow_errors=True,

@@ -110,7 +110,7 @@ def test_a_saved_notebook_keeps_the_final_plot_and_progress_line(tmp_path, monke
     the last plot and status (not the first) as static HTML, and the finished progress line."""
     import nbformat
 
-    from course_lib.notebook.runner import NotebookRunner
+    from course_lib.exercises.runner import NotebookRunner
     from course_lib.notebook.static import WIDGET_VIEW
     from course_lib.utils import repo_root
 

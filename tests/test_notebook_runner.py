@@ -1,4 +1,4 @@
-"""The notebook runner: nbclient's client, its channels polled in slices (course_lib.notebook.runner).
+"""The notebook runner: nbclient's client, its channels polled in slices (course_lib.exercises.runner).
 
     python -m pytest tests/test_notebook_runner.py -q
 """
@@ -12,7 +12,7 @@ from queue import Empty
 import nbformat
 import pytest
 
-from course_lib.notebook.runner import NotebookRunner, poll_in_slices
+from course_lib.exercises.runner import NotebookRunner, poll_in_slices
 
 
 class LostWakeUp:
@@ -77,8 +77,38 @@ def test_it_runs_a_notebook_with_a_widget_as_nbclient_does(monkeypatch):
         nbformat.v4.new_code_cell("1 / 0"),
     ])
     runner = NotebookRunner(nb, timeout=60, kernel_name="python3", allow_errors=True)
+    polls = []
+    runner.on_cell_executed = lambda **_: polls.append(runner.kc.iopub_channel.get_msg.__name__)
     runner.execute()
+    assert polls == ["get_msg_in_slices"] * 3
     widget, after, error = nb.cells
     assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in widget.outputs)
     assert after.outputs[0]["text"] == "after the widget\n"
     assert error.outputs[0]["ename"] == "ZeroDivisionError"  # errors are nbclient's, unchanged
+
+
+@pytest.mark.timeout(120)
+def test_another_librarys_client_polls_in_slices_within_the_context(monkeypatch):
+    """nbconvert's ExecutePreprocessor (what otter-grader runs, `course grade`'s path) inside
+    every_client_polls_in_slices, and as it was once outside."""
+    from nbclient import NotebookClient
+    from nbconvert.preprocessors import ExecutePreprocessor
+
+    from course_lib.exercises.runner import every_client_polls_in_slices
+
+    monkeypatch.setenv("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+    original, sync = NotebookClient.async_start_new_kernel_client, NotebookClient.start_new_kernel_client
+
+    def run():
+        nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(6 * 7)")])
+        ep = ExecutePreprocessor(timeout=None, kernel_name="python3")
+        polls = []
+        ep.on_cell_executed = lambda **_: polls.append(ep.kc.shell_channel.get_msg.__name__)
+        ep.preprocess(nb, {"metadata": {"path": "."}})
+        assert nb.cells[0].outputs[0]["text"] == "42\n"
+        return polls
+
+    with every_client_polls_in_slices():
+        assert run() == ["get_msg_in_slices"]
+    assert NotebookClient.async_start_new_kernel_client is original and NotebookClient.start_new_kernel_client is sync
+    assert run() == ["get_msg"]

@@ -29,7 +29,8 @@ on Colab), :mod:`.build` (otter assign, manifest, staleness, Gradescope files), 
 (grading and its limits), :mod:`.draws` (hidden tests' inputs, seeded per submission),
 :mod:`.gradebook` (CSV, feedback files), :mod:`.publish` (the student tree, a new exercise from a
 template), :mod:`.cli` (the commands), :mod:`.grading` (what the tests use), :mod:`.p2p` (point-to-point only, bytes counted), :mod:`.cell_limit` (the
-CellTimeLimit plugin). Importing the package imports neither otter nor torch.
+CellTimeLimit plugin), :mod:`.runner` (notebooks run by nbclient, for grading and the course website,
+without waiting out a lost wake-up). Importing the package imports neither otter nor torch.
 """
 
 from course_lib.exercises.build import (

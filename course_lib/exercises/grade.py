@@ -161,10 +161,15 @@ def grade(submission: str | os.PathLike, autograder: str | os.PathLike | None = 
         canonical = Path(tmp) / f"{assignment or submission.stem}.ipynb"
         shutil.copy2(submission, canonical)
         try:
-            # otter-grader is the optional `grading` extra: imported only where it grades or assigns
+            # otter-grader is the optional `grading` extra: imported only where it grades or assigns,
+            # and nbclient (0.4 s) with it
             from otter.api import grade_submission
 
-            with silenced(quiet), seeded(seed):  # the kernel otter starts inherits the seed
+            from course_lib.exercises.runner import every_client_polls_in_slices
+
+            # the kernel otter starts inherits the seed; otter's client waits without a timeout, so a
+            # lost wake-up (exercises.runner) would cost the submission its grade at the time limit
+            with silenced(quiet), seeded(seed), every_client_polls_in_slices():
                 results = grade_submission(str(canonical), str(autograder), quiet=quiet)
             if results.catastrophic_error is not None:
                 error = repr(results.catastrophic_error)

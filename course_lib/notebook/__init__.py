@@ -15,7 +15,6 @@ The top layer of course_lib: nothing else in the package imports it.
     pram_slider     a slider over the steps of a traced PRAM run (notebook 6)
     static          a static copy of a widget's state in its output (for a reopened notebook or a website)
     book            the course website (``make book``): executed notebooks, cached, through Sphinx + MyST-NB
-    runner          nbclient's notebook client, its channels polled in slices (a lost wake-up costs 1 s, not the cell timeout)
     diagrams        Mermaid diagrams in notebooks and ``course images``
     diagrams_build  rendering them with mermaid-cli, and the staleness check
     demo            ``make demo``: the instructor's end-to-end run, its sample and its loss plot

@@ -114,7 +114,7 @@ def store(nb, path: Path, cache_dir: Path, smoke: bool, seconds: float) -> Path:
 def execute(path: Path, cache_dir: Path, smoke: bool, force: bool = False, timeout: int = 1800):
     """The executed notebook ``path``: from ``cache_dir`` when up to date, else run now and stored."""
     # nbclient (0.4 s) only when a lesson is executed, not for a cached build or --times
-    from course_lib.notebook.runner import NotebookRunner
+    from course_lib.exercises.runner import NotebookRunner
 
     nb = None if force else cached(path, cache_dir, smoke)
     if nb is not None:

@@ -1,7 +1,9 @@
 """Run a notebook with nbclient, without waiting out a lost wake-up.
 
-    from course_lib.notebook.runner import NotebookRunner
+    from course_lib.exercises.runner import NotebookRunner, every_client_polls_in_slices
     NotebookRunner(nb, timeout=1800, kernel_name="python3").execute()   # nbclient's NotebookClient, same arguments
+    with every_client_polls_in_slices():                                # another library's client (otter's)
+        ...
 
 nbclient waits for a cell's reply with one poll of the kernel's shell socket that lasts the whole
 cell timeout. Now and then that poll is not woken when the reply arrives, and it returns the reply
@@ -19,8 +21,10 @@ other behaviour, the timeouts and errors included, is nbclient's.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from queue import Empty
 
+from jupyter_core.utils import run_sync
 from nbclient import NotebookClient
 
 POLL_S = 1.0  # the longest wait for a message that has already arrived
@@ -44,11 +48,39 @@ def poll_in_slices(channel, slice_s: float = POLL_S) -> None:
     channel.get_msg = get_msg_in_slices
 
 
+def _poll_kernel_in_slices(kc) -> None:
+    poll_in_slices(kc.shell_channel)
+    poll_in_slices(kc.iopub_channel)
+
+
 class NotebookRunner(NotebookClient):
     """nbclient's NotebookClient, with its kernel's shell and IOPub channels polled in slices."""
 
     async def async_start_new_kernel_client(self):
         kc = await super().async_start_new_kernel_client()
-        poll_in_slices(kc.shell_channel)
-        poll_in_slices(kc.iopub_channel)
+        _poll_kernel_in_slices(kc)
         return kc
+
+    start_new_kernel_client = run_sync(async_start_new_kernel_client)  # setup_kernel's (nbclient binds its own)
+
+
+@contextmanager
+def every_client_polls_in_slices():
+    """Within: every nbclient client that this process starts polls in slices, those of other
+    libraries too (nbconvert's ExecutePreprocessor, which otter-grader runs, has no timeout, so
+    a lost wake-up there would wait until the grader's limit for the submission). Not thread-safe:
+    for a process that runs one notebook at a time, such as ``course grade``'s worker."""
+    start, start_sync = NotebookClient.async_start_new_kernel_client, NotebookClient.start_new_kernel_client
+
+    async def start_polling_in_slices(self):
+        kc = await start(self)
+        _poll_kernel_in_slices(kc)
+        return kc
+
+    # both: the synchronous one (setup_kernel's, which nbconvert's preprocess uses) wraps the original
+    NotebookClient.async_start_new_kernel_client = start_polling_in_slices
+    NotebookClient.start_new_kernel_client = run_sync(start_polling_in_slices)
+    try:
+        yield
+    finally:
+        NotebookClient.async_start_new_kernel_client, NotebookClient.start_new_kernel_client = start, start_sync
