@@ -68,8 +68,8 @@ class ModelParallel(Strategy):
         self.names = dict(zip(inner.compute_parameters(), (n for n, _ in stage.named_parameters())))
         self.group, self.dp_rank, self.dp_world_size = grid.dp_cp_group, grid.dp_rank, grid.dp_world_size
         # ZeRO-1/2: gradients live on the optimizer's fp32 shards; ZeRO-3: on the module's fp32 masters
-        self.shards = getattr(inner.optimizer, "shards", getattr(inner.model, "masters", None))
-        self.sharded = self.shards is not None
+        self.shards = inner.stepped_tensors()
+        self.sharded = bool(self.shards)
         self._states_after_backward = None
         self.last_stats, self.last_micro = None, 0  # the last step's PipelineStats (bubble) and m
 
@@ -104,7 +104,7 @@ class ModelParallel(Strategy):
 
     def _grad(self, p: nn.Parameter) -> torch.Tensor | None:
         """The gradient the optimizer will use: p's, or its ZeRO shard's."""
-        return self.shards.get(p, p).grad if self.sharded else p.grad  # experts are not sharded
+        return self.shards.get(p, p).grad  # experts are not sharded
 
     @torch.no_grad()
     def finish_grads(self) -> None:
@@ -241,12 +241,9 @@ class ModelParallel(Strategy):
 
     def _inner_groups(self) -> list[list[nn.Parameter]]:
         """The stage's parameters in the groups (and order) of the dp strategy's optimizer state."""
-        opt = self.inner.optimizer
-        # ShardedOptimizer (zero1/2), Zero3: the optimizer's groups hold fp32 shards of these
-        full = getattr(opt, "full_params", getattr(self.inner, "full_params", None))
-        if full is None:
-            return [g["params"] for g in opt.param_groups]
-        sizes = [len(g["params"]) for g in opt.param_groups]  # the same groups, one shard per parameter
+        opt, full = self.inner.optimizer, self.inner.state_order()
+        # ZeRO's groups hold fp32 shards of these, one per parameter: the same groups, in order
+        sizes = [len(g["params"]) for g in opt.param_groups]
         return [full[sum(sizes[:i]):sum(sizes[:i + 1])] for i in range(len(sizes))]
 
     @torch.no_grad()

@@ -85,6 +85,16 @@ class Strategy:
         the module's parameters (ZeRO-3 overrides it: between uses its module shows the shards)."""
         return list(self.module.parameters())
 
+    def stepped_tensors(self) -> dict[nn.Parameter, nn.Parameter]:
+        """Compute parameter -> the tensor the optimizer steps in its place, whose ``.grad`` holds its
+        gradient after :meth:`finish_grads` (ZeRO-1/2: its fp32 shard; ZeRO-3: its fp32 master).
+        Empty where the optimizer steps the parameters themselves."""
+        return {}
+
+    def state_order(self) -> list[nn.Parameter]:
+        """The module's parameters in the order of the optimizer state's indices (``state_dict()``'s)."""
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
     def finish_grads(self) -> None:
         pass
 

@@ -223,6 +223,12 @@ class Zero(CommsStrategy):
     def no_sync(self):
         return self.optimizer.no_sync()
 
+    def stepped_tensors(self) -> dict[nn.Parameter, nn.Parameter]:
+        return self.optimizer.shards  # frozen parameters have none: they stay as they are
+
+    def state_order(self) -> list[nn.Parameter]:
+        return self.optimizer.full_params
+
     def finish_grads(self) -> None:
         self.optimizer.finish_gradient_synchronization()
 

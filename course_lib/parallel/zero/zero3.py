@@ -320,6 +320,12 @@ class Zero3(CommsStrategy):
     def compute_parameters(self) -> list[nn.Parameter]:
         return list(self.model.names)  # the whole tensors (storage freed while their unit is)
 
+    def stepped_tensors(self) -> dict[nn.Parameter, nn.Parameter]:
+        return self.model.masters
+
+    def state_order(self) -> list[nn.Parameter]:
+        return self.full_params
+
     def finish_grads(self) -> None:
         self.model.finish_gradient_synchronization()
 
