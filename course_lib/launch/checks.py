@@ -165,7 +165,7 @@ def check_memory(req: TrainRequest) -> None:
         raise LaunchConfigError(
             f"this config needs about {need / 1e9:.2f} GB per rank (course_lib.analysis.memory estimate, "
             f"{dtype}) but {where} has {have / 1e9:.2f} GB; lower batch_size or block_size, "
-            "use a ZeRO strategy or more ranks, or a smaller model")
+            "use a ZeRO strategy, more ranks or tp/pp, or a smaller model")
 
 
 def check_out_dir(req: TrainRequest) -> None:
