@@ -20,8 +20,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from course_lib.analysis.activations import activation_bytes
-from course_lib.analysis.memory import model_state_bytes
-from course_lib.analysis.parallel_comm import sent_bytes_per_step, stage_params
+from course_lib.analysis.memory import model_state_bytes, stage_params
+from course_lib.analysis.parallel_comm import sent_bytes_per_step
 from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.launch.spawn import run_ranks
 from course_lib.parallel.comms import Comms

@@ -25,8 +25,8 @@ latency terms, kernel efficiency at small matrix sizes.
 from __future__ import annotations
 
 from course_lib.analysis.activations import activation_bytes_per_layer
-from course_lib.analysis.memory import get_preset, model_state_bytes, resolve_gpu
-from course_lib.analysis.parallel_comm import sent_bytes_per_step, stage_params
+from course_lib.analysis.memory import get_preset, micro_batches_in_flight, resolve_gpu, stage_states
+from course_lib.analysis.parallel_comm import sent_bytes_per_step
 
 NVLINK_BPS, NETWORK_BPS = 300e9, 25e9  # A100 NVLink 3 per direction; InfiniBand HDR 200 Gb/s
 
@@ -76,9 +76,8 @@ def plan_layouts(model: str = "gpt2-xl", *, n_nodes: int = 2, gpus_per_node: int
 
 def _layout(shape, dp, tp, pp, cp, m, b, zero_stage, sp, recompute, gpus_per_node, memory) -> dict:
     L, h, a, s, v = shape.n_layer, shape.n_embd, shape.n_head, shape.block_size, shape.vocab_size
-    first = stage_params(L, h, v, s, shape.bias, tp, pp, 0)["total"]  # the first stage holds the most
-    states = model_state_bytes(first * tp, dp=dp * cp, stage=zero_stage, dtype="mixed", tp=tp).total
-    in_flight = min(m, pp)  # 1F1B: the first stage keeps p micro-batches
+    states = stage_states(shape, dp=dp * cp, tp=tp, pp=pp, stage=zero_stage, dtype="mixed").total
+    in_flight = micro_batches_in_flight(pp, m)  # 1F1B
     act = (L // pp) * in_flight * activation_bytes_per_layer(s // cp, b, h, a, tp, sequence_parallel=sp and tp > 1,
                                                              recompute=recompute, flash_attention=True)
     sent = sent_bytes_per_step(L, h, v, s, shape.bias, b, m, dp=dp, tp=tp, pp=pp, cp=cp,

@@ -239,6 +239,39 @@ class MemoryBreakdown:
         return fits(self.total, gpu)
 
 
+def stage_params(n_layer: int, n_embd: int, vocab_size: int, block_size: int, bias: bool, tp: int = 1,
+                 pp: int = 1, pp_rank: int = 0) -> dict[str, int]:
+    """Parameters a rank holds, split into "sharded" (divided over tp) and "replicated" (the
+    same on every tp rank), for stage ``pp_rank`` of ``pp`` with n_layer / pp layers."""
+    h, L = n_embd, n_layer // pp
+    vocab_size = -(-vocab_size // tp) * tp  # padded to a multiple of tp (course_lib.parallel.tensor.vocab)
+    sharded = L * (12 * h * h + (7 * h if bias else 0)) // tp  # c_attn, c_fc (with biases), both c_proj
+    replicated = L * (6 * h if bias else 2 * h)  # 2 LayerNorms (gains, biases) and the row-parallel biases
+    if pp_rank == 0:
+        sharded += vocab_size * h // tp
+        replicated += block_size * h  # wpe
+    if pp_rank == pp - 1:
+        sharded += vocab_size * h // tp if pp > 1 else 0  # the last stage's copy of the tied weight
+        replicated += h * (2 if bias else 1)  # ln_f
+    return {"sharded": sharded, "replicated": replicated, "total": sharded + replicated}
+
+
+def stage_states(shape: ModelShape, *, dp: int = 1, tp: int = 1, pp: int = 1, stage: int = 0,
+                 dtype: str = "mixed") -> ModelStates:
+    """Model states of the rank of a dp x pp x tp layout that holds the most (:func:`stage_params`
+    of the first or last pipeline stage), ZeRO ``stage`` over ``dp`` ranks (count dp x cp as dp)."""
+    params = max(stage_params(shape.n_layer, shape.n_embd, shape.vocab_size, shape.block_size, shape.bias, tp, pp,
+                              r)["total"] for r in {0, pp - 1})
+    return model_state_bytes(params, dp, stage, dtype=dtype)  # params is one rank's: no tp left to divide
+
+
+def micro_batches_in_flight(pp: int, micro_batches: int, schedule: str = "1f1b") -> int:
+    """Micro-batches whose activations the first pipeline stage holds at once: all of them under AFAB
+    (GPipe), at most pp under 1F1B (Narayanan et al. 2021, "Efficient Large-Scale Language Model
+    Training on GPU Clusters", Sec. 2.2)."""
+    return micro_batches if schedule == "afab" else min(pp, micro_batches)
+
+
 def breakdown(num_params: float | None = None, *, preset: str | ModelShape | None = None,
               dp: int = 1, stage: int = 0, k: float | None = None, dtype: str = "mixed",
               tp: int = 1, sequence_parallel: bool = False, recompute: str = "none",

@@ -1,5 +1,6 @@
-"""Closed-form model of one rank's share of a GPT under dp x pp x cp x tp: parameters held and
-bytes sent per training step in each group, to choose a layout before running it.
+"""Closed-form model of one rank's share of a GPT under dp x pp x cp x tp: bytes sent per training
+step in each group, to choose a layout before running it (the parameters each rank holds:
+:func:`course_lib.analysis.memory.stage_params`).
 
 Notation as in Megatron-LM (Shoeybi et al. 2019; Narayanan et al. 2021) and Korthikanti et al.
 2022: L layers (L/p on a stage), h = n_embd, v vocabulary (padded to a multiple of t), s sequence length, b micro-batch per
@@ -28,23 +29,7 @@ all-gather) per rank (:func:`~course_lib.analysis.comm_cost.bytes_per_rank`). Pe
 from __future__ import annotations
 
 from course_lib.analysis.comm_cost import bytes_per_rank
-
-
-def stage_params(n_layer: int, n_embd: int, vocab_size: int, block_size: int, bias: bool, tp: int = 1,
-                 pp: int = 1, pp_rank: int = 0) -> dict[str, int]:
-    """Parameters a rank holds, split into "sharded" (divided over tp) and "replicated" (the
-    same on every tp rank), for stage ``pp_rank`` of ``pp`` with n_layer / pp layers."""
-    h, L = n_embd, n_layer // pp
-    vocab_size = -(-vocab_size // tp) * tp  # padded to a multiple of tp (course_lib.parallel.tensor.vocab)
-    sharded = L * (12 * h * h + (7 * h if bias else 0)) // tp  # c_attn, c_fc (with biases), both c_proj
-    replicated = L * (6 * h if bias else 2 * h)  # 2 LayerNorms (gains, biases) and the row-parallel biases
-    if pp_rank == 0:
-        sharded += vocab_size * h // tp
-        replicated += block_size * h  # wpe
-    if pp_rank == pp - 1:
-        sharded += vocab_size * h // tp if pp > 1 else 0  # the last stage's copy of the tied weight
-        replicated += h * (2 if bias else 1)  # ln_f
-    return {"sharded": sharded, "replicated": replicated, "total": sharded + replicated}
+from course_lib.analysis.memory import stage_params
 
 
 def sent_bytes_per_step(n_layer: int, n_embd: int, vocab_size: int, block_size: int, bias: bool,

@@ -25,7 +25,7 @@ import psutil
 
 import course_lib.launch.placement as placement  # noqa: PLR0402 - the module itself: launch/__init__'s lazy names stay unread
 import course_lib.launch.torchrun as torchrun  # noqa: PLR0402 - as above
-from course_lib.analysis.memory import ModelShape, breakdown, model_state_bytes
+from course_lib.analysis.memory import ModelShape, breakdown, micro_batches_in_flight, stage_states
 from course_lib.gpt import data
 from course_lib.hardware import detect, pick_dtype
 from course_lib.launch.placement import LaunchConfigError, RankPlan
@@ -240,15 +240,15 @@ def _vocab_size(config: TrainConfig) -> int:
 def estimate_bytes(config: TrainConfig, world_size: int, dtype: str) -> float:
     """Per-device training memory of ``config`` on ``world_size`` ranks: model states + activations.
 
-    Model states of one rank: tp divides every matrix, pp the layers, ep the experts
-    (:func:`course_lib.analysis.moe_memory.rank_states`); the strategy's ZeRO stage shards the rest
-    over the dp x cp ranks, the course's shard group, and leaves the experts whole, as the
-    course's ZeRO does. Activations of one micro-batch: Korthikanti et al. 2022
+    Model states of the rank that holds the most: :func:`course_lib.analysis.memory.stage_states`
+    (the layouts' parameter count that tests/test_parallel_4d.py checks against measured states),
+    with experts :func:`course_lib.analysis.moe_memory.rank_states` (ep divides them). The
+    strategy's ZeRO stage shards over the dp x cp ranks, the course's shard group, and leaves the
+    experts whole, as the course's ZeRO does. Activations of one micro-batch: Korthikanti et al. 2022
     (:func:`course_lib.analysis.memory.breakdown`) over tp (with sequence parallelism as asked)
     and over cp (each rank holds 1/cp of every sequence). With pp, a stage holds n_layer / pp
-    layers' activations of every micro-batch under AFAB and of at most pp under 1F1B (the first
-    stage's count; Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
-    Clusters", Sec. 2.2). Not modelled: the experts' dispatch buffers and the pipeline's sent
+    layers' activations of :func:`~course_lib.analysis.memory.micro_batches_in_flight` micro-batches
+    (AFAB: all, 1F1B: at most pp). Not modelled: the experts' dispatch buffers and the pipeline's sent
     activations, small beside the rest at the course's sizes.
     """
     tp, pp, cp = config.tp, config.pp, config.cp
@@ -266,8 +266,7 @@ def estimate_bytes(config: TrainConfig, world_size: int, dtype: str) -> float:
         states = rank_states(moe, dp=dp_cp, ep=config.ep, tp=tp, pp=pp, stage=stage, expert_stage=0,
                              dtype=precision).total.total
     else:
-        states = model_state_bytes(shape.num_params() / pp, dp_cp, stage, dtype=precision, tp=tp).total
+        states = stage_states(shape, dp=dp_cp, tp=tp, pp=pp, stage=stage, dtype=precision).total
     micro = breakdown(preset=shape, tp=tp, sequence_parallel=config.sequence_parallel, dtype=precision).activations / cp
-    m = config.gradient_accumulation_steps
-    in_flight = m if config.pp_schedule == "afab" else min(pp, m)
+    in_flight = micro_batches_in_flight(pp, config.gradient_accumulation_steps, config.pp_schedule)
     return states + micro * in_flight / pp
