@@ -7,7 +7,8 @@
 #      machine with an index), and the course itself, editable and without dependencies: the
 #      machine's own torch stays;
 #   1. speed: the course's step against upstream nanoGPT's bench.py (a checkout in .upstream/nanoGPT,
-#      carried), alone on the GPU (benchmarks/gpu_speed.py, its variants and a kernel table), at most
+#      carried), alone on the GPU (benchmarks/gpu_speed.py, its variants and a kernel table; the char
+#      recipe with GPU_SESSION_SPEED_ARGS=--char), at most
 #      GPU_SESSION_SPEED_MAX_S (250) seconds; GPU_SESSION_SPEED_ARGS adds arguments (--variants 0,2);
 #   2. from then on in the background: the test files that touch devices, launching, ranks, MPI,
 #      training and the lessons' code, with CUDA present (pytest -n, one file per worker), and
@@ -22,7 +23,7 @@ OUT=${1:-${OUT:-runs/gpu-session}}
 BUDGET=${GPU_SESSION_BUDGET_S:-450}
 PHASES=${GPU_SESSION_PHASES:-speed tests check lessons}
 CHECKS=${GPU_SESSION_CHECKS:-profile,data,memory,ranks,share,nccl}
-LESSONS=${GPU_SESSION_LESSONS:-08 09}
+LESSONS=${GPU_SESSION_LESSONS:-09 08}
 SPEED_ARGS=${GPU_SESSION_SPEED_ARGS:-}
 TESTS=${GPU_SESSION_TESTS:-tests/test_placement.py tests/test_hardware.py tests/test_launch.py
   tests/test_launch_forked.py tests/test_launch_ranks.py tests/test_launch_training.py tests/test_launch_units.py
@@ -30,7 +31,8 @@ TESTS=${GPU_SESSION_TESTS:-tests/test_placement.py tests/test_hardware.py tests/
   tests/test_gpu_check.py tests/test_gpu_speed.py tests/test_step_peak.py tests/test_comm_bench.py
   tests/test_train.py tests/test_train_distributed.py tests/test_train_precision.py tests/test_parallel_trainer.py
   tests/test_parallel_4d_trainer.py tests/test_memory_measure.py tests/test_precision.py tests/test_debugging.py
-  tests/test_hang.py tests/test_profiling.py tests/test_checkpoint.py tests/test_frameworks.py}
+  tests/test_hang.py tests/test_profiling.py tests/test_checkpoint.py tests/test_frameworks.py
+  tests/test_chunked_loss.py tests/test_model.py}
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 left() { echo $((BUDGET - SECONDS)); }
@@ -61,12 +63,12 @@ fi
 
 if has tests; then
   say "phase 2 (background): tests with CUDA present, lessons in smoke mode"
-  XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 6 --dist loadfile")
+  XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8 --dist loadfile")
   ( timeout -s INT -k 15 $(( $(left) - 25 )) python3 -m pytest -v -p no:cacheprovider $XDIST --timeout 240 --tb=short \
       --junitxml="$OUT/tests.xml" -o junit_family=xunit1 $TESTS >"$OUT/tests.log" 2>&1
     echo "pytest exit $?" >>"$OUT/tests.log" ) &
   TESTS_PID=$!
-  ( for nb in notebooks/[0-9][0-9]_*.ipynb; do
+  ( for nb in $(ls -r notebooks/[0-9][0-9]_*.ipynb); do  # the last lessons first: the first ones ran before
       t0=$SECONDS
       timeout 120 python3 -m course_lib.notebook.book --lesson "$nb" --smoke --out "$OUT/smoke" >/dev/null 2>"$OUT/smoke_err.tmp"
       rc=$?; echo "$(basename "$nb") smoke exit $rc $((SECONDS - t0)) s" >>"$OUT/lessons.log"

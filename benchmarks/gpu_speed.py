@@ -12,13 +12,16 @@ recompute MFU from its time. Then every variant below runs the course's step
 (:func:`course_lib.parallel.step.train_step`: fused AdamW, SDPA attention, gradient clipping, no
 host sync per step); ``before`` is what ``course check-gpu`` measures, each later row changes one
 thing more. The goal of issue 21 is at least 1.25x upstream's tokens per second (~45 % MFU on an
-H100). ``--write`` appends the table to benchmarks/RESULTS.md. ``--smoke`` runs a tiny model on
-the CPU, without upstream, to check that the script works.
+H100). ``--char`` adds nanoGPT's shakespeare_char recipe, eager and compiled: upstream's own ``model.py``
+in train.py's step against the course's step, timed by one loop. ``--write`` appends the tables to
+benchmarks/RESULTS.md. ``--smoke`` runs a tiny model on the CPU, without upstream, to check that
+the script works.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import re
 import subprocess
 import sys
@@ -47,16 +50,25 @@ class Variant:
     bias: bool = False  # bench.py's GPT-2 has no biases
     compile_mode: str | None = "default"  # None: eager
     attention: str = "default"  # "default": SDPA picks (flash on Hopper); "cudnn": cuDNN's fused attention only
+    loss_chunks: int = 0  # > 0: the LM head and the loss fused over row chunks (GPT.set_loss_chunks)
 
 
 # Issue 28: each row changes one thing against the first, which is bench.py's own setting (GPT-2 small
-# without biases, 12 x 1024 tokens, bf16 autocast, torch.compile's default mode, fused AdamW).
+# without biases, 12 x 1024 tokens, bf16 autocast, torch.compile's default mode, fused AdamW). The
+# first H200 run (RESULTS.md) measured cuDNN attention (SDPA already picks it) and batch 24 (a
+# recipe's choice, not a faster step); these rows try what its kernel table left: the logits and
+# the cross-entropy, and the launch gaps.
 VARIANTS = (
     Variant("course step, as bench.py (batch 12)"),
-    Variant("+ cuDNN attention", attention="cudnn"),
-    Variant("batch 24 (24 x 1024 tokens a step)", micro_batch=24),
-    Variant("batch 24 + cuDNN attention", micro_batch=24, attention="cudnn"),
+    Variant("+ head and loss fused over 8 chunks", loss_chunks=8),
+    Variant("+ CUDA graphs (compile mode reduce-overhead)", compile_mode="reduce-overhead"),
+    Variant("+ fused head and loss + CUDA graphs", loss_chunks=8, compile_mode="reduce-overhead"),
 )
+
+# nanoGPT's shakespeare_char recipe (config/train_shakespeare_char.py: 6 layers, 6 heads, 384 wide,
+# 256 tokens, batch 64, dropout 0.2; train.py's default bias=False), grad_clip 1.0 as train.py
+CHAR = {"n_layer": 6, "n_head": 6, "n_embd": 384, "block_size": 256, "vocab_size": 65, "dropout": 0.2, "bias": False}
+CHAR_BATCH = 64
 
 
 @contextmanager
@@ -105,7 +117,7 @@ def run_variant(v: Variant, cfg: GPTConfig, device: str, steps: int, warmup: int
     """The course's step on ``v``: ms per optimizer step (accum micro-batches) and tokens/s;
     ``profile``: also write the kernel table of three more steps there."""
     torch.manual_seed(1337)
-    model = GPT(replace(cfg, bias=v.bias)).to(device)
+    model = GPT(replace(cfg, bias=v.bias)).to(device).set_loss_chunks(v.loss_chunks)
     single = build_strategy("single", model, lambda m: make_adamw(m, lr=1e-4, weight_decay=1e-2))
     if v.compile_mode:
         single.model = torch.compile(model, mode=v.compile_mode)  # forward runs compiled; the optimizer holds model's
@@ -123,6 +135,71 @@ def run_variant(v: Variant, cfg: GPTConfig, device: str, steps: int, warmup: int
     tokens = v.accum * v.micro_batch * cfg.block_size
     return {"ms_per_step": s * 1e3, "tokens_per_s": tokens / s, "tokens_per_step": tokens,
             "flops_per_token": model.flops_per_token()}
+
+
+def upstream_model(nanogpt: Path):
+    """nanoGPT's own ``model.py`` (its GPT and GPTConfig), imported from the checkout."""
+    spec = importlib.util.spec_from_file_location("nanogpt_model", nanogpt / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def char_recipe(nanogpt: Path | None, device: str, steps: int, warmup: int, compiled: bool,
+                shape: dict = CHAR, batch: int = CHAR_BATCH) -> dict[str, dict]:
+    """The char recipe (CHAR) one step at a time: the course's step (``train_step``, grad_clip 1.0)
+    against upstream's ``model.py`` and ``configure_optimizers`` in train.py's step (forward, backward,
+    clip 1.0, step, zero_grad), both timed by the same loop on the same random batch, eager or
+    compiled (``nanogpt`` None: the course's row only)."""
+    cuda = device.startswith("cuda")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    x = torch.randint(shape["vocab_size"], (1, batch, shape["block_size"]), device=device)  # (accum, B, T)
+    y = torch.randint(shape["vocab_size"], x.shape, device=device)
+    tokens, mode = batch * shape["block_size"], "compiled" if compiled else "eager"
+    rows = {}
+    if nanogpt is not None:
+        up = upstream_model(nanogpt)
+        torch.manual_seed(1337)
+        model = up.GPT(up.GPTConfig(**shape)).to(device)
+        opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cuda" if cuda else "cpu")
+        fwd = torch.compile(model) if compiled else model
+
+        def step():
+            with autocast:
+                loss = fwd(x[0], y[0])[1]
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for _ in range(warmup):
+            step()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        sync()
+        s = (time.perf_counter() - t0) / steps
+        rows[f"char, upstream model.py + train.py's step, {mode}"] = {
+            "ms_per_step": s * 1e3, "tokens_per_s": tokens / s, "tokens_per_step": tokens}
+    torch.manual_seed(1337)
+    model = GPT(GPTConfig(**shape)).to(device)
+    single = build_strategy("single", model, lambda m: make_adamw(m, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.99)))
+    if compiled:
+        single.model = torch.compile(model)
+    precision = Precision(autocast)
+    for _ in range(warmup):
+        train_step(single, x, y, grad_clip=1.0, precision=precision)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        train_step(single, x, y, grad_clip=1.0, precision=precision)
+    sync()
+    s = (time.perf_counter() - t0) / steps
+    rows[f"char, course step, {mode}"] = {"ms_per_step": s * 1e3, "tokens_per_s": tokens / s,
+                                          "tokens_per_step": tokens, "flops_per_token": model.flops_per_token()}
+    return rows
 
 
 def table(rows: dict[str, dict], peak: float | None, upstream: dict | None) -> str:
@@ -144,8 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, no upstream: does it run")
     p.add_argument("--variants", default=None, metavar="I,J,...",
                    help=f"run only these rows of VARIANTS (0-{len(VARIANTS) - 1}); default all")
+    p.add_argument("--char", action="store_true",
+                   help="also the char recipe, eager and compiled, against upstream's model.py (after the variants)")
     p.add_argument("--profile", type=Path, default=None,
-                   help="write the kernel table (torch.profiler) of the first variant to this file")
+                   help="write the kernel table (torch.profiler) of one variant to this file")
+    p.add_argument("--profile-variant", type=int, default=0, metavar="I",
+                   help="which of the variants run gets the kernel table (default the first)")
     args = p.parse_args(argv)
     if args.smoke:
         cfg, device = GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=256), "cpu"
@@ -162,10 +243,22 @@ def main(argv: list[str] | None = None) -> int:
     upstream = None if args.smoke else run_upstream(args.nanogpt)
     rows = {"upstream nanoGPT bench.py": upstream} if upstream else {}
     for i, v in enumerate(variants):
-        rows[v.name] = run_variant(v, cfg, device, args.steps, args.warmup, args.profile if i == 0 else None)
+        try:
+            rows[v.name] = run_variant(v, cfg, device, args.steps, args.warmup,
+                                       args.profile if i == args.profile_variant else None)
+        except Exception as e:  # one failing variant must not lose the rows after it
+            print(f"  {v.name}: FAILED: {type(e).__name__}: {str(e)[:500]}", flush=True)
+            continue
         print(table(rows, hw.peak("bfloat16"), upstream).splitlines()[-1], flush=True)
     text = table(rows, hw.peak("bfloat16"), upstream)
     print(text)
+    if args.char:  # smoke: a tiny char model, eager only (upstream's model.py too, where --nanogpt is given)
+        shape = dict(CHAR, n_layer=1, n_head=2, n_embd=32, block_size=16) if args.smoke else CHAR
+        for compiled in (False,) if args.smoke else (False, True):
+            char = char_recipe(args.nanogpt, device, args.steps, args.warmup, compiled, shape, 4 if args.smoke else CHAR_BATCH)
+            ups = next((r for name, r in char.items() if "upstream" in name), None)
+            text += "\n\n" + table(char, hw.peak("bfloat16"), ups)
+            print(table(char, hw.peak("bfloat16"), ups), flush=True)
     if args.write and not args.smoke:
         with RESULTS.open("a") as f:
             f.write(f"\n### GPU speed against upstream nanoGPT (`benchmarks/gpu_speed.py`), {hw.name}, "

@@ -21,13 +21,14 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from course_lib.analysis.activations import RECOMPUTE  # none, selective, full
+from course_lib.gpt.chunked_loss import chunked_linear_cross_entropy
+from course_lib.gpt.moe import Experts, MoE, aux_loss
 from course_lib.registry import MoEConfig
-from course_lib.gpt.moe import MoE, Experts, aux_loss
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,17 @@ class GPT(nn.Module):
         self.lm_head.weight = self.transformer.wte.weight  # weight tying (one tensor, two uses)
         self.apply(self._init_weights)
         self.recompute = "none"  # how backward gets the blocks' activations (set_recompute)
+        self.loss_chunks = 0  # 0: logits, then F.cross_entropy; n: head and loss fused over n chunks
+
+    def set_loss_chunks(self, chunks: int) -> GPT:
+        """0 (the default): the LM head makes the (B, T, V) logits and ``F.cross_entropy`` reads them.
+        ``chunks`` > 0: in training (gradients on) the head and the loss run fused over ``chunks`` row
+        chunks (:mod:`course_lib.gpt.chunked_loss`), never holding the full logits, and forward
+        returns ``(None, loss)``. Like recomputation it changes memory and time, not the loss."""
+        if chunks < 0:
+            raise ValueError(f"loss chunks must be >= 0, got {chunks}")
+        self.loss_chunks = chunks
+        return self
 
     def set_recompute(self, mode: str) -> GPT:
         """'none' (keep every activation), 'selective' (recompute the attention core) or 'full'
@@ -160,7 +172,8 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """idx, targets: (B, T) token ids. Returns (logits, loss); logits (B, T, V), or (B, 1, V)
-        for the last position only when no targets are given (generation)."""
+        for the last position only when no targets are given (generation), or None in training
+        with ``set_loss_chunks``."""
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
@@ -173,8 +186,13 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None
-        logits = self.lm_head(x)  # (B, T, V)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        if self.loss_chunks and torch.is_grad_enabled():  # no (B, T, V) logits at all
+            logits = None
+            loss = chunked_linear_cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.view(-1),
+                                                self.loss_chunks)
+        else:
+            logits = self.lm_head(x)  # (B, T, V)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         if self.config.n_expert and self.training:  # + every MoE block's load-balancing loss (gpt/moe.py);
             loss = loss + self.config.aux_loss_coef * aux_loss(self)  # evaluation: the cross-entropy alone
         return logits, loss

@@ -1,0 +1,82 @@
+"""The LM head and the cross-entropy in one pass over row chunks, gradients computed in forward.
+
+    loss = chunked_linear_cross_entropy(x, weight, targets, chunks=8)   # x (N, C), weight (V, C), targets (N,)
+
+equals ``F.cross_entropy(x @ weight.T, targets, ignore_index=-1)`` in value and in the gradients
+of ``x`` and ``weight``, without ever holding the full (N, V) logits or their gradient: each chunk
+of rows makes its logits (n, V), its log-sum-exp, its share of the loss and the gradient
+softmax - onehot of its logits, then at once its rows of dL/dx = g W and its part of dL/dW = g^T x.
+Backward only scales the two saved gradients by the incoming one. GPT-2 small's head at 12 x 1024
+tokens and a 50,304-word vocabulary has 1.24 GB of bf16 logits; a chunk holds 1/chunks of them.
+
+Why the gradient is softmax - onehot: for one row, L = lse(z) - z_t, so dL/dz_j = softmax(z)_j - [j = t]
+(the mean over the N' counted rows divides it by N'). The trick of fusing the head with the loss
+and chunking over rows is Liger Kernel's "fused linear cross entropy" (Hsu et al. 2024, "Liger
+Kernel: Efficient Triton Kernels for LLM Training", arXiv:2410.10989, Sec. 3.2); this is the plain
+PyTorch form of the idea, left to ``torch.compile`` to fuse.
+
+Under autocast the matrix multiplies run in the autocast dtype, as ``nn.Linear`` would, and the
+softmax, the loss and the weight gradient's sum over chunks in fp32. Rows whose target is -1 are
+ignored (``ignore_index=-1``, the course's convention).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype ``nn.Linear`` would multiply in here: autocast's, where it is on, else x's."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of ``x @ weight.T`` against ``targets``; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunks: int) -> torch.Tensor:
+        dtype = _compute_dtype(x)
+        with torch.autocast(x.device.type, enabled=False):  # the casts are explicit below
+            xc, wc = x.to(dtype), weight.to(dtype)  # (N, C), (V, C)
+            valid = targets != -1  # (N,)
+            count = valid.sum().clamp(min=1).float()  # the rows the mean is over
+            loss = torch.zeros((), device=x.device, dtype=torch.float32)
+            grad_x = torch.empty_like(xc)  # (N, C) in the compute dtype, as Linear's backward makes it
+            grad_w = torch.zeros(weight.shape, device=x.device, dtype=torch.float32)  # (V, C), summed in fp32
+            n = -(-x.shape[0] // chunks)  # rows per chunk (the last may have fewer)
+            for lo in range(0, x.shape[0], n):
+                hi = min(lo + n, x.shape[0])
+                logits = (xc[lo:hi] @ wc.T).float()  # (n, V)
+                t, keep = targets[lo:hi].clamp(min=0), valid[lo:hi]
+                lse = torch.logsumexp(logits, dim=-1)  # (n,)
+                picked = logits.gather(1, t[:, None]).squeeze(1)  # z_t, (n,)
+                loss = loss + torch.where(keep, lse - picked, 0.0).sum()
+                g = torch.exp(logits - lse[:, None])  # softmax, (n, V)
+                g.scatter_add_(1, t[:, None], torch.full_like(picked[:, None], -1.0))  # - onehot
+                g = (g * (keep.float() / count)[:, None]).to(dtype)  # dL/dz of the mean, ignored rows 0
+                grad_x[lo:hi] = g @ wc  # (n, C)
+                grad_w += (g.T @ xc[lo:hi]).float()  # (V, C)
+        ctx.save_for_backward(grad_x, grad_w)
+        ctx.dtypes = (x.dtype, weight.dtype)
+        return loss / count
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_x, grad_w = ctx.saved_tensors
+        x_dtype, w_dtype = ctx.dtypes
+        return (grad_x.to(x_dtype) * grad_loss).to(x_dtype), (grad_w * grad_loss).to(w_dtype), None, None
+
+
+def chunked_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                                 chunks: int = 8) -> torch.Tensor:
+    """``F.cross_entropy(x @ weight.T, targets, ignore_index=-1)`` over ``chunks`` row chunks.
+    x (N, C), weight (V, C), targets (N,) int64."""
+    if chunks < 1:
+        raise ValueError(f"chunks must be >= 1, got {chunks}")
+    if x.dim() != 2 or targets.shape != x.shape[:1] or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"expected x (N, C), weight (V, C), targets (N,); got {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)}, {tuple(targets.shape)}")
+    return ChunkedLinearCrossEntropy.apply(x, weight, targets, min(chunks, x.shape[0]))
