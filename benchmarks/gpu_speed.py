@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write", action="store_true", help="append the table to benchmarks/RESULTS.md")
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, no upstream: does it run")
     p.add_argument("--variants", default=None, metavar="I,J,...",
-                   help=f"run only these rows of VARIANTS (0-{len(VARIANTS) - 1}); default all")
+                   help=f"run only these rows of VARIANTS (0-{len(VARIANTS) - 1}; none: no GPT-2 row); default all")
     p.add_argument("--char", action="store_true",
                    help="also the char recipe, eager and compiled, against upstream's model.py (after the variants)")
     p.add_argument("--profile", type=Path, default=None,
@@ -237,16 +237,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.nanogpt is None or not (args.nanogpt / "bench.py").is_file():
             p.error("give --nanogpt DIR, a checkout of karpathy/nanoGPT with its bench.py")
         cfg, device, variants = GPTConfig(block_size=1024, vocab_size=50304), "cuda", VARIANTS
-    if args.variants is not None:
+    if args.variants == "none":  # the char recipe alone (--char)
+        variants = []
+    elif args.variants is not None:
         variants = [variants[int(i)] for i in args.variants.split(",")]
     hw = detect(device)
-    upstream = None if args.smoke else run_upstream(args.nanogpt)
+    upstream = None if args.smoke or not variants else run_upstream(args.nanogpt)
     rows = {"upstream nanoGPT bench.py": upstream} if upstream else {}
     for i, v in enumerate(variants):
         try:
             rows[v.name] = run_variant(v, cfg, device, args.steps, args.warmup,
                                        args.profile if i == args.profile_variant else None)
-        except Exception as e:  # one failing variant must not lose the rows after it
+        except Exception as e:  # noqa: BLE001  one failing variant must not lose the rows after it
             print(f"  {v.name}: FAILED: {type(e).__name__}: {str(e)[:500]}", flush=True)
             continue
         print(table(rows, hw.peak("bfloat16"), upstream).splitlines()[-1], flush=True)

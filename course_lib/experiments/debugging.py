@@ -14,7 +14,8 @@ Each function runs on every rank of a process group. ``step`` keeps this rank's 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+import torch._dynamo  # AdamW's first step imports it (1 to 2 s, more on a busy machine): here, in
+import torch.distributed as dist  # the lesson's import cell, not inside the first timed step
 from torch import nn
 
 from course_lib.parallel.replicas import local_grads
