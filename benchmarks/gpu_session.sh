@@ -16,6 +16,7 @@
 #   3. course check-gpu --only $GPU_SESSION_CHECKS (the short checks; the 330 s recipes step is
 #      left to `make check-gpu`);
 #   4. lessons $GPU_SESSION_LESSONS in full mode, each timed.
+# GPU_SESSION_SMOKE ("12 08", default every lesson) picks the smoke runs.
 # GPU_SESSION_BUDGET_S (default 450) is the wall time it plans for; GPU_SESSION_PHASES (default
 # "speed tests check lessons") picks phases. OUT defaults to $OUT (the device tool's) or runs/gpu-session.
 set -u
@@ -69,6 +70,7 @@ if has tests; then
     echo "pytest exit $?" >>"$OUT/tests.log" ) &
   TESTS_PID=$!
   ( for nb in $(ls -r notebooks/[0-9][0-9]_*.ipynb); do  # the last lessons first: the first ones ran before
+      [ -n "${GPU_SESSION_SMOKE:-}" ] && [[ " $GPU_SESSION_SMOKE " != *" $(basename "$nb" | cut -c1-2) "* ]] && continue
       t0=$SECONDS
       timeout 120 python3 -m course_lib.notebook.book --lesson "$nb" --smoke --out "$OUT/smoke" >/dev/null 2>"$OUT/smoke_err.tmp"
       rc=$?; echo "$(basename "$nb") smoke exit $rc $((SECONDS - t0)) s" >>"$OUT/lessons.log"
