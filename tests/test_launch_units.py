@@ -240,6 +240,24 @@ def test_refuses_training_config_that_does_not_fit(nothing_spawned):
         launch_training(cfg)
 
 
+def test_recomputation_is_named_and_counted_by_the_memory_check():
+    """A run refused for memory fits with --recompute=full, which the refusal names: the check
+    counts the config's recomputation (nothing spawned: check_memory is arithmetic)."""
+    import psutil
+
+    from course_lib.trainer.config import make_config
+
+    shape = {"n_layer": 2, "n_head": 4, "n_embd": 256, "block_size": 512, "device": "cpu", "nproc": 1,
+             "dataset": "shakespeare_char"}
+    have = psutil.virtual_memory().total
+    one, two = (checks.estimate_bytes(make_config(None, {**shape, "batch_size": b}), 1, "float32") for b in (1, 2))
+    batch = int(1.5 * have / (two - one)) + 1  # activations grow with the batch: about 1.5x this machine's RAM
+    big = make_config(None, {**shape, "batch_size": batch})
+    with pytest.raises(checks.LaunchConfigError, match=r"recompute activations \(--recompute=full\)"):
+        checks.check_memory(checks.TrainRequest(big, nnodes=1, device="cpu"))
+    checks.check_memory(checks.TrainRequest(big.replace(recompute="full"), nnodes=1, device="cpu"))  # fits
+
+
 def test_the_memory_estimate_follows_the_layout():
     """check_memory's estimate divides what tp, pp, cp and ep divide, counts the experts, and keeps
     the plain run's number (ZeRO states + Korthikanti activations of one micro-batch)."""
@@ -249,8 +267,8 @@ def test_the_memory_estimate_follows_the_layout():
     base = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "batch_size": 8, "dataset": "shakespeare_char",
             "device": "cpu"}
 
-    def need(world, dtype="float32", **fields):
-        return checks.estimate_bytes(make_config(None, {**base, "nproc": world, **fields}), world, dtype)
+    def need(world, dtype="float32", device="cpu", **fields):
+        return checks.estimate_bytes(make_config(None, {**base, "nproc": world, **fields}), world, dtype, device)
 
     cfg = make_config(None, {**base, "nproc": 1})
     shape = ModelShape("c", 4, 4, 128, 64, 65, 8, bias=cfg.bias, dropout=cfg.dropout)
@@ -262,6 +280,13 @@ def test_the_memory_estimate_follows_the_layout():
     assert need(2, cp=2, strategy="ddp") < ddp  # half of every sequence
     assert need(2, pp=2, gradient_accumulation_steps=8) < ddp  # half of the layers
     assert need(2, pp=2, gradient_accumulation_steps=8, pp_schedule="afab") > need(2, pp=2, gradient_accumulation_steps=8)
+    # the config's recomputation (Korthikanti et al. 2022, Table 2), and the fused attention of a GPU
+    for recompute in ("selective", "full"):
+        assert need(1, recompute=recompute) == pytest.approx(breakdown(preset=shape, dtype="fp32",
+                                                                       recompute=recompute).total)
+    assert need(1, recompute="full") < need(1, recompute="selective") < need(1)
+    assert need(1, device="cuda") == pytest.approx(breakdown(preset=shape, dtype="fp32", flash_attention=True).total)
+    assert need(1, device="cuda") == need(1, device="cuda", recompute="selective") < need(1)
     moe = {"n_expert": 8, "top_k": 2}
     import torch  # here: the rest of this file's tests run without torch or the model
 

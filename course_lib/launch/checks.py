@@ -154,7 +154,7 @@ def check_memory(req: TrainRequest) -> None:
     """The model fits: estimated bytes per rank vs the GPU's memory, or this host's RAM / ranks."""
     profile = detect(req.device)
     dtype = pick_dtype(profile, req.config.dtype)
-    need = estimate_bytes(req.config, req.world_size, dtype)
+    need = estimate_bytes(req.config, req.world_size, dtype, req.device)
     if req.device == "cuda":
         share = req.plan.ranks_per_device if req.plan else 1  # ranks sharing one GPU share its memory
         have, where = profile.memory_bytes / share, f"the GPU ({profile.name})" + (f" / {share} ranks" if share > 1 else "")
@@ -165,7 +165,7 @@ def check_memory(req: TrainRequest) -> None:
         raise LaunchConfigError(
             f"this config needs about {need / 1e9:.2f} GB per rank (course_lib.analysis.memory estimate, "
             f"{dtype}) but {where} has {have / 1e9:.2f} GB; lower batch_size or block_size, "
-            "use a ZeRO strategy, more ranks or tp/pp, or a smaller model")
+            "recompute activations (--recompute=full), use a ZeRO strategy, more ranks or tp/pp, or a smaller model")
 
 
 def check_out_dir(req: TrainRequest) -> None:
@@ -237,7 +237,7 @@ def _vocab_size(config: TrainConfig) -> int:
         return 65 if config.dataset.endswith("_char") else 50304
 
 
-def estimate_bytes(config: TrainConfig, world_size: int, dtype: str) -> float:
+def estimate_bytes(config: TrainConfig, world_size: int, dtype: str, device: str = "cpu") -> float:
     """Per-device training memory of ``config`` on ``world_size`` ranks: model states + activations.
 
     Model states of the rank that holds the most: :func:`course_lib.analysis.memory.stage_states`
@@ -248,8 +248,12 @@ def estimate_bytes(config: TrainConfig, world_size: int, dtype: str) -> float:
     (:func:`course_lib.analysis.memory.breakdown`) over tp (with sequence parallelism as asked)
     and over cp (each rank holds 1/cp of every sequence). With pp, a stage holds n_layer / pp
     layers' activations of :func:`~course_lib.analysis.memory.micro_batches_in_flight` micro-batches
-    (AFAB: all, 1F1B: at most pp). Not modelled: the experts' dispatch buffers and the pipeline's sent
-    activations, small beside the rest at the course's sizes.
+    (AFAB: all, 1F1B: at most pp). The config's ``recompute`` is Korthikanti's Table 2 row
+    (selective: no attention scores kept; full: each layer's input only). On ``device`` "cuda"
+    the attention keeps no s x s scores either way: the trainer's ``scaled_dot_product_attention``
+    runs a fused kernel there (flash, cuDNN or memory-efficient), which recomputes them in backward.
+    Not modelled: the experts' dispatch buffers and the pipeline's sent activations, small beside
+    the rest at the course's sizes.
     """
     tp, pp, cp = config.tp, config.pp, config.cp
     dp_cp = max(1, world_size // (tp * pp))  # the ranks one ZeRO shard group spans
@@ -267,6 +271,7 @@ def estimate_bytes(config: TrainConfig, world_size: int, dtype: str) -> float:
                              dtype=precision).total.total
     else:
         states = stage_states(shape, dp=dp_cp, tp=tp, pp=pp, stage=stage, dtype=precision).total
-    micro = breakdown(preset=shape, tp=tp, sequence_parallel=config.sequence_parallel, dtype=precision).activations / cp
+    micro = breakdown(preset=shape, tp=tp, sequence_parallel=config.sequence_parallel, dtype=precision,
+                      recompute=config.recompute, flash_attention=device == "cuda").activations / cp
     in_flight = micro_batches_in_flight(pp, config.gradient_accumulation_steps, config.pp_schedule)
     return states + micro * in_flight / pp
