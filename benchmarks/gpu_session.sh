@@ -7,9 +7,10 @@
 #      machine with an index), and the course itself, editable and without dependencies: the
 #      machine's own torch stays;
 #   1. speed: the course's step against upstream nanoGPT's bench.py (a checkout in .upstream/nanoGPT,
-#      carried), alone on the GPU (benchmarks/gpu_speed.py, its variants and a kernel table; the char
-#      recipe with GPU_SESSION_SPEED_ARGS=--char), at most
-#      GPU_SESSION_SPEED_MAX_S (250) seconds; GPU_SESSION_SPEED_ARGS adds arguments (--variants 0,2);
+#      carried), alone on the GPU (benchmarks/gpu_speed.py: the plain step and the char recipe, eager
+#      and compiled, each against upstream, and a kernel table), at most GPU_SESSION_SPEED_MAX_S (250)
+#      seconds; GPU_SESSION_SPEED_ARGS replaces the arguments "--variants 0 --char" (the other
+#      variants, measured slower on an H200 in RESULTS.md: "--variants 0,1,2,3");
 #   2. from then on in the background: the test files that touch devices, launching, ranks, MPI,
 #      training and the lessons' code, with CUDA present (pytest -n, one file per worker), and
 #      every lesson in smoke mode;
@@ -25,7 +26,7 @@ BUDGET=${GPU_SESSION_BUDGET_S:-450}
 PHASES=${GPU_SESSION_PHASES:-speed tests check lessons}
 CHECKS=${GPU_SESSION_CHECKS:-profile,data,memory,ranks,share,nccl}
 LESSONS=${GPU_SESSION_LESSONS:-09 08}
-SPEED_ARGS=${GPU_SESSION_SPEED_ARGS:-}
+SPEED_ARGS=${GPU_SESSION_SPEED_ARGS:---variants 0 --char}
 TESTS=${GPU_SESSION_TESTS:-tests/test_placement.py tests/test_hardware.py tests/test_launch.py
   tests/test_launch_forked.py tests/test_launch_ranks.py tests/test_launch_training.py tests/test_launch_units.py
   tests/test_torchrun_compat.py tests/test_mpi_launch.py tests/test_rank_pool.py tests/test_magics.py
