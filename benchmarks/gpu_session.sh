@@ -4,8 +4,8 @@
 # What one call on a one-GPU machine runs, in priority order, so that a time-out still returns what
 # finished (every phase writes its log into OUT as it goes):
 #   0. the Python packages the machine lacks, as wheels in .whl/ (carried, with .upstream/nanoGPT:
-#      `bash benchmarks/gpu_carry.sh NANOGPT` makes both on a machine with an index), and the course itself, editable and without dependencies: the
-#      machine's own torch stays;
+#      `bash benchmarks/gpu_carry.sh NANOGPT` makes both on a machine with an index), and the course
+#      itself, editable and without dependencies: the machine's own torch stays;
 #   1. speed: the course's step against upstream nanoGPT's bench.py (a checkout in .upstream/nanoGPT,
 #      carried), alone on the GPU (benchmarks/gpu_speed.py: the plain step and the char recipe, eager
 #      and compiled, each against upstream, and a kernel table), at most GPU_SESSION_SPEED_MAX_S (250)
