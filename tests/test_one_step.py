@@ -28,6 +28,7 @@ ALLOWED = {
     ("course_lib/parallel/pipeline/schedules.py", "train_step"):
         "the pipeline schedule: backward of each micro-batch on each stage (ModelParallel.forward_backward)",
     ("course_lib/pram/kernels_backward.py", "*"): "PyTorch's autograd as the reference of the PRAM kernels",
+    ("benchmarks/gpu_speed.py", "step"): "upstream nanoGPT's train.py step, the baseline the course's step is timed against",
     ("course_lib/experiments/gpu_check.py", "probe"): "one tiny backward to start autograd's threads",
     ("course_lib/experiments/gpu_check.py", "_launcher_rank"): "one tiny backward in a rank, after the kernel's",
     ("course_lib/experiments/gpu_check.py", "_isolated_check"): "one tiny backward in the isolated process",
