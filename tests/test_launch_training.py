@@ -83,7 +83,7 @@ def test_device_ranks_dtype_strategy_memory(small_data, tmp_path):
     refused(cfg.replace(strategy="single"), ConfigError, "strategy 'single' runs one process but nproc=2", nproc=2)
     refused(cfg.replace(nproc=2), ConfigError, "nproc must be a whole number", nproc="two")
     refused(cfg.replace(n_layer=48, n_head=25, n_embd=1600, block_size=256, batch_size=512), ConfigError,
-            r"GB per rank \(course_lib.analysis.memory estimate.*lower batch_size")
+            r"GB per rank \(launch.checks.estimate_bytes.*lower batch_size")
 
 
 def test_resume_and_a_run_already_there(small_data, tmp_path):

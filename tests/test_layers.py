@@ -257,11 +257,15 @@ _TRACE_FILES = textwrap.dedent("""
 # launch/supervise.py and launch/allocation.py launch/placement.py, and 14, 21, 29 with no lookup in
 # launch/__init__.py and no state made on import by parallel/collective_check.py. The 29 left are one
 # idea each (ARCHITECTURE.md, "One training run", names them): 12 is not reached. The ceilings are
-# the measured numbers, so that the count can only go down (lower them as modules are merged).
+# the measured numbers, so that the count can only go down (lower them as modules are merged). One
+# deliberate rise: 16, 21, 30 once the launcher's memory check used the model of the trainer's own
+# step (analysis/step_peak.py with analysis/precision.py, 0.2 % from the GPU's measurement): the
+# layout model alone, once it counted recomputation and fused attention, put GPT-2 small 33 % below
+# the measured peak, so a run that does not fit would have started.
 # For scale, the same definition applied by hand to torchtitan (commit 238fa99, the last with
 # debug_model.toml; its calls read, not traced): 28 of its files run a function from train.py's main
 # to the return of the first train_step on one GPU, without a launcher of its own (torchrun).
-MAX_LAUNCHER_FILES, MAX_WORKER_FILES, MAX_FILES = 14, 21, 29
+MAX_LAUNCHER_FILES, MAX_WORKER_FILES, MAX_FILES = 16, 21, 30
 
 
 def test_course_train_to_the_step_opens_few_files(tmp_path):

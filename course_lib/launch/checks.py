@@ -26,6 +26,7 @@ import psutil
 import course_lib.launch.placement as placement  # noqa: PLR0402 - the module itself: launch/__init__'s lazy names stay unread
 import course_lib.launch.torchrun as torchrun  # noqa: PLR0402 - as above
 from course_lib.analysis.memory import ModelShape, breakdown, micro_batches_in_flight, stage_states
+from course_lib.analysis.step_peak import step_peak
 from course_lib.gpt import data
 from course_lib.hardware import detect, pick_dtype
 from course_lib.launch.placement import LaunchConfigError, RankPlan
@@ -163,7 +164,7 @@ def check_memory(req: TrainRequest) -> None:
         where = f"this machine's RAM / {req.config.nproc} ranks"
     if need > have:
         raise LaunchConfigError(
-            f"this config needs about {need / 1e9:.2f} GB per rank (course_lib.analysis.memory estimate, "
+            f"this config needs about {need / 1e9:.2f} GB per rank (launch.checks.estimate_bytes, "
             f"{dtype}) but {where} has {have / 1e9:.2f} GB; lower batch_size or block_size, "
             "recompute activations (--recompute=full), use a ZeRO strategy, more ranks or tp/pp, or a smaller model")
 
@@ -244,16 +245,17 @@ def estimate_bytes(config: TrainConfig, world_size: int, dtype: str, device: str
     (the layouts' parameter count that tests/test_parallel_4d.py checks against measured states),
     with experts :func:`course_lib.analysis.moe_memory.rank_states` (ep divides them). The
     strategy's ZeRO stage shards over the dp x cp ranks, the course's shard group, and leaves the
-    experts whole, as the course's ZeRO does. Activations of one micro-batch: Korthikanti et al. 2022
-    (:func:`course_lib.analysis.memory.breakdown`) over tp (with sequence parallelism as asked)
-    and over cp (each rank holds 1/cp of every sequence). With pp, a stage holds n_layer / pp
-    layers' activations of :func:`~course_lib.analysis.memory.micro_batches_in_flight` micro-batches
-    (AFAB: all, 1F1B: at most pp). The config's ``recompute`` is Korthikanti's Table 2 row
-    (selective: no attention scores kept; full: each layer's input only). On ``device`` "cuda"
-    the attention keeps no s x s scores either way: the trainer's ``scaled_dot_product_attention``
-    runs a fused kernel there (flash, cuDNN or memory-efficient), which recomputes them in backward.
-    Not modelled: the experts' dispatch buffers and the pipeline's sent activations, small beside
-    the rest at the course's sizes.
+    experts whole, as the course's ZeRO does. Activations of one micro-batch, with the config's
+    ``recompute``: without tp or cp, those of the trainer's own step on ``device``,
+    :func:`course_lib.analysis.step_peak.step_peak` (autocast's fp32 residual stream, the fused
+    attention of a GPU, and the loss's fp32 gradients, which alone are 6 to 8 bytes per logit; within
+    0.2 % of ``max_memory_allocated`` for GPT-2 small on an H200, benchmarks/RESULTS.md). With tp or
+    cp, Korthikanti et al. 2022 (:func:`course_lib.analysis.memory.breakdown`) over tp (with
+    sequence parallelism as asked) and over cp (each rank holds 1/cp of every sequence). With pp, a
+    stage holds n_layer / pp layers' activations of
+    :func:`~course_lib.analysis.memory.micro_batches_in_flight` micro-batches (AFAB: all, 1F1B: at
+    most pp). Not modelled: the experts' dispatch buffers and the pipeline's sent activations, small
+    beside the rest at the course's sizes.
     """
     tp, pp, cp = config.tp, config.pp, config.cp
     dp_cp = max(1, world_size // (tp * pp))  # the ranks one ZeRO shard group spans
@@ -271,7 +273,14 @@ def estimate_bytes(config: TrainConfig, world_size: int, dtype: str, device: str
                              dtype=precision).total.total
     else:
         states = stage_states(shape, dp=dp_cp, tp=tp, pp=pp, stage=stage, dtype=precision).total
-    micro = breakdown(preset=shape, tp=tp, sequence_parallel=config.sequence_parallel, dtype=precision,
-                      recompute=config.recompute, flash_attention=device == "cuda").activations / cp
+    if tp == 1 and cp == 1:  # the trainer's step on one device, as measured
+        peak = step_peak(config.n_layer, config.n_head, config.n_embd, config.block_size, vocab_size,
+                         config.batch_size, dtype, device_type=device, dropout=config.dropout, bias=config.bias,
+                         recompute=config.recompute)
+        micro = peak.activations + peak.loss_grads
+    else:  # fused attention keeps no s x s scores: on a GPU, and on a CPU without dropout
+        flash = device == "cuda" or config.dropout == 0.0
+        micro = breakdown(preset=shape, tp=tp, sequence_parallel=config.sequence_parallel, dtype=precision,
+                          recompute=config.recompute, flash_attention=flash).activations / cp
     in_flight = micro_batches_in_flight(pp, config.gradient_accumulation_steps, config.pp_schedule)
     return states + micro * in_flight / pp
