@@ -9,10 +9,10 @@ one GPU: tokens per second, ms per optimizer step, and MFU against the GPU's bf1
 ``--real_data=False`` (random tokens, like ours) and ``--compile=True``, and we read its "time per
 iteration" line (12 x 1024 tokens per iteration). Its MFU line assumes an A100's 312 TFLOP/s, so we
 recompute MFU from its time. Then every variant below runs the course's step
-(:func:`course_lib.parallel.step.train_step`: fused AdamW, SDPA attention, gradient clipping, no
-host sync per step); ``before`` is what ``course check-gpu`` measures, each later row changes one
-thing more. The goal of issue 21 is at least 1.25x upstream's tokens per second (~45 % MFU on an
-H100). ``--char`` adds nanoGPT's shakespeare_char recipe, eager and compiled: upstream's own ``model.py``
+(:func:`course_lib.parallel.step.train_step`: fused AdamW, SDPA attention, no host sync per step);
+the first is bench.py's own setting, each later row changes one thing (VARIANTS). Issue 28 asks for
+at least 1.25x upstream's tokens per second (its "about 45 % MFU" was an H100's figure).
+``--char`` adds nanoGPT's shakespeare_char recipe, eager and compiled: upstream's own ``model.py``
 in train.py's step against the course's step, timed by one loop. ``--write`` appends the tables to
 benchmarks/RESULTS.md. ``--smoke`` runs a tiny model on the CPU, without upstream, to check that
 the script works.
