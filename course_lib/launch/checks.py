@@ -254,7 +254,8 @@ def estimate_bytes(config: TrainConfig, world_size: int, dtype: str, device: str
     sequence parallelism as asked) and over cp (each rank holds 1/cp of every sequence). With pp, a
     stage holds n_layer / pp layers' activations of
     :func:`~course_lib.analysis.memory.micro_batches_in_flight` micro-batches (AFAB: all, 1F1B: at
-    most pp). Not modelled: the experts' dispatch buffers and the pipeline's sent activations, small
+    most pp). Not modelled: a mixture of experts' activations beyond one dense MLP's (each token
+    passes top_k experts, through dispatch buffers) and the pipeline's sent activations, small
     beside the rest at the course's sizes.
     """
     tp, pp, cp = config.tp, config.pp, config.cp
