@@ -255,8 +255,8 @@ def estimate_bytes(config: TrainConfig, world_size: int, dtype: str, device: str
     stage holds n_layer / pp layers' activations of
     :func:`~course_lib.analysis.memory.micro_batches_in_flight` micro-batches (AFAB: all, 1F1B: at
     most pp). Not modelled: a mixture of experts' activations beyond one dense MLP's (each token
-    passes top_k experts, through dispatch buffers) and the pipeline's sent activations, small
-    beside the rest at the course's sizes.
+    passes top_k experts, through dispatch buffers), so the check counts low for experts; and the
+    pipeline's sent activations, small beside the rest.
     """
     tp, pp, cp = config.tp, config.pp, config.cp
     dp_cp = max(1, world_size // (tp * pp))  # the ranks one ZeRO shard group spans
