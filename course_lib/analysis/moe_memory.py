@@ -147,6 +147,19 @@ class MoEShape:
     def expert_params(self) -> int:
         return self.params()["experts"]
 
+    def extra_activation_bytes(self, s: int, b: int, bytes_per_value: int) -> float:
+        """What a step of the course's mixture of experts (:mod:`course_lib.gpt.moe`) keeps for
+        backward beyond a dense GPT's one MLP per layer, for b sequences of s tokens: the MLP inputs
+        of the other top_k + n_shared - 1 experts a token passes (h + 2 hidden values each: the
+        first matmul's input, GELU's input, the second matmul's input) and every routed expert's
+        output, kept for its gate's product (top_k h values). Met within 2 % on a CPU
+        (tests/test_step_peak.py). GELU experts only (``ffn_matrices == 2``)."""
+        if self.ffn_matrices != 2:
+            raise ValueError("extra_activation_bytes models GELU experts (ffn_matrices=2) only")
+        h, k = self.n_embd, self.top_k
+        per_token = (k + self.n_shared - 1) * (h + 2 * self.expert_hidden) + k * h
+        return float(self.n_moe_layers * s * b * per_token * bytes_per_value)
+
     def active_params(self, embeddings: bool = True) -> float:
         """Parameters one token uses: everything but the routed experts, plus k of the E in every
         MoE layer. ``embeddings=False`` leaves out the token (and position) embedding, a look-up

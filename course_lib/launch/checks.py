@@ -254,9 +254,9 @@ def estimate_bytes(config: TrainConfig, world_size: int, dtype: str, device: str
     sequence parallelism as asked) and over cp (each rank holds 1/cp of every sequence). With pp, a
     stage holds n_layer / pp layers' activations of
     :func:`~course_lib.analysis.memory.micro_batches_in_flight` micro-batches (AFAB: all, 1F1B: at
-    most pp). Not modelled: a mixture of experts' activations beyond one dense MLP's (each token
-    passes top_k experts, through dispatch buffers), so the check counts low for experts; and the
-    pipeline's sent activations, small beside the rest.
+    most pp). A mixture of experts adds what its top_k (and shared) experts keep beyond one dense
+    MLP (:meth:`~course_lib.analysis.moe_memory.MoEShape.extra_activation_bytes`; not split by tp).
+    Not modelled: the pipeline's sent activations, small beside the rest.
     """
     tp, pp, cp = config.tp, config.pp, config.cp
     dp_cp = max(1, world_size // (tp * pp))  # the ranks one ZeRO shard group spans
@@ -272,8 +272,10 @@ def estimate_bytes(config: TrainConfig, world_size: int, dtype: str, device: str
         moe = MoEShape.of_gpt(SimpleNamespace(**config.to_dict(), vocab_size=vocab_size))
         states = rank_states(moe, dp=dp_cp, ep=config.ep, tp=tp, pp=pp, stage=stage, expert_stage=0,
                              dtype=precision).total.total
+        experts = 0.0 if config.recompute == "full" else moe.extra_activation_bytes(  # full: recomputed too
+            config.block_size // cp, config.batch_size, 4 if dtype == "float32" else 2)
     else:
-        states = stage_states(shape, dp=dp_cp, tp=tp, pp=pp, stage=stage, dtype=precision).total
+        states, experts = stage_states(shape, dp=dp_cp, tp=tp, pp=pp, stage=stage, dtype=precision).total, 0.0
     if tp == 1 and cp == 1:  # the trainer's step on one device, as measured
         peak = step_peak(config.n_layer, config.n_head, config.n_embd, config.block_size, vocab_size,
                          config.batch_size, dtype, device_type=device, dropout=config.dropout, bias=config.bias,
@@ -284,4 +286,4 @@ def estimate_bytes(config: TrainConfig, world_size: int, dtype: str, device: str
         micro = breakdown(preset=shape, tp=tp, sequence_parallel=config.sequence_parallel, dtype=precision,
                           recompute=config.recompute, flash_attention=flash).activations / cp
     in_flight = micro_batches_in_flight(pp, config.gradient_accumulation_steps, config.pp_schedule)
-    return states + micro * in_flight / pp
+    return states + (micro + experts) * in_flight / pp
