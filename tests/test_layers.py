@@ -257,7 +257,7 @@ _TRACE_FILES = textwrap.dedent("""
 # launch/supervise.py and launch/allocation.py launch/placement.py, and 14, 21, 29 with no lookup in
 # launch/__init__.py and no state made on import by parallel/collective_check.py. The 29 left are one
 # idea each (ARCHITECTURE.md, "One training run", names them): 12 is not reached. The ceilings are
-# the measured numbers, so that the count can only go down (lower them as modules are merged). One
+# the measured numbers, so that the count can only go down (lower them as modules are merged). A
 # deliberate rise: 16, 21, 30 once the launcher's memory check used the model of the trainer's own
 # step (analysis/step_peak.py with analysis/precision.py, 0.2 % from the GPU's measurement): the
 # layout model alone, once it counted recomputation and fused attention, put GPT-2 small 33 % below
