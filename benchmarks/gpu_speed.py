@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from course_lib.experiments.gpu_check import time_steps
+from course_lib.experiments.gpu_check import seconds_per_call, time_steps
 from course_lib.gpt.model import GPT, GPTConfig, make_adamw
 from course_lib.hardware import detect
 from course_lib.parallel.step import Precision, train_step
@@ -153,7 +153,6 @@ def char_recipe(nanogpt: Path | None, device: str, steps: int, warmup: int, comp
     compiled (``nanogpt`` None: the course's row only)."""
     cuda = device.startswith("cuda")
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     x = torch.randint(shape["vocab_size"], (1, batch, shape["block_size"]), device=device)  # (accum, B, T)
     y = torch.randint(shape["vocab_size"], x.shape, device=device)
     tokens, mode = batch * shape["block_size"], "compiled" if compiled else "eager"
@@ -173,14 +172,7 @@ def char_recipe(nanogpt: Path | None, device: str, steps: int, warmup: int, comp
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        for _ in range(warmup):
-            step()
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        sync()
-        s = (time.perf_counter() - t0) / steps
+        s = seconds_per_call(step, steps, warmup, device)
         rows[f"char, upstream model.py + train.py's step, {mode}"] = {
             "ms_per_step": s * 1e3, "tokens_per_s": tokens / s, "tokens_per_step": tokens}
     torch.manual_seed(1337)
@@ -188,15 +180,7 @@ def char_recipe(nanogpt: Path | None, device: str, steps: int, warmup: int, comp
     single = build_strategy("single", model, lambda m: make_adamw(m, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.99)))
     if compiled:
         single.model = torch.compile(model)
-    precision = Precision(autocast)
-    for _ in range(warmup):
-        train_step(single, x, y, grad_clip=1.0, precision=precision)
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        train_step(single, x, y, grad_clip=1.0, precision=precision)
-    sync()
-    s = (time.perf_counter() - t0) / steps
+    s = time_steps(single, x, y, Precision(autocast), steps, warmup, device, grad_clip=1.0)
     rows[f"char, course step, {mode}"] = {"ms_per_step": s * 1e3, "tokens_per_s": tokens / s,
                                           "tokens_per_step": tokens, "flops_per_token": model.flops_per_token()}
     return rows

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from course_lib.experiments.step_memory import LiveTensorBytes
+from course_lib.experiments.step_memory import measure_step_peak
 from course_lib.gpt.chunked_loss import chunked_linear_cross_entropy
 from course_lib.gpt.model import GPT, GPTConfig, make_adamw
 from course_lib.parallel.step import Precision, train_step
@@ -118,27 +118,11 @@ def test_the_chunked_loss_compiles_and_evaluation_still_gives_logits():
     torch.testing.assert_close(loss_eval, loss.detach())
 
 
-def _step_peak_bytes(chunks: int, cfg: GPTConfig, batch: int) -> int:
-    """Tensor bytes alive at the peak of the second training step (LiveTensorBytes, as lesson 04's
-    measurement), states and batch included."""
-    torch.manual_seed(0)
-    model = GPT(cfg).set_loss_chunks(chunks)
-    single = build_strategy("single", model, lambda m: make_adamw(m, lr=1e-4, weight_decay=0.1))
-    x = torch.randint(cfg.vocab_size, (1, batch, cfg.block_size))
-    y = x.roll(-1, 2)
-    train_step(single, x, y)  # the first step makes Adam's moments
-    meter = LiveTensorBytes()
-    for t in [*model.parameters(), *(v for s in single.optimizer.state.values() for v in s.values()), x, y]:
-        meter.track(t)
-    with meter:
-        train_step(single, x, y)
-    return meter.peak
-
-
 def test_the_chunked_loss_never_holds_the_logits():
-    """What the option is for: the step's peak drops by more than the fp32 logits' size (B T V x 4
-    bytes; the plain step also holds their gradient), here where the vocabulary dominates."""
+    """What the option is for: the step's peak (live tensors, as lesson 04's measurement) drops by
+    more than the fp32 logits' size (B T V x 4 bytes; the plain step also holds their gradient),
+    here where the vocabulary dominates."""
     cfg = GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=64, vocab_size=2048, bias=False)
     batch, logits = 8, 8 * 64 * 2048 * 4
-    plain, chunked = _step_peak_bytes(0, cfg, batch), _step_peak_bytes(8, cfg, batch)
+    plain, chunked = (measure_step_peak(cfg, batch, loss_chunks=c)["measured_bytes"] for c in (0, 8))
     assert plain - chunked > logits, (plain, chunked, logits)

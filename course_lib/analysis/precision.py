@@ -146,15 +146,21 @@ def autocast_activation_bytes(n_layer: int, s: int, b: int, h: int, a: int, v: i
     return base + n_layer * per_layer_extra + extra_bytes * sbh + low_bytes * head_w
 
 
+def sdpa_is_fused(device_type: str, dropout: float) -> bool:
+    """Whether the trainer's ``scaled_dot_product_attention`` runs a fused kernel that keeps no
+    s x s scores for backward: on CUDA always (flash, cuDNN or memory-efficient), on a CPU only
+    without dropout (with dropout it takes the unfused math path)."""
+    return device_type == "cuda" or dropout == 0.0
+
+
 def trainer_activation_bytes(n_layer: int, s: int, b: int, h: int, a: int, v: int, dtype: str,
                              recompute: str = "none", dropout: float = 0.0,
                              bias: bool = True, device_type: str = "cpu") -> float:
     """The activation model for a course trainer run: fp32 -> Korthikanti with 4-byte values,
-    bfloat16/float16 -> :func:`autocast_activation_bytes`. PyTorch's scaled_dot_product_attention
-    is fused (no s x s scores kept) on CUDA, and on a CPU without dropout; a CPU with dropout
-    runs the unfused math path, which keeps the scores (and more than the paper counts: the
-    model is then ~10-60 % low, see tests/test_precision.py)."""
-    flash = dropout == 0.0 or device_type == "cuda"
+    bfloat16/float16 -> :func:`autocast_activation_bytes`, the attention's scores kept unless
+    :func:`sdpa_is_fused` (a CPU with dropout keeps more than the paper counts: the model is then
+    ~10-60 % low, see tests/test_precision.py)."""
+    flash = sdpa_is_fused(device_type, dropout)
     if dtype == "float32":
         return activation_bytes(n_layer, s, b, h, a, v, recompute=recompute, bytes_per_value=4,
                                 dropout=dropout > 0, flash_attention=flash)

@@ -311,24 +311,30 @@ def _setup(shape: ModelShape, device: str, dtype: str):
     return single, Precision(autocast)
 
 
-def time_steps(strategy, x: torch.Tensor, y: torch.Tensor, precision: Precision, steps: int, warmup: int,
-               device: str) -> float:
-    """Seconds per step of the trainer's step on x, y (accum, B, T) after ``warmup`` steps (with
-    torch.compile the first ones compile); on a GPU synchronised before and after the clock."""
-    # the trainer's modules import torch: only when a step runs (`--dry-run` starts without it)
-    import torch
-
-    from course_lib.parallel.step import train_step
+def seconds_per_call(fn: Callable[[], object], steps: int, warmup: int, device: str) -> float:
+    """Seconds per call of ``fn`` after ``warmup`` calls (with torch.compile the first ones compile);
+    on a GPU synchronised before and after the clock."""
+    import torch  # here: `course check-gpu --dry-run` starts without torch
 
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     for _ in range(warmup):
-        train_step(strategy, x, y, precision=precision)
+        fn()
     sync()
     t0 = time.perf_counter()
     for _ in range(steps):
-        train_step(strategy, x, y, precision=precision)
+        fn()
     sync()
     return (time.perf_counter() - t0) / steps
+
+
+def time_steps(strategy, x: torch.Tensor, y: torch.Tensor, precision: Precision, steps: int, warmup: int,
+               device: str, grad_clip: float = 0.0) -> float:
+    """Seconds per step of the trainer's step on x, y (accum, B, T): :func:`seconds_per_call`."""
+    # the trainer's modules import torch: only when a step runs (`--dry-run` starts without it)
+    from course_lib.parallel.step import train_step
+
+    return seconds_per_call(lambda: train_step(strategy, x, y, grad_clip=grad_clip, precision=precision),
+                            steps, warmup, device)
 
 
 def mfu_step(out: Path, preset: str | ModelShape = "gpt2", batch_size: int = 12, steps: int = 20,

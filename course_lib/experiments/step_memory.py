@@ -61,11 +61,12 @@ class LiveTensorBytes(TorchDispatchMode):
 
 
 def measure_step_peak(cfg: GPTConfig, batch_size: int, dtype: str = "float32", device: str = "cpu",
-                      seed: int = 0) -> dict:
+                      seed: int = 0, loss_chunks: int = 0) -> dict:
     """Train two steps of ``GPT(cfg)`` with the trainer's fused AdamW and step on ``device`` and
-    measure the second one's peak (the first creates Adam's moments); returns it with the model."""
+    measure the second one's peak (the first creates Adam's moments); returns it with the model,
+    which prices the plain head and loss (``loss_chunks`` > 0: :meth:`GPT.set_loss_chunks`)."""
     torch.manual_seed(seed)
-    model = GPT(cfg).to(device)
+    model = GPT(cfg).to(device).set_loss_chunks(loss_chunks)
     single = build_strategy("single", model, lambda m: make_adamw(m, lr=1e-4, weight_decay=0.1))  # the trainer's
     autocast = (nullcontext() if dtype == "float32"
                 else torch.autocast(device.split(":")[0], dtype=getattr(torch, dtype)))

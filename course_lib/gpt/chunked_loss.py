@@ -72,7 +72,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor):
         grad_x, grad_w = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
-        return (grad_x.to(x_dtype) * grad_loss).to(x_dtype), (grad_w * grad_loss).to(w_dtype), None, None
+        # grad_loss is 0-dim: it does not change the dtype of what it scales
+        return grad_x.to(x_dtype) * grad_loss, (grad_w * grad_loss).to(w_dtype), None, None
 
 
 def chunked_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,

@@ -26,6 +26,7 @@ import psutil
 import course_lib.launch.placement as placement  # noqa: PLR0402 - the module itself: launch/__init__'s lazy names stay unread
 import course_lib.launch.torchrun as torchrun  # noqa: PLR0402 - as above
 from course_lib.analysis.memory import ModelShape, breakdown, micro_batches_in_flight, stage_states
+from course_lib.analysis.precision import sdpa_is_fused
 from course_lib.analysis.step_peak import step_peak
 from course_lib.gpt import data
 from course_lib.hardware import detect, pick_dtype
@@ -281,9 +282,9 @@ def estimate_bytes(config: TrainConfig, world_size: int, dtype: str, device: str
                          config.batch_size, dtype, device_type=device, dropout=config.dropout, bias=config.bias,
                          recompute=config.recompute)
         micro = peak.activations + peak.loss_grads
-    else:  # fused attention keeps no s x s scores: on a GPU, and on a CPU without dropout
-        flash = device == "cuda" or config.dropout == 0.0
+    else:
         micro = breakdown(preset=shape, tp=tp, sequence_parallel=config.sequence_parallel, dtype=precision,
-                          recompute=config.recompute, flash_attention=flash).activations / cp
+                          recompute=config.recompute,
+                          flash_attention=sdpa_is_fused(device, config.dropout)).activations / cp
     in_flight = micro_batches_in_flight(pp, config.gradient_accumulation_steps, config.pp_schedule)
     return states + (micro + experts) * in_flight / pp
