@@ -1,7 +1,7 @@
 """python benchmarks/step_memory_gpu.py [--device cuda] [--shape test|gpt2]   (issue 28: where a GPU step's peak differs)
 
 One training step's peak memory on a GPU read three ways, beside the model
-(:mod:`course_lib.analysis.step_peak`): the allocator's ``max_memory_allocated``; the live tensors
+(:func:`course_lib.analysis.memory.step_peak`): the allocator's ``max_memory_allocated``; the live tensors
 (:class:`course_lib.experiments.step_memory.LiveTensorBytes`, the CPU method) with the op that
 reached their peak; and ``memory_allocated`` right after forward, before backward begins, against
 the model's states + activations. On the first GPU run (H200, torch 2.11) the allocator's peak was

@@ -1,20 +1,25 @@
 """Small helpers shared across course_lib: free ports, paths to shipped data, atomic writes, the one
-call of ``init_process_group``, and where the course is published (the pip spec a Colab setup cell
-installs, Colab links and badges), which lessons and exercises share."""
+call of ``init_process_group``, progress bars (the trainer's and the launcher's), and where the
+course is published (the pip spec a Colab setup cell installs, Colab links and badges), which
+lessons and exercises share."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import re
 import socket
 import sys
 import tempfile
+import warnings
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
+
+from tqdm import TqdmExperimentalWarning
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 INSTALL_SPEC_VAR = "COURSE_INSTALL_SPEC"  # overrides install_spec() in every setup cell
@@ -143,6 +148,67 @@ def _stdout_to_stderr():
 
 
 # -- where the course is published -----------------------------------------------------------------
+
+# --- progress bars that leave their final line in a saved notebook -------------------------------
+#
+#     bar = progress_bar(total=2000, desc="shakespeare-char")   # tqdm's arguments
+#     ...; bar.update(1); ...; bar.close()
+#
+# In a terminal this is tqdm's text bar. In a Jupyter kernel tqdm draws an ipywidgets bar, and the
+# output it leaves holds only a reference to that widget and the bar's text *at the moment it was
+# shown*, "0%|          | 0/2000": so a reopened notebook, GitHub's viewer or a static website show a
+# finished run as not started. Here the bar is shown with a display id, and ``close()`` replaces
+# that output's ``text/plain`` with the finished line (what ``str(bar)`` prints), keeping the
+# widget for the live session.
+
+@functools.cache
+def _notebook_bar():
+    """The notebook bar class (built on first use: tqdm.notebook imports ipywidgets)."""
+    # ipywidgets (through tqdm.notebook) only in a notebook: workers and terminals never load it
+    from IPython.display import display
+    from tqdm.notebook import tqdm as tqdm_notebook
+
+    class NotebookBar(tqdm_notebook):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, display=False, **kwargs)
+            self.handle = None if self.disable else display(self._bundle(), raw=True, display_id=True)
+            self.displayed = True
+
+        def _bundle(self) -> dict:
+            bundle = dict(self.container._repr_mimebundle_())
+            bundle["text/plain"] = str(self)  # the bar as tqdm prints it in a terminal
+            return bundle
+
+        def close(self):
+            closed = self.disable
+            super().close()
+            if not closed and self.handle is not None:
+                self.handle.update(self._bundle(), raw=True)
+
+    return NotebookBar
+
+
+def in_notebook() -> bool:
+    """True in a Jupyter kernel that tqdm draws widget bars in (tqdm.autonotebook's own test)."""
+    if "ipykernel.zmqshell" not in sys.modules:  # a terminal or a worker: skip importing ipywidgets
+        return False
+    # only now: tqdm.notebook imports ipywidgets
+    from tqdm import autonotebook, notebook
+
+    return autonotebook.tqdm is notebook.tqdm
+
+
+def progress_bar(*args, **kwargs):
+    """A tqdm bar (same arguments); in a notebook, one whose saved output is its final line."""
+    with warnings.catch_warnings():  # tqdm.autonotebook warns that it picked the notebook bar
+        warnings.simplefilter("ignore", TqdmExperimentalWarning)
+        if kwargs.get("disable") or kwargs.get("file") not in (None, sys.stdout, sys.stderr) or not in_notebook():
+            # tqdm.auto picks its bar when imported: only here, outside a notebook
+            from tqdm.auto import tqdm
+
+            return tqdm(*args, **kwargs)
+        return _notebook_bar()(*args, **kwargs)
+
 
 def in_colab(environ: Mapping[str, str] | None = None) -> bool:
     """True inside a Google Colab kernel (the same test the setup cell uses)."""

@@ -272,9 +272,8 @@ def test_recomputation_is_named_and_counted_by_the_memory_check():
 def test_the_memory_estimate_follows_the_layout():
     """check_memory's estimate divides what tp, pp, cp and ep divide, counts the experts and the
     config's recomputation, and for a plain run is ZeRO's states + the trainer's step model's
-    activations and loss gradients (analysis.step_peak)."""
-    from course_lib.analysis.memory import ModelShape, breakdown, stage_states
-    from course_lib.analysis.step_peak import step_peak
+    activations and loss gradients (analysis.memory.step_peak)."""
+    from course_lib.analysis.memory import ModelShape, breakdown, stage_states, step_peak
     from course_lib.trainer.config import make_config
 
     base = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "batch_size": 8, "dataset": "shakespeare_char",

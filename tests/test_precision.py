@@ -11,15 +11,9 @@ whitepaper). Activations: Korthikanti et al. 2022 (arXiv:2205.05198) Table 2.
 import pytest
 import torch
 
+from course_lib.analysis.activations import recompute_flops_factor, selective_overhead, trainer_activation_bytes
 from course_lib.analysis.memory import ModelShape, breakdown
-from course_lib.analysis.precision import (
-    FORMATS,
-    TORCH_DTYPES,
-    number_format_rows,
-    recompute_flops_factor,
-    selective_overhead,
-    trainer_activation_bytes,
-)
+from course_lib.analysis.precision import FORMATS, TORCH_DTYPES, number_format_rows
 from course_lib.experiments.memory_measure import saved_activation_bytes
 from course_lib.experiments.precision import autocast_bytes, below, gradient_underflow
 from course_lib.gpt.model import GPT, GPTConfig

@@ -1,4 +1,4 @@
-"""The peak memory of a training step (issue 21, item 5): course_lib.analysis.step_peak against the
+"""The peak memory of a training step (issue 21, item 5): course_lib.analysis.memory.step_peak against the
 live tensors of the trainer's real step (course_lib.experiments.step_memory), on a CPU here and
 on a GPU where there is one."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from course_lib.analysis.step_peak import step_peak
+from course_lib.analysis.memory import step_peak
 from course_lib.experiments.step_memory import LiveTensorBytes, measure_step_peak
 from course_lib.gpt.model import GPTConfig
 

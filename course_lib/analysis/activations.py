@@ -28,6 +28,14 @@ We write the same counts with the element size ``e`` (2 bytes in the paper) and 
 ``m`` (1 byte, 0 without dropout) so fp32 training and dropout-free models are covered:
 16 e + 2 m = 34 and 2 e + m = 5 when e = 2, m = 1. ``flash_attention=True`` (our extension, not
 in the paper) drops the a s^2 b terms: a fused attention kernel never stores the s x s scores.
+
+The course trainer runs fp32 or ``torch.autocast``, which the paper does not cover: under autocast
+the residual stream that each LayerNorm saves stays fp32 and every matmul keeps a 16-bit copy of its
+weight for backward (:func:`autocast_activation_bytes`); whether the s x s scores are kept depends
+on the kernel ``scaled_dot_product_attention`` picks on the device (:func:`sdpa_is_fused`).
+:func:`trainer_activation_bytes` is the one count for a trainer run; the peak of a whole step adds
+the model states and the loss's gradients to it (:func:`course_lib.analysis.memory.step_peak`).
+Recomputation trades these bytes for FLOPs: :func:`recompute_flops_factor` (Sec. 5 of the paper).
 """
 
 from __future__ import annotations
@@ -101,3 +109,82 @@ def activation_bytes(n_layer: int, s: int, b: int, h: int, a: int, v: int, t: in
                                            bytes_per_value, dropout, flash_attention)
     return n_layer * per_layer + activation_bytes_outside_layers(s, b, h, v, t, bytes_per_value,
                                                                  dropout)
+
+
+# --- under torch.autocast, in the course trainer ------------------------------------------------
+
+def matmul_params(n_layer: int, h: int, v: int, bias: bool = True) -> tuple[int, int]:
+    """(per layer, output layer) parameters that autocast casts to 16 bits in a GPT: the four
+    Linear weights of a block, 12 h^2 (+ 9 h of biases), and the tied v x h output matrix."""
+    return 12 * h * h + (9 * h if bias else 0), v * h
+
+
+def autocast_activation_bytes(n_layer: int, s: int, b: int, h: int, a: int, v: int,
+                              recompute: str = "none", dropout: bool = True,
+                              flash_attention: bool = False, bias: bool = True,
+                              low_bytes: int = 2) -> float:
+    """Bytes autograd keeps from forward to backward under ``torch.autocast`` (16-bit matmuls).
+
+    Korthikanti et al. 2022's count with 2-byte values (:func:`activation_bytes`), plus what
+    autocast holds in 4 bytes instead: the residual stream that each LayerNorm saves stays fp32
+    (+2 sbh per LayerNorm: two per layer and the final one; with full recomputation the kept
+    layer input is fp32, +2 sbh per layer), plus the 16-bit copies of the matmul weights that
+    autocast makes in forward and backward needs (2 bytes per matmul parameter; recomputed, not
+    kept, inside a fully recomputed block).
+    """
+    extra_bytes = 4 - low_bytes  # an fp32 tensor where the count assumes a 16-bit one
+    per_layer_w, head_w = matmul_params(n_layer, h, v, bias)
+    sbh = s * b * h
+    base = activation_bytes(n_layer, s, b, h, a, v, recompute=recompute, bytes_per_value=low_bytes,
+                            dropout=dropout, flash_attention=flash_attention)
+    if recompute == "full":
+        per_layer_extra = extra_bytes * sbh  # the fp32 block input
+    else:
+        per_layer_extra = 2 * extra_bytes * sbh + low_bytes * per_layer_w
+    return base + n_layer * per_layer_extra + extra_bytes * sbh + low_bytes * head_w
+
+
+def sdpa_is_fused(device_type: str, dropout: float) -> bool:
+    """Whether the trainer's ``scaled_dot_product_attention`` runs a fused kernel that keeps no
+    s x s scores for backward: on CUDA always (flash, cuDNN or memory-efficient), on a CPU only
+    without dropout (with dropout it takes the unfused math path)."""
+    return device_type == "cuda" or dropout == 0.0
+
+
+def trainer_activation_bytes(n_layer: int, s: int, b: int, h: int, a: int, v: int, dtype: str,
+                             recompute: str = "none", dropout: float = 0.0,
+                             bias: bool = True, device_type: str = "cpu") -> float:
+    """The activation model for a course trainer run: fp32 -> Korthikanti with 4-byte values,
+    bfloat16/float16 -> :func:`autocast_activation_bytes`, the attention's scores kept unless
+    :func:`sdpa_is_fused` (a CPU with dropout keeps more than the paper counts: the model is then
+    ~10-60 % low, see tests/test_precision.py)."""
+    flash = sdpa_is_fused(device_type, dropout)
+    if dtype == "float32":
+        return activation_bytes(n_layer, s, b, h, a, v, recompute=recompute, bytes_per_value=4,
+                                dropout=dropout > 0, flash_attention=flash)
+    if dtype not in ("bfloat16", "float16"):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16; got {dtype!r}")
+    return autocast_activation_bytes(n_layer, s, b, h, a, v, recompute, dropout > 0, flash, bias)
+
+
+# --- what recomputation costs in FLOPs ----------------------------------------------------------
+
+def selective_overhead(s: int, h: int, v: int = 0, n_layer: int = 1) -> float:
+    """Extra FLOPs of selective recomputation as a share of a training step's model FLOPs:
+    Korthikanti et al. 2022, Sec. 5, model FLOPs 72 B L s h^2 (1 + s/6h + V/12hL), of which
+    recomputing the attention core adds 72 B L s h^2 (s/6h): (s/6h) / (1 + s/6h + V/12hL)
+    (2.7% for GPT-3 175B, their Table 4's setting)."""
+    core = s / (6 * h)
+    return core / (1 + core + v / (12 * h * n_layer))
+
+
+def recompute_flops_factor(recompute: str, s: int = 1024, h: int = 768, v: int = 0,
+                           n_layer: int = 1) -> float:
+    """Training FLOPs relative to no recomputation. Forward is 2N and backward 4N per token
+    (Kaplan et al. 2020), so recomputing every block's forward adds 2N / 6N = 1/3 ("full";
+    Narayanan et al. 2021's 96 B s L h^2 against 72); "selective" adds only the attention core
+    (:func:`selective_overhead`)."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be none, selective or full; got {recompute!r}")
+    return {"none": 1.0, "full": 4 / 3,
+            "selective": 1.0 + selective_overhead(s, h, v, n_layer)}[recompute]

@@ -12,7 +12,7 @@ One command that checks the course on one CUDA GPU in under 12 minutes, with a v
 4. a 1-rank NCCL process group through torchrun (the trainer with ``--nproc=1 --strategy=ddp``)
    and the collectives benchmark (``course bench comm --backend nccl --nproc 1``);
 5. the memory of a GPT-2-small training step against the memory model
-   (:mod:`course_lib.analysis.step_peak`): weights + Adam moments within :data:`STATES_TOLERANCE`,
+   (:func:`course_lib.analysis.memory.step_peak`): weights + Adam moments within :data:`STATES_TOLERANCE`,
    ``torch.cuda.max_memory_allocated`` within :data:`MEMORY_BAND` of the modelled peak;
 6. the MFU of a GPT-2-small-shaped bf16 step, eager and with ``torch.compile``;
 7. the in-kernel rank helpers (``run_ranks``, ``notebook_launcher``, ``grading.isolated``) called
@@ -81,11 +81,11 @@ LOSS_MARGIN = 0.05
 FP16_MATCH = 0.03  # |fp16 - bf16| best val loss: both round to 16 bits; loss scaling keeps the small grads
 # Weights + Adam moments after a step: exact up to the allocator's 512-byte rounding.
 STATES_TOLERANCE = 0.02
-# Peak / modelled peak of the whole step (course_lib.analysis.step_peak: states, activations and
+# Peak / modelled peak of the whole step (course_lib.analysis.memory.step_peak: states, activations and
 # the cross-entropy's two fp32 gradients at the start of backward), within 10 % as issue 21 asks.
 # On a CPU the model meets the live tensors of a real step within 1 % (tests/test_step_peak.py);
 # on a GPU the allocator's rounding adds a little. On an H200 (issue 28): x0.91 with the CPU's loss
-# term, x1.00 with the GPU's (analysis.step_peak).
+# term, x1.00 with the GPU's (analysis.memory.step_peak).
 MEMORY_BAND = (0.9, 1.1)
 TIME_LIMIT_S = 720.0  # the plan below sums to 680 s
 STATUSES = ("pass", "fail", "error")
@@ -266,7 +266,7 @@ def _library_workspaces(device: str) -> tuple[int, int]:
 
 
 def memory_step(out: Path, preset: str = "gpt2", batch_size: int = 12, device: str = "cuda") -> dict:
-    """A bf16-autocast training step of the trainer against :mod:`course_lib.analysis.step_peak`:
+    """A bf16-autocast training step of the trainer against :func:`course_lib.analysis.memory.step_peak`:
 
     * after a step (gradients freed), ``memory_allocated`` holds the weights and Adam's two
       moments: 4 + 8 bytes per parameter, since the trainer keeps them in fp32;

@@ -32,12 +32,12 @@ from torch.utils.checkpoint import checkpoint
 
 from course_lib.analysis.comm_cost import zero_comm_volume
 from course_lib.analysis.memory import model_state_bytes
-from course_lib.gpt.activation_meter import SavedTensorMeter
 from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.parallel.comms import VOLUME_FACTOR
 from course_lib.parallel.footprint import measure_model_states
 from course_lib.parallel.step import train_step
 from course_lib.parallel.strategy import build_strategy
+from course_lib.trainer.metrics import SavedTensorMeter
 
 # ------------------------------------------------------------------ counting bytes of tensors
 
@@ -99,7 +99,7 @@ def saved_activation_bytes(model: nn.Module, *inputs) -> tuple[int, torch.Tensor
     """(bytes autograd keeps for backward, loss) for one forward of ``model(*inputs)``.
 
     Every tensor saved for backward is counted by its storage, once; the parameters are not
-    activations and are left out (:class:`course_lib.gpt.activation_meter.SavedTensorMeter`).
+    activations and are left out (:class:`course_lib.trainer.metrics.SavedTensorMeter`).
     Compare with :func:`course_lib.analysis.activations.activation_bytes`.
     """
     with SavedTensorMeter(model) as meter:

@@ -29,12 +29,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib.gpt.activation_meter import SavedTensorMeter
 from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.launch.training import train_in_process
 from course_lib.parallel.step import Precision, train_step
 from course_lib.parallel.strategy import build_strategy
-from course_lib.trainer.metrics import read_metrics
+from course_lib.trainer.metrics import SavedTensorMeter, read_metrics
 
 
 def _flat_grads(model: nn.Module, scale: float) -> torch.Tensor:

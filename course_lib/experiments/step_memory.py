@@ -1,4 +1,4 @@
-"""The peak memory of one real training step, measured, against :mod:`course_lib.analysis.step_peak`.
+"""The peak memory of one real training step, measured, against :func:`course_lib.analysis.memory.step_peak`.
 
     from course_lib.experiments.step_memory import measure_step_peak
     r = measure_step_peak(GPTConfig(n_layer=2, n_head=4, n_embd=128, block_size=128, vocab_size=4096),
@@ -21,7 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from course_lib.analysis.step_peak import step_peak
+from course_lib.analysis.memory import step_peak
 from course_lib.gpt.model import GPT, GPTConfig, make_adamw
 from course_lib.parallel.step import Precision, train_step
 from course_lib.parallel.strategy import build_strategy

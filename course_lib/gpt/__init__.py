@@ -8,6 +8,5 @@ package sits below ``parallel/``, imports nothing above it and knows no strategy
     chunked_loss  the LM head and cross-entropy fused over row chunks, never holding the logits
     data        dataset preparation (characters, GPT-2 BPE from the shipped ranks), batches
     checkpoint  atomic checkpoints and exact resume
-    activation_meter  the activations a forward keeps for backward, measured (metrics.csv act_mb)
     sample      text from a run's checkpoint (course sample)
 """

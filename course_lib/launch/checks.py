@@ -25,9 +25,8 @@ import psutil
 
 import course_lib.launch.placement as placement  # noqa: PLR0402 - the module itself: launch/__init__'s lazy names stay unread
 import course_lib.launch.torchrun as torchrun  # noqa: PLR0402 - as above
-from course_lib.analysis.memory import ModelShape, breakdown, micro_batches_in_flight, stage_states
-from course_lib.analysis.precision import sdpa_is_fused
-from course_lib.analysis.step_peak import step_peak
+from course_lib.analysis.activations import sdpa_is_fused
+from course_lib.analysis.memory import ModelShape, breakdown, micro_batches_in_flight, stage_states, step_peak
 from course_lib.gpt import data
 from course_lib.hardware import detect, pick_dtype
 from course_lib.launch.placement import LaunchConfigError, RankPlan
@@ -248,7 +247,7 @@ def estimate_bytes(config: TrainConfig, world_size: int, dtype: str, device: str
     strategy's ZeRO stage shards over the dp x cp ranks, the course's shard group, and leaves the
     experts whole, as the course's ZeRO does. Activations of one micro-batch, with the config's
     ``recompute``: without tp or cp, those of the trainer's own step on ``device``,
-    :func:`course_lib.analysis.step_peak.step_peak` (autocast's fp32 residual stream, the fused
+    :func:`course_lib.analysis.memory.step_peak` (autocast's fp32 residual stream, the fused
     attention of a GPU, and the loss's fp32 gradients, which alone are 6 to 8 bytes per logit; within
     0.2 % of ``max_memory_allocated`` for GPT-2 small on an H200, benchmarks/RESULTS.md). With tp or
     cp, Korthikanti et al. 2022 (:func:`course_lib.analysis.memory.breakdown`) over tp (with

@@ -32,7 +32,7 @@ import psutil
 
 from course_lib.launch.bootstrap import diagnose
 from course_lib.launch.procs import ProcessTree, spawn
-from course_lib.trainer.progress import progress_bar  # ipywidgets only once a notebook bar is shown
+from course_lib.utils import progress_bar  # ipywidgets only once a notebook bar is shown
 
 # --- what the ranks write: output, states, failures, where a rank waits ---------------------------
 

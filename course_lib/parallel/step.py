@@ -70,7 +70,7 @@ def accumulate(strategy, x: torch.Tensor, y: torch.Tensor, precision: Precision,
             with phase("forward", micro), precision.autocast:
                 # the logits (B, T, V) are not kept: backward needs only the loss's graph, and
                 # holding them through backward adds B T V values to the step's peak
-                # (course_lib.analysis.step_peak)
+                # (course_lib.analysis.memory.step_peak)
                 loss = strategy.model(x[micro], y[micro])[1]
             loss = loss / accum  # the mean over the micro-batches
             with phase("backward", micro):

@@ -8,8 +8,8 @@
     loop        training in this process, as nanoGPT's train.py: where it runs (rank, device, dtype, threads,
                 the process group), what it holds (data, model, Strategy, resume), evaluation, checkpoint
                 saving, and the loop (warmup and cosine learning rate, the step)
-    metrics     RunMeter (timing, metrics.csv, run.json, progress bar, summary), timers, throughput and MFU
-    progress    progress bars whose saved output is their finished line (also the launcher's)
+    metrics     RunMeter (timing, metrics.csv, run.json, progress bar, summary), timers, throughput and MFU;
+                the activations a forward keeps for backward, measured (SavedTensorMeter: act_mb)
     finetune    the second stage of an LLM's life: fine-tuning a run on new text
 
 It stands on ``gpt/`` (the model and data) and ``parallel/`` (the Strategy and the one step,

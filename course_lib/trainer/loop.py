@@ -50,7 +50,6 @@ import torch.distributed as dist
 
 from course_lib import registry
 from course_lib.gpt import checkpoint as ckpt_io
-from course_lib.gpt.activation_meter import SavedTensorMeter, modelled_bytes
 from course_lib.gpt.checkpoint import CheckpointError
 from course_lib.gpt.data import DataError, TrainBatches, eval_batches, load_meta, load_tokens, model_vocab_size
 from course_lib.gpt.model import GPT, GPTConfig, make_adamw
@@ -63,7 +62,7 @@ from course_lib.parallel.step import train_step as one_step
 from course_lib.parallel.strategy import Strategy
 from course_lib.registry import GRAD_COMM_STRATEGIES, ConfigError, MoEConfig
 from course_lib.trainer.config import TrainConfig, arg_parser, check_resume, config_from_args
-from course_lib.trainer.metrics import RunMeter
+from course_lib.trainer.metrics import RunMeter, SavedTensorMeter, modelled_bytes
 from course_lib.utils import init_process_group
 
 # --- 1. where this process runs ------------------------------------------------------------------

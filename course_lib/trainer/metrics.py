@@ -1,5 +1,6 @@
 """Per-step training metrics: one object (:class:`RunMeter`) owns a run's timing, its
-``metrics.csv`` (written row by row), its progress bar and its summary; timers do not stall the GPU.
+``metrics.csv`` (written row by row), its progress bar and its summary; timers do not stall the GPU;
+:class:`SavedTensorMeter` measures the activations a forward keeps (the last section).
 
 ``metrics.csv`` holds one row per logged step (and one per evaluation): iter, train_loss, val_loss,
 eval_train_loss, lr, grad_norm, step_ms, compute_ms, comm_ms, tokens_per_s, tflops, mfu, comm_mb,
@@ -13,7 +14,7 @@ the peak of all its devices (PaLM, Chowdhery et al. 2022, App. B); on a CPU the 
 estimate (course_lib.hardware). ``comm_mb``: bytes per step handed to collectives by our own
 strategies (:class:`course_lib.parallel.comms.Comms`; empty for PyTorch's). ``act_mb``: the
 activations one micro-batch keeps for backward on this rank, measured
-(:class:`course_lib.gpt.activation_meter.SavedTensorMeter`), next to Korthikanti et al.'s model
+(:class:`SavedTensorMeter`), next to Korthikanti et al.'s model
 ``act_model_mb`` for the run's dtype and ``--recompute``. fp16 runs log the ``loss_scale`` and the
 ``skipped_steps`` so far. Each row is on disk (file closed) as soon as it is written: a crash loses
 nothing already logged.
@@ -29,14 +30,16 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Self
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from course_lib.analysis.activations import trainer_activation_bytes
 from course_lib.gpt.moe import moe_stats
 from course_lib.hardware import detect
-from course_lib.trainer.progress import progress_bar
-from course_lib.utils import atomic_write_bytes
+from course_lib.utils import atomic_write_bytes, progress_bar
 
 COLUMNS = ("iter", "train_loss", "val_loss", "eval_train_loss", "lr", "grad_norm", "step_ms", "compute_ms",
            "comm_ms", "tokens_per_s", "tflops", "mfu", "comm_mb", "act_mb", "act_model_mb", "loss_scale",
@@ -347,3 +350,63 @@ class RunMeter:
                   f"val loss {summary['val_loss']:.4f} (best {best_val:.4f}), {summary['ms_per_iter']:.1f} ms/iter",
                   flush=True)
         return summary
+
+
+# --- the activations a forward keeps for backward, measured ----------------------------------------
+#
+# What autograd keeps for backward, counted while a forward runs: the activations a rank holds.
+#
+#     with SavedTensorMeter(model) as meter:
+#         loss = model(x, y)[1]
+#     meter.bytes    # bytes of the distinct storages saved for backward, parameters excluded
+#
+# This is Korthikanti et al. 2022's quantity (the activation memory of training, their Sec. 4),
+# measured rather than modelled: every tensor an operation saves for its backward passes through a
+# ``saved_tensors_hooks`` pack hook, and each storage is counted once (q, k and v are views of one
+# matmul output; a tensor saved by two operations is one allocation). With activation
+# recomputation (``torch.utils.checkpoint``) the recomputed region saves only its inputs, so the
+# count shows the saving. The trainer measures one micro-batch per logged step and writes it to
+# ``metrics.csv`` next to :func:`modelled_bytes` (``act_mb``, ``act_model_mb``).
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor holds only its shard
+
+
+class SavedTensorMeter:
+    """Count the bytes saved for backward inside the ``with`` (parameters are not activations)."""
+
+    def __init__(self, model: nn.Module):
+        self.params = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
+        self.saved: dict[int, tuple[int, str]] = {}  # storage address -> (bytes, dtype name)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        st = _local(t).untyped_storage()
+        if st.data_ptr() not in self.params:
+            self.saved[st.data_ptr()] = (st.nbytes(), str(t.dtype).removeprefix("torch."))
+        return t
+
+    @property
+    def bytes(self) -> int:
+        return sum(n for n, _ in self.saved.values())
+
+    def by_dtype(self) -> dict[str, int]:
+        """Bytes per dtype: under autocast, what stayed fp32 and what is 16-bit."""
+        out: dict[str, int] = {}
+        for n, dtype in self.saved.values():
+            out[dtype] = out.get(dtype, 0) + n
+        return out
+
+    def __enter__(self) -> Self:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def modelled_bytes(cfg, vocab_size: int, dtype: str, device_type: str = "cpu") -> float:
+    """The activation model for one micro-batch of a trainer run (``cfg`` a TrainConfig):
+    :func:`course_lib.analysis.activations.trainer_activation_bytes`."""
+    return trainer_activation_bytes(cfg.n_layer, cfg.block_size, cfg.batch_size, cfg.n_embd, cfg.n_head,
+                                    vocab_size, dtype, cfg.recompute, cfg.dropout, cfg.bias, device_type)
