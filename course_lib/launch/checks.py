@@ -255,7 +255,8 @@ def estimate_bytes(config: TrainConfig, world_size: int, dtype: str, device: str
     stage holds n_layer / pp layers' activations of
     :func:`~course_lib.analysis.memory.micro_batches_in_flight` micro-batches (AFAB: all, 1F1B: at
     most pp). A mixture of experts adds what its top_k (and shared) experts keep beyond one dense
-    MLP (:meth:`~course_lib.analysis.moe_memory.MoEShape.extra_activation_bytes`; not split by tp).
+    MLP (:meth:`~course_lib.analysis.moe_memory.MoEShape.extra_activation_bytes`; whole on every tp
+    rank, as the experts are: :mod:`course_lib.parallel.expert.layer`).
     Not modelled: the pipeline's sent activations, small beside the rest.
     """
     tp, pp, cp = config.tp, config.pp, config.cp
