@@ -150,16 +150,6 @@ def _stdout_to_stderr():
 # -- where the course is published -----------------------------------------------------------------
 
 # --- progress bars that leave their final line in a saved notebook -------------------------------
-#
-#     bar = progress_bar(total=2000, desc="shakespeare-char")   # tqdm's arguments
-#     ...; bar.update(1); ...; bar.close()
-#
-# In a terminal this is tqdm's text bar. In a Jupyter kernel tqdm draws an ipywidgets bar, and the
-# output it leaves holds only a reference to that widget and the bar's text *at the moment it was
-# shown*, "0%|          | 0/2000": so a reopened notebook, GitHub's viewer or a static website show a
-# finished run as not started. Here the bar is shown with a display id, and ``close()`` replaces
-# that output's ``text/plain`` with the finished line (what ``str(bar)`` prints), keeping the
-# widget for the live session.
 
 @functools.cache
 def _notebook_bar():
@@ -199,7 +189,18 @@ def in_notebook() -> bool:
 
 
 def progress_bar(*args, **kwargs):
-    """A tqdm bar (same arguments); in a notebook, one whose saved output is its final line."""
+    """A tqdm bar (same arguments); in a notebook, one whose saved output is its final line.
+
+        bar = progress_bar(total=2000, desc="shakespeare-char")   # tqdm's arguments
+        ...; bar.update(1); ...; bar.close()
+
+    In a terminal this is tqdm's text bar. In a Jupyter kernel tqdm draws an ipywidgets bar, and the
+    output it leaves holds only a reference to that widget and the bar's text *at the moment it was
+    shown*, "0%|          | 0/2000": so a reopened notebook, GitHub's viewer or a static website show a
+    finished run as not started. Here the bar is shown with a display id, and ``close()`` replaces
+    that output's ``text/plain`` with the finished line (what ``str(bar)`` prints), keeping the
+    widget for the live session.
+    """
     with warnings.catch_warnings():  # tqdm.autonotebook warns that it picked the notebook bar
         warnings.simplefilter("ignore", TqdmExperimentalWarning)
         if kwargs.get("disable") or kwargs.get("file") not in (None, sys.stdout, sys.stderr) or not in_notebook():

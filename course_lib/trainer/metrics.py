@@ -353,27 +353,27 @@ class RunMeter:
 
 
 # --- the activations a forward keeps for backward, measured ----------------------------------------
-#
-# What autograd keeps for backward, counted while a forward runs: the activations a rank holds.
-#
-#     with SavedTensorMeter(model) as meter:
-#         loss = model(x, y)[1]
-#     meter.bytes    # bytes of the distinct storages saved for backward, parameters excluded
-#
-# This is Korthikanti et al. 2022's quantity (the activation memory of training, their Sec. 4),
-# measured rather than modelled: every tensor an operation saves for its backward passes through a
-# ``saved_tensors_hooks`` pack hook, and each storage is counted once (q, k and v are views of one
-# matmul output; a tensor saved by two operations is one allocation). With activation
-# recomputation (``torch.utils.checkpoint``) the recomputed region saves only its inputs, so the
-# count shows the saving. The trainer measures one micro-batch per logged step and writes it to
-# ``metrics.csv`` next to :func:`modelled_bytes` (``act_mb``, ``act_model_mb``).
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t  # a DTensor holds only its shard
 
 
 class SavedTensorMeter:
-    """Count the bytes saved for backward inside the ``with`` (parameters are not activations)."""
+    """Count the bytes saved for backward inside the ``with`` (parameters are not activations):
+    the activations a rank holds.
+
+        with SavedTensorMeter(model) as meter:
+            loss = model(x, y)[1]
+        meter.bytes    # bytes of the distinct storages saved for backward, parameters excluded
+
+    This is Korthikanti et al. 2022's quantity (the activation memory of training, their Sec. 4),
+    measured rather than modelled: every tensor an operation saves for its backward passes through a
+    ``saved_tensors_hooks`` pack hook, and each storage is counted once (q, k and v are views of one
+    matmul output; a tensor saved by two operations is one allocation). With activation
+    recomputation (``torch.utils.checkpoint``) the recomputed region saves only its inputs, so the
+    count shows the saving. The trainer measures one micro-batch per logged step and writes it to
+    ``metrics.csv`` next to :func:`modelled_bytes` (``act_mb``, ``act_model_mb``).
+    """
 
     def __init__(self, model: nn.Module):
         self.params = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
