@@ -530,9 +530,12 @@ def graded(built, tmp_path_factory):
     stuck = _patched(built["03_zero"].student_notebook, {}, tmp / "stuck", first_cell=(  # asleep: no CPU
         "import signal, time\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)  # the cell limit, switched off\n"
         "while True:\n    try:\n        time.sleep(0.1)\n    except BaseException:\n        pass"))
+    stopper_tmp = tmp / "stopper_tmp"  # the grader's temporary folder: the killed session must leave it empty
+    stopper_tmp.mkdir()
     stopper = subprocess.Popen([course, "grade", str(stuck), "--autograder", str(built["03_zero"].autograder_zip),
                                 "--time-limit", "20", "--json"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp, env=full_env)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp,
+                               env={**full_env, "TMPDIR": str(stopper_tmp)})
     gradescope = _gradescope_run(built[GRADESCOPE].autograder_zip,
                                  {"solution": built[GRADESCOPE].solution_notebook,
                                   "blank": built[GRADESCOPE].student_notebook}, tmp / "gradescope", full_env)
@@ -559,7 +562,7 @@ def graded(built, tmp_path_factory):
                 os.environ[k] = v
     return {"reports": {j[0]: r for j, r in zip(jobs, reports)}, "guard_log": guard_log,
             "cli": (Path(cli_sub), cli.returncode, *outputs[0], tmp / "grades.csv", tmp / "feedback"),
-            "stopped": (stopper.returncode, *outputs[1]),
+            "stopped": (stopper.returncode, *outputs[1], stopper_tmp),
             "gradescope": (gradescope.returncode, *outputs[2]),
             "student": (student.returncode, outputs[3][1], tmp / "executed.ipynb")}
 
@@ -682,11 +685,13 @@ def test_every_exercise_has_a_hard_coded_submission():
 
 @pytest.mark.timeout(900)
 def test_a_submission_that_defeats_the_cell_limit_is_stopped_and_scores_zero(graded):
-    returncode, stdout, stderr = graded["stopped"]
+    returncode, stdout, stderr, grader_tmp = graded["stopped"]
     (report,) = json.loads(stdout)
     assert returncode == 1, stderr  # a grading that did not complete
     assert report["total"] == 0 and "limit of 20 s" in report["error"], report
     assert all("limit of 20 s" in q["failures"][0] for q in report["questions"]), report
+    # the killed worker's copy of the submission and its kernel's files went with its job folder
+    assert sorted(p.name for p in grader_tmp.iterdir()) == []
 
 
 @pytest.mark.timeout(900)

@@ -236,16 +236,20 @@ def _stopped_report(submission: str, autograder: str, why: str, seconds: float, 
 def _grade_in_process(submission: str, autograder: str, time_limit: float, env: dict,
                       seed: int | None = None) -> GradeReport:
     """Grade one submission in a worker process of its own session; kill the whole session
-    (worker, kernel, ranks) at ``time_limit``."""
+    (worker, kernel, ranks) at ``time_limit``. The session's temporary files (the copy of the
+    submission, multiprocessing's sockets) go in this job's folder, removed here: a killed worker
+    leaves nothing in the grader's temporary folder."""
     with tempfile.TemporaryDirectory(prefix="course_grade_job_") as tmp:
         out = Path(tmp) / "report.json"
         log = Path(tmp) / "worker.log"
+        worker_tmp = Path(tmp) / "tmp"
+        worker_tmp.mkdir()
         t0 = time.monotonic()
         with open(log, "wb") as log_file:
             seed = submission_seed(submission) if seed is None else seed
             proc = subprocess.Popen([sys.executable, "-m", "course_lib.exercises.grade", submission,
                                      autograder, str(out), str(seed)], stdout=log_file, stderr=subprocess.STDOUT,
-                                    env=env, start_new_session=True)
+                                    env={**env, "TMPDIR": str(worker_tmp)}, start_new_session=True)
             try:
                 proc.wait(timeout=time_limit)
             except subprocess.TimeoutExpired:
