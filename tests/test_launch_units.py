@@ -273,7 +273,7 @@ def test_the_memory_estimate_follows_the_layout():
     """check_memory's estimate divides what tp, pp, cp and ep divide, counts the experts and the
     config's recomputation, and for a plain run is ZeRO's states + the trainer's step model's
     activations and loss gradients (analysis.memory.step_peak)."""
-    from course_lib.analysis.memory import ModelShape, breakdown, stage_states, step_peak
+    from course_lib.analysis.memory import ModelShape, stage_states, step_peak
     from course_lib.trainer.config import make_config
 
     base = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "batch_size": 8, "dataset": "shakespeare_char",
@@ -302,9 +302,10 @@ def test_the_memory_estimate_follows_the_layout():
     ddp = need(2, strategy="ddp")
     assert need(2, tp=2) < 0.6 * ddp  # every matrix split in two, and the activations mostly
     assert need(2, tp=2, sequence_parallel=True) < need(2, tp=2)  # and the rest of the activations
-    assert need(2, tp=2) == pytest.approx(  # with tp: Korthikanti's model over tp
-        stage_states(shape, dp=1, tp=2, dtype="fp32").total
-        + breakdown(preset=shape, tp=2, dtype="fp32", flash_attention=True).activations)  # no dropout: fused
+    tp2 = step_peak(4, 4, 128, 64, 65, 8, "float32", device_type="cpu", bias=cfg.bias, tp=2)
+    assert need(2, tp=2) == pytest.approx(  # with tp: the step model of one tp rank (Korthikanti's count over tp)
+        stage_states(shape, dp=1, tp=2, dtype="fp32").total + tp2.activations + tp2.loss_grads)
+    assert tp2.loss_grads == 8 * 64 * 8 * 65 / 2  # the vocabulary-parallel loss: 8 s b v / tp
     assert need(2, cp=2, strategy="ddp") < ddp  # half of every sequence
     assert need(2, pp=2, gradient_accumulation_steps=8) < ddp  # half of the layers
     assert need(2, pp=2, gradient_accumulation_steps=8, pp_schedule="afab") > need(2, pp=2, gradient_accumulation_steps=8)

@@ -122,7 +122,7 @@ def matmul_params(n_layer: int, h: int, v: int, bias: bool = True) -> tuple[int,
 def autocast_activation_bytes(n_layer: int, s: int, b: int, h: int, a: int, v: int,
                               recompute: str = "none", dropout: bool = True,
                               flash_attention: bool = False, bias: bool = True,
-                              low_bytes: int = 2) -> float:
+                              low_bytes: int = 2, t: int = 1, sequence_parallel: bool = False) -> float:
     """Bytes autograd keeps from forward to backward under ``torch.autocast`` (16-bit matmuls).
 
     Korthikanti et al. 2022's count with 2-byte values (:func:`activation_bytes`), plus what
@@ -130,18 +130,20 @@ def autocast_activation_bytes(n_layer: int, s: int, b: int, h: int, a: int, v: i
     (+2 sbh per LayerNorm: two per layer and the final one; with full recomputation the kept
     layer input is fp32, +2 sbh per layer), plus the 16-bit copies of the matmul weights that
     autocast makes in forward and backward needs (2 bytes per matmul parameter; recomputed, not
-    kept, inside a fully recomputed block).
+    kept, inside a fully recomputed block). With tensor parallelism (``t``) each rank casts its
+    1/t of the matrices; the residual stream is whole on every rank unless ``sequence_parallel``
+    cuts it along s too.
     """
     extra_bytes = 4 - low_bytes  # an fp32 tensor where the count assumes a 16-bit one
     per_layer_w, head_w = matmul_params(n_layer, h, v, bias)
-    sbh = s * b * h
-    base = activation_bytes(n_layer, s, b, h, a, v, recompute=recompute, bytes_per_value=low_bytes,
-                            dropout=dropout, flash_attention=flash_attention)
+    sbh = s * b * h / (t if sequence_parallel else 1)  # the residual stream on one rank
+    base = activation_bytes(n_layer, s, b, h, a, v, t, sequence_parallel, recompute=recompute,
+                            bytes_per_value=low_bytes, dropout=dropout, flash_attention=flash_attention)
     if recompute == "full":
         per_layer_extra = extra_bytes * sbh  # the fp32 block input
     else:
-        per_layer_extra = 2 * extra_bytes * sbh + low_bytes * per_layer_w
-    return base + n_layer * per_layer_extra + extra_bytes * sbh + low_bytes * head_w
+        per_layer_extra = 2 * extra_bytes * sbh + low_bytes * per_layer_w / t
+    return base + n_layer * per_layer_extra + extra_bytes * sbh + low_bytes * head_w / t
 
 
 def sdpa_is_fused(device_type: str, dropout: float) -> bool:
@@ -153,18 +155,29 @@ def sdpa_is_fused(device_type: str, dropout: float) -> bool:
 
 def trainer_activation_bytes(n_layer: int, s: int, b: int, h: int, a: int, v: int, dtype: str,
                              recompute: str = "none", dropout: float = 0.0,
-                             bias: bool = True, device_type: str = "cpu") -> float:
+                             bias: bool = True, device_type: str = "cpu", t: int = 1,
+                             sequence_parallel: bool = False) -> float:
     """The activation model for a course trainer run: fp32 -> Korthikanti with 4-byte values,
     bfloat16/float16 -> :func:`autocast_activation_bytes`, the attention's scores kept unless
     :func:`sdpa_is_fused` (a CPU with dropout keeps more than the paper counts: the model is then
-    ~10-60 % low, see tests/test_precision.py)."""
+    ~10-60 % low, see tests/test_precision.py). ``t``, ``sequence_parallel``: one rank of a
+    tensor-parallel group (Korthikanti et al.'s Table 2 rows)."""
     flash = sdpa_is_fused(device_type, dropout)
-    if dtype == "float32":
-        return activation_bytes(n_layer, s, b, h, a, v, recompute=recompute, bytes_per_value=4,
-                                dropout=dropout > 0, flash_attention=flash)
-    if dtype not in ("bfloat16", "float16"):
+    if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be float32, bfloat16 or float16; got {dtype!r}")
-    return autocast_activation_bytes(n_layer, s, b, h, a, v, recompute, dropout > 0, flash, bias)
+    if dtype == "float32":
+        count = activation_bytes(n_layer, s, b, h, a, v, t, sequence_parallel, recompute=recompute,
+                                 bytes_per_value=4, dropout=dropout > 0, flash_attention=flash)
+    else:
+        count = autocast_activation_bytes(n_layer, s, b, h, a, v, recompute, dropout > 0, flash, bias,
+                                          t=t, sequence_parallel=sequence_parallel)
+    if sequence_parallel and t > 1 and recompute != "full":
+        # The course's sequence parallelism all-gathers the input of its two column-parallel linears
+        # (QKV, the MLP's first) and each linear keeps the whole gathered input for backward
+        # (parallel.tensor.layers); Korthikanti et al. keep it split and gather it again in
+        # backward (Sec. 4.2.2), which their count assumes: (1 - 1/t) of two inputs more per layer.
+        count += n_layer * 2 * (4 if dtype == "float32" else 2) * s * b * h * (1 - 1 / t)
+    return count
 
 
 # --- what recomputation costs in FLOPs ----------------------------------------------------------

@@ -366,10 +366,20 @@ class StepPeak:
 def step_peak(n_layer: int, n_head: int, n_embd: int, block_size: int, vocab_size: int,
               batch_size: int, dtype: str = "float32", num_params: int | None = None,
               device_type: str = "cuda", dropout: float = 0.0, bias: bool = True,
-              recompute: str = "none", logits_held: bool = False) -> StepPeak:
+              recompute: str = "none", logits_held: bool = False, tp: int = 1,
+              sequence_parallel: bool = False) -> StepPeak:
     """The peak of one training step of the course GPT on one device, for ``batch_size``
     sequences of ``block_size`` tokens in ``dtype`` ("float32", or "bfloat16"/"float16" autocast).
     ``num_params`` defaults to the tied GPT-2 count of this shape.
+
+    With ``tp`` > 1 the activations and the loss are one rank's of a tensor-parallel group (with
+    ``sequence_parallel`` as asked): Korthikanti et al.'s Table 2 for the layers, and the
+    vocabulary-parallel loss (:mod:`course_lib.parallel.tensor.vocab`) keeps its fp32 softmax of
+    s b v / tp values for backward, whose first op makes two more of that size (the gradient and
+    its product with the incoming one): 8 s b v / tp bytes beside the saved 4, on any device.
+    Measured against the live tensors of a real tp = 2 step on a CPU (tests/test_step_peak.py).
+    The weights, moments and gradients stay the whole model's: a rank's shards are
+    :func:`stage_states`'.
 
         peak = step_peak(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304,
                          batch_size=12, dtype="bfloat16", device_type="cuda")
@@ -414,15 +424,18 @@ def step_peak(n_layer: int, n_head: int, n_embd: int, block_size: int, vocab_siz
     if dtype not in LOGITS_BYTES:
         raise ValueError(f"dtype must be one of {', '.join(LOGITS_BYTES)}; got {dtype!r}")
     for name, value in (("n_layer", n_layer), ("n_head", n_head), ("n_embd", n_embd),
-                        ("block_size", block_size), ("vocab_size", vocab_size), ("batch_size", batch_size)):
+                        ("block_size", block_size), ("vocab_size", vocab_size), ("batch_size", batch_size),
+                        ("tp", tp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
     s, b, h, v = block_size, batch_size, n_embd, vocab_size
     if num_params is None:
         num_params = ModelShape("", n_layer, n_head, h, s, v, b, bias).num_params()
-    acts = trainer_activation_bytes(n_layer, s, b, h, n_head, v, dtype, recompute, dropout, bias, device_type)
-    sbv = s * b * v
-    loss = 6.0 * sbv if device_type == "cuda" and dtype != "float32" else 8.0 * sbv  # see the module docstring
+    acts = trainer_activation_bytes(n_layer, s, b, h, n_head, v, dtype, recompute, dropout, bias, device_type,
+                                    t=tp, sequence_parallel=sequence_parallel)
+    sbv = s * b * v / tp
+    gpu_16bit = device_type == "cuda" and dtype != "float32" and tp == 1
+    loss = 6.0 * sbv if gpu_16bit else 8.0 * sbv  # see above
     return StepPeak(weights=4.0 * num_params, optimizer=8.0 * num_params, activations=float(acts),
                     loss_grads=loss, logits=float(LOGITS_BYTES[dtype] * sbv) if logits_held else 0.0,
                     grads=4.0 * num_params)

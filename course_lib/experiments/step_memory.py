@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten
 
 from course_lib.analysis.memory import step_peak
 from course_lib.gpt.model import GPT, GPTConfig, make_adamw
+from course_lib.parallel.parallelize import parallelize
 from course_lib.parallel.step import Precision, train_step
 from course_lib.parallel.strategy import build_strategy
 
@@ -99,3 +100,30 @@ def measure_step_peak(cfg: GPTConfig, batch_size: int, dtype: str = "float32", d
     return {"measured_bytes": measured, "model_bytes": peak.total, "ratio": measured / peak.total,
             "peak_op": op, "states_bytes": states, "model_states_bytes": peak.weights + peak.optimizer,
             "parts": peak.parts(), "num_params": n, "dtype": dtype, "batch_size": batch_size}
+
+
+def tp_step_peak_worker(rank: int, world_size: int, model_args: dict, batch_size: int, dtype: str = "float32",
+                        sequence_parallel: bool = False) -> dict:
+    """One rank of a tensor-parallel group of ``world_size`` (gloo, CPU): two steps of the trainer's
+    step on this rank's shards (:func:`course_lib.parallel.parallelize.parallelize`), the second one
+    measured as :func:`measure_step_peak` does. Returns this rank's measured peak beyond its
+    inputs, the states it began with and the op of the peak (run it with
+    :func:`course_lib.launch.spawn.run_ranks`)."""
+    torch.manual_seed(0)  # the same full model on every rank; parallelize keeps this rank's shards
+    model = GPT(GPTConfig(**model_args))
+    strategy = parallelize(model, lambda m: make_adamw(m, lr=1e-4, weight_decay=0.1), "single", tp=world_size,
+                           sequence_parallel=sequence_parallel)
+    autocast = nullcontext() if dtype == "float32" else torch.autocast("cpu", dtype=getattr(torch, dtype))
+    precision = Precision(autocast)
+    x = torch.randint(model_args["vocab_size"], (1, batch_size, model_args["block_size"]))  # (micro, B, T)
+    y = torch.roll(x, -1, dims=2)
+    train_step(strategy, x, y, precision=precision)  # makes Adam's moments
+    meter = LiveTensorBytes()
+    for t in [*strategy.module.parameters(), *(v for s in strategy.optimizer.state.values() for v in s.values())]:
+        meter.track(t)
+    states = meter.live
+    for t in (x, y):
+        meter.track(t)
+    with meter:
+        train_step(strategy, x, y, precision=precision)
+    return {"measured_bytes": meter.peak - x.nbytes - y.nbytes, "states_bytes": states, "peak_op": meter.peak_op}

@@ -25,8 +25,7 @@ import psutil
 
 import course_lib.launch.placement as placement  # noqa: PLR0402 - the module itself: launch/__init__'s lazy names stay unread
 import course_lib.launch.torchrun as torchrun  # noqa: PLR0402 - as above
-from course_lib.analysis.activations import sdpa_is_fused
-from course_lib.analysis.memory import ModelShape, breakdown, micro_batches_in_flight, stage_states, step_peak
+from course_lib.analysis.memory import ModelShape, micro_batches_in_flight, stage_states, step_peak
 from course_lib.gpt import data
 from course_lib.hardware import detect, pick_dtype
 from course_lib.launch.placement import LaunchConfigError, RankPlan
@@ -246,12 +245,13 @@ def estimate_bytes(config: TrainConfig, world_size: int, dtype: str, device: str
     with experts :func:`course_lib.analysis.moe_memory.rank_states` (ep divides them). The
     strategy's ZeRO stage shards over the dp x cp ranks, the course's shard group, and leaves the
     experts whole, as the course's ZeRO does. Activations of one micro-batch, with the config's
-    ``recompute``: without tp or cp, those of the trainer's own step on ``device``,
-    :func:`course_lib.analysis.memory.step_peak` (autocast's fp32 residual stream, the fused
-    attention of a GPU, and the loss's fp32 gradients, which alone are 6 to 8 bytes per logit; within
-    0.2 % of ``max_memory_allocated`` for GPT-2 small on an H200, benchmarks/RESULTS.md). With tp or
-    cp, Korthikanti et al. 2022 (:func:`course_lib.analysis.memory.breakdown`) over tp (with
-    sequence parallelism as asked) and over cp (each rank holds 1/cp of every sequence). With pp, a
+    ``recompute``: those of the trainer's own step on one rank of the tp group on ``device``,
+    :func:`course_lib.analysis.memory.step_peak` (Korthikanti et al. 2022 over tp, with sequence
+    parallelism as asked; autocast's fp32 residual stream, the fused attention of a GPU, and the
+    loss's fp32 gradients, which alone are 6 to 8 bytes per logit; within 0.2 % of
+    ``max_memory_allocated`` for GPT-2 small on an H200, benchmarks/RESULTS.md; tp = 2 within a few
+    percent of a CPU step's live tensors, tests/test_step_peak.py), over cp (each rank holds 1/cp of
+    every sequence). With pp, a
     stage holds n_layer / pp layers' activations of
     :func:`~course_lib.analysis.memory.micro_batches_in_flight` micro-batches (AFAB: all, 1F1B: at
     most pp). A mixture of experts adds what its top_k (and shared) experts keep beyond one dense
@@ -277,14 +277,10 @@ def estimate_bytes(config: TrainConfig, world_size: int, dtype: str, device: str
             config.block_size // cp, config.batch_size, 4 if dtype == "float32" else 2)
     else:
         states, experts = stage_states(shape, dp=dp_cp, tp=tp, pp=pp, stage=stage, dtype=precision).total, 0.0
-    if tp == 1 and cp == 1:  # the trainer's step on one device, as measured
-        peak = step_peak(config.n_layer, config.n_head, config.n_embd, config.block_size, vocab_size,
-                         config.batch_size, dtype, device_type=device, dropout=config.dropout, bias=config.bias,
-                         recompute=config.recompute)
-        micro = peak.activations + peak.loss_grads
-    else:
-        micro = breakdown(preset=shape, tp=tp, sequence_parallel=config.sequence_parallel, dtype=precision,
-                          recompute=config.recompute,
-                          flash_attention=sdpa_is_fused(device, config.dropout)).activations / cp
+    # the trainer's step on one rank of the tp group, as measured; cp: 1/cp of every sequence
+    peak = step_peak(config.n_layer, config.n_head, config.n_embd, config.block_size, vocab_size,
+                     config.batch_size, dtype, device_type=device, dropout=config.dropout, bias=config.bias,
+                     recompute=config.recompute, tp=tp, sequence_parallel=config.sequence_parallel)
+    micro = (peak.activations + peak.loss_grads) / cp
     in_flight = micro_batches_in_flight(pp, config.gradient_accumulation_steps, config.pp_schedule)
     return states + (micro + experts) * in_flight / pp
