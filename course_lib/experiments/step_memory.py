@@ -61,6 +61,20 @@ class LiveTensorBytes(TorchDispatchMode):
         return out
 
 
+def _live_step_peak(strategy, x: torch.Tensor, y: torch.Tensor, precision: Precision) -> tuple[int, int, str]:
+    """One step of ``strategy`` under :class:`LiveTensorBytes`, its weights and optimizer state counted
+    from the start: (bytes of those states, the peak beyond the inputs x and y, the op of the peak)."""
+    meter = LiveTensorBytes()
+    for t in [*strategy.module.parameters(), *(v for s in strategy.optimizer.state.values() for v in s.values())]:
+        meter.track(t)
+    states = meter.live
+    for t in (x, y):
+        meter.track(t)
+    with meter:
+        train_step(strategy, x, y, precision=precision)
+    return states, meter.peak - x.nbytes - y.nbytes, meter.peak_op
+
+
 def measure_step_peak(cfg: GPTConfig, batch_size: int, dtype: str = "float32", device: str = "cpu",
                       seed: int = 0, loss_chunks: int = 0) -> dict:
     """Train two steps of ``GPT(cfg)`` with the trainer's fused AdamW and step on ``device`` and
@@ -85,15 +99,7 @@ def measure_step_peak(cfg: GPTConfig, batch_size: int, dtype: str = "float32", d
         states = before - inputs
         measured, op = torch.cuda.max_memory_allocated(device) - inputs, "(max_memory_allocated)"
     else:
-        meter = LiveTensorBytes()
-        for t in [*model.parameters(), *(v for s in single.optimizer.state.values() for v in s.values())]:
-            meter.track(t)
-        states = meter.live
-        for t in (x, y):
-            meter.track(t)
-        with meter:
-            train_step(single, x, y, precision=precision)
-        measured, op = meter.peak - inputs, meter.peak_op
+        states, measured, op = _live_step_peak(single, x, y, precision)
     n = sum(p.numel() for p in model.parameters())
     peak = step_peak(cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, cfg.vocab_size, batch_size, dtype,
                      num_params=n, device_type=device.split(":")[0], dropout=cfg.dropout, bias=cfg.bias)
@@ -118,12 +124,5 @@ def tp_step_peak_worker(rank: int, world_size: int, model_args: dict, batch_size
     x = torch.randint(model_args["vocab_size"], (1, batch_size, model_args["block_size"]))  # (micro, B, T)
     y = torch.roll(x, -1, dims=2)
     train_step(strategy, x, y, precision=precision)  # makes Adam's moments
-    meter = LiveTensorBytes()
-    for t in [*strategy.module.parameters(), *(v for s in strategy.optimizer.state.values() for v in s.values())]:
-        meter.track(t)
-    states = meter.live
-    for t in (x, y):
-        meter.track(t)
-    with meter:
-        train_step(strategy, x, y, precision=precision)
-    return {"measured_bytes": meter.peak - x.nbytes - y.nbytes, "states_bytes": states, "peak_op": meter.peak_op}
+    states, measured, op = _live_step_peak(strategy, x, y, precision)
+    return {"measured_bytes": measured, "states_bytes": states, "peak_op": op}
