@@ -98,9 +98,10 @@ def test_the_launch_checks_estimate_meets_the_trainers_step(dtype, moe):
 ])
 def test_the_launch_checks_estimate_meets_a_tensor_parallel_step(shape, sequence_parallel, dtype, monkeypatch):
     """With tp = 2 the check prices one rank's step as it does one device's (analysis.memory.step_peak with
-    tp): Korthikanti's layer count over tp, the vocabulary-parallel loss's 8 s b v / tp, and under sequence
-    parallelism the gathered inputs the course's linears keep. Against each rank's live tensors, measured:
-    0.99 to 1.04 in fp32, 0.93 in bf16; the layout model it replaced gave 0.60 to 0.85."""
+    tp): Korthikanti's layer count over tp, the vocabulary-parallel loss's 8 s b v / tp (10 under autocast),
+    and under sequence parallelism the gathered inputs the course's linears keep. Against each rank's live
+    tensors, measured: 0.99 to 1.04 in fp32, 0.97 to 1.03 in bf16; the layout model it replaced gave 0.60
+    to 0.85."""
     from course_lib.experiments.step_memory import tp_step_peak_worker
     from course_lib.launch import checks
     from course_lib.launch.spawn import run_ranks
@@ -116,4 +117,4 @@ def test_the_launch_checks_estimate_meets_a_tensor_parallel_step(shape, sequence
     monkeypatch.setattr(checks, "_vocab_size", lambda _config: vocab)  # the dataset's is 65
     estimate = checks.estimate_bytes(config, 2, dtype, "cpu")
     for r in ranks:
-        assert estimate / r["measured_bytes"] == pytest.approx(1.0, abs=0.1), (estimate, r)
+        assert estimate / r["measured_bytes"] == pytest.approx(1.0, abs=0.05), (estimate, r)

@@ -374,10 +374,12 @@ def step_peak(n_layer: int, n_head: int, n_embd: int, block_size: int, vocab_siz
 
     With ``tp`` > 1 the activations and the loss are one rank's of a tensor-parallel group (with
     ``sequence_parallel`` as asked): Korthikanti et al.'s Table 2 for the layers, and the
-    vocabulary-parallel loss (:mod:`course_lib.parallel.tensor.vocab`) keeps its fp32 softmax of
-    s b v / tp values for backward, whose first op makes two more of that size (the gradient and
-    its product with the incoming one): 8 s b v / tp bytes beside the saved 4, on any device.
-    Measured against the live tensors of a real tp = 2 step on a CPU (tests/test_step_peak.py).
+    vocabulary-parallel loss (:mod:`course_lib.parallel.tensor.vocab`), whose peak is the end of
+    its forward: the logits, the shifted logits and the softmax (fp32, s b v / tp values each) are
+    alive together, and under autocast the 16-bit logits beside their fp32 copy: 8 s b v / tp bytes
+    beside the saved softmax's 4 (10 under autocast). Backward's first op reaches the same 12 in
+    fp32 (the softmax, the gradient and its product with the incoming one). Measured against the
+    live tensors of a real tp = 2 step on a CPU (tests/test_step_peak.py).
     The weights, moments and gradients stay the whole model's: a rank's shards are
     :func:`stage_states`'.
 
@@ -434,8 +436,10 @@ def step_peak(n_layer: int, n_head: int, n_embd: int, block_size: int, vocab_siz
     acts = trainer_activation_bytes(n_layer, s, b, h, n_head, v, dtype, recompute, dropout, bias, device_type,
                                     t=tp, sequence_parallel=sequence_parallel)
     sbv = s * b * v / tp
-    gpu_16bit = device_type == "cuda" and dtype != "float32" and tp == 1
-    loss = 6.0 * sbv if gpu_16bit else 8.0 * sbv  # see above
+    if tp > 1:  # the vocabulary-parallel loss, see above
+        loss = (8.0 if dtype == "float32" else 10.0) * sbv
+    else:
+        loss = 6.0 * sbv if device_type == "cuda" and dtype != "float32" else 8.0 * sbv
     return StepPeak(weights=4.0 * num_params, optimizer=8.0 * num_params, activations=float(acts),
                     loss_grads=loss, logits=float(LOGITS_BYTES[dtype] * sbv) if logits_held else 0.0,
                     grads=4.0 * num_params)

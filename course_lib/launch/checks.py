@@ -249,8 +249,8 @@ def estimate_bytes(config: TrainConfig, world_size: int, dtype: str, device: str
     :func:`course_lib.analysis.memory.step_peak` (Korthikanti et al. 2022 over tp, with sequence
     parallelism as asked; autocast's fp32 residual stream, the fused attention of a GPU, and the
     loss's fp32 gradients, which alone are 6 to 8 bytes per logit; within 0.2 % of
-    ``max_memory_allocated`` for GPT-2 small on an H200, benchmarks/RESULTS.md; tp = 2 within a few
-    percent of a CPU step's live tensors, tests/test_step_peak.py), over cp (each rank holds 1/cp of
+    ``max_memory_allocated`` for GPT-2 small on an H200, benchmarks/RESULTS.md; tp = 2 within 4 %
+    of a CPU step's live tensors, tests/test_step_peak.py), over cp (each rank holds 1/cp of
     every sequence). With pp, a
     stage holds n_layer / pp layers' activations of
     :func:`~course_lib.analysis.memory.micro_batches_in_flight` micro-batches (AFAB: all, 1F1B: at
