@@ -248,7 +248,7 @@ def estimate_bytes(config: TrainConfig, world_size: int, dtype: str, device: str
     ``recompute``: those of the trainer's own step on one rank of the tp group on ``device``,
     :func:`course_lib.analysis.memory.step_peak` (Korthikanti et al. 2022 over tp, with sequence
     parallelism as asked; autocast's fp32 residual stream, the fused attention of a GPU, and the
-    loss's fp32 gradients, which alone are 6 to 8 bytes per logit; within 0.2 % of
+    loss's fp32 gradients and copies, 6 to 10 bytes per logit; within 0.2 % of
     ``max_memory_allocated`` for GPT-2 small on an H200, benchmarks/RESULTS.md; tp = 2 within 4 %
     of a CPU step's live tensors, tests/test_step_peak.py), over cp (each rank holds 1/cp of
     every sequence). With pp, a
