@@ -19,8 +19,6 @@ from datetime import timedelta
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
-from tqdm import TqdmExperimentalWarning
-
 PACKAGE_DIR = Path(__file__).resolve().parent
 INSTALL_SPEC_VAR = "COURSE_INSTALL_SPEC"  # overrides install_spec() in every setup cell
 
@@ -147,8 +145,6 @@ def _stdout_to_stderr():
         os.close(saved)
 
 
-# -- where the course is published -----------------------------------------------------------------
-
 # --- progress bars that leave their final line in a saved notebook -------------------------------
 
 @functools.cache
@@ -201,6 +197,9 @@ def progress_bar(*args, **kwargs):
     that output's ``text/plain`` with the finished line (what ``str(bar)`` prints), keeping the
     widget for the live session.
     """
+    # tqdm here: every entry point imports this module, and most never draw a bar
+    from tqdm import TqdmExperimentalWarning
+
     with warnings.catch_warnings():  # tqdm.autonotebook warns that it picked the notebook bar
         warnings.simplefilter("ignore", TqdmExperimentalWarning)
         if kwargs.get("disable") or kwargs.get("file") not in (None, sys.stdout, sys.stderr) or not in_notebook():
@@ -210,6 +209,8 @@ def progress_bar(*args, **kwargs):
             return tqdm(*args, **kwargs)
         return _notebook_bar()(*args, **kwargs)
 
+
+# -- where the course is published -----------------------------------------------------------------
 
 def in_colab(environ: Mapping[str, str] | None = None) -> bool:
     """True inside a Google Colab kernel (the same test the setup cell uses)."""

@@ -336,7 +336,7 @@ class StepPeak:
     weights: float  # fp32 parameters
     optimizer: float  # Adam's exp_avg and exp_avg_sq, fp32
     activations: float  # kept for backward, the fp32 log-probabilities included
-    loss_grads: float  # the two fp32 (b s, v) gradients at the start of backward
+    loss_grads: float  # the loss's fp32 (b s, v) tensors beside the saved ones at its peak (step_peak says which)
     logits: float  # logits the caller still holds (0 in the trainer)
     grads: float  # every gradient, fp32 (the end-of-backward candidate)
 
