@@ -112,3 +112,36 @@ def test_another_librarys_client_polls_in_slices_within_the_context(monkeypatch)
         assert run() == ["get_msg_in_slices"]
     assert NotebookClient.async_start_new_kernel_client is original and NotebookClient.start_new_kernel_client is sync
     assert run() == ["get_msg"]
+
+
+@pytest.mark.timeout(120)
+def test_within_the_context_a_slow_kernel_gets_the_longer_start(monkeypatch, tmp_path):
+    """A kernel that answers after about 4 s, and a client that waits 1 s for it (as nbclient's
+    60 s is to a kernel starting on a grader with more submissions than cores): outside the
+    context it fails as nbclient does, inside it waits ``startup_timeout``."""
+    import json
+    import sys
+
+    from nbconvert.preprocessors import ExecutePreprocessor
+
+    from course_lib.exercises.runner import every_client_polls_in_slices
+
+    spec = tmp_path / "kernels" / "slow_python"
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "display_name": "slow", "language": "python",
+        "argv": [sys.executable, "-c", "import sys, time; time.sleep(4); from ipykernel import kernelapp; "
+                 "kernelapp.launch_new_instance()", "-f", "{connection_file}"]}))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path))
+    monkeypatch.setenv("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+
+    def run():
+        nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(6 * 7)")])
+        ExecutePreprocessor(timeout=60, startup_timeout=1, kernel_name="slow_python").preprocess(
+            nb, {"metadata": {"path": str(tmp_path)}})
+        return nb.cells[0].outputs[0]["text"]
+
+    with pytest.raises(RuntimeError, match="Kernel didn't respond"):
+        run()
+    with every_client_polls_in_slices(startup_timeout=30):
+        assert run() == "42\n"

@@ -65,14 +65,22 @@ class NotebookRunner(NotebookClient):
 
 
 @contextmanager
-def every_client_polls_in_slices():
+def every_client_polls_in_slices(startup_timeout: int | None = None):
     """Within: every nbclient client that this process starts polls in slices, those of other
     libraries too (nbconvert's ExecutePreprocessor, which otter-grader runs, has no timeout, so
     a lost wake-up there would wait until the grader's limit for the submission). Not thread-safe:
-    for a process that runs one notebook at a time, such as ``course grade``'s worker."""
+    for a process that runs one notebook at a time, such as ``course grade``'s worker.
+
+    ``startup_timeout``: the seconds each of these clients waits at least for its kernel to
+    answer, where the library that made the client left nbclient's 60 s. A grader that runs more
+    submissions than it has cores starts kernels slowly: on this 2-core machine, ten notebooks
+    starting at once once kept a kernel from answering for over 60 s, and the submission lost
+    every point to the grading machine."""
     start, start_sync = NotebookClient.async_start_new_kernel_client, NotebookClient.start_new_kernel_client
 
     async def start_polling_in_slices(self):
+        if startup_timeout is not None:
+            self.startup_timeout = max(self.startup_timeout, startup_timeout)
         kc = await start(self)
         _poll_kernel_in_slices(kc)
         return kc
