@@ -1,12 +1,14 @@
 """%ranks / %%ranks through a real Jupyter kernel, as a student uses them: a pool of 2 gloo ranks
 that lives across cells, its values against a one-process reference, a rank's exception, a
 deadlock, an interrupt, ``%ranks stop`` and a killed kernel, with the process table checked after
-each. One kernel serves the tests of this file, in file order; the last one kills it.
+each (and the pool's folder after the kill). One kernel serves the tests of this file, in file
+order; the last one kills it.
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -126,5 +128,8 @@ def test_stop_and_a_killed_kernel_leave_no_process(kernel):
     assert run(kc, f"%ranks start 2 --timeout {LIMIT}").error is None
     procs = _children(km)
     assert len(procs) >= 3
+    folder = Path(run(kc, "print(ranks._dir)").stdout.strip())  # the pool's logs, exit statuses and store
+    assert folder.is_dir()
     psutil.Process(km.provisioner.process.pid).kill()  # a crash, or a restart of a busy kernel: no atexit
     assert _gone(procs) == []
+    assert not folder.exists()  # removed by the controller before it exits

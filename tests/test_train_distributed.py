@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -113,7 +114,8 @@ def test_interrupt_stops_every_process_and_the_run_resumes(reference):
     base = {**TINY, "data_dir": reference / "data", "batch_size": 4, "out_dir": out}
     cmd = [sys.executable, "-m", "course_lib.cli", "train", "--nproc=2", "--no-progress",
            *flags({**base, "max_iters": 100_000, "eval_interval": 100_000})]
-    launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONFAULTHANDLER": "1"})  # its stack on SIGABRT
     try:
         deadline = time.monotonic() + 120
         while not ((out / "metrics.csv").exists() and len(read_metrics(out / "metrics.csv")) >= 3):
@@ -123,7 +125,19 @@ def test_interrupt_stops_every_process_and_the_run_resumes(reference):
         tree = psutil.Process(launcher.pid).children(recursive=True)
         assert len(tree) >= 3  # torchrun and its 2 workers
         launcher.send_signal(signal.SIGINT)  # Ctrl-C
-        assert launcher.wait(timeout=30) == 130
+        try:
+            code = launcher.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # once in many runs: say where the launcher waits
+            states = []
+            for p in tree:
+                try:
+                    states.append((p.pid, p.status(), p.cmdline()[-3:]))
+                except psutil.Error:
+                    pass
+            launcher.send_signal(signal.SIGABRT)
+            pytest.fail(f"course train did not stop within 30 s of Ctrl-C; its processes {states}; "
+                        f"its stack:\n{launcher.communicate(timeout=10)[1][-6000:]}")
+        assert code == 130
         _, alive = psutil.wait_procs(tree, timeout=5)
         assert not alive, f"left running: {alive}"
     finally:

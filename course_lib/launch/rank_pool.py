@@ -153,6 +153,8 @@ class RankPool:
                               cluster_id="ranks", shutdown_atexit=True,
                               controller_args=[f"--HeartMonitor.period={HEARTBEAT_MS}"])
         cluster.config.LocalControllerLauncher.controller_cmd = [*entry, "controller"]
+        # the controller removes the folder if the kernel is killed (rank_pool_engine._watch_parent)
+        cluster.config.LocalControllerLauncher.environment = {"COURSE_RANKS_DIR": str(self._dir)}
         cluster.config.LocalEngineSetLauncher.engine_cmd = [*entry, "engine"]
         cluster.config.LocalEngineSetLauncher.environment = {"OMP_NUM_THREADS": str(self.threads),
                                                              "COURSE_RANKS_DIR": str(self._dir)}
@@ -505,9 +507,9 @@ def _parent_pid(pid: int) -> int | None:
 
 
 def _pool_processes(run_dir: Path) -> list[psutil.Process]:
-    """This process's descendants that belong to the pool of ``run_dir``: every engine process (its
-    parent, the engine, and the nanny ipyparallel starts beside each engine) has ``COURSE_RANKS_DIR``
-    set to it."""
+    """This process's descendants that belong to the pool of ``run_dir``: every process of the pool
+    (the controller and its schedulers; each engine's parent, the engine, and the nanny ipyparallel
+    starts beside it) has ``COURSE_RANKS_DIR`` set to it."""
     found = []
     for p in psutil.Process().children(recursive=True):
         try:

@@ -4,7 +4,8 @@ What runs inside the processes of a :class:`course_lib.launch.rank_pool.RankPool
 
 * the entry point of each ipyparallel engine and of its controller. It watches the process that
   started it (the notebook kernel) and exits when that process is gone, so a kernel that is
-  killed or restarted leaves no rank behind; then it runs ipyparallel's own entry point;
+  killed or restarted leaves no rank behind (and, the controller sees to it, no pool folder);
+  then it runs ipyparallel's own entry point;
 * :func:`setup`, called on each engine once: the rank's device and threads, the default process
   group (meeting in a FileStore), and the names a cell sees (``torch``, ``dist``, ``RANK``,
   ``WORLD_SIZE``, ``DEVICE``);
@@ -24,6 +25,7 @@ from __future__ import annotations
 import functools
 import os
 import runpy
+import shutil
 import signal
 import subprocess
 import sys
@@ -180,9 +182,11 @@ def _user_namespace() -> dict:
     return get_ipython().user_ns
 
 
-def _watch_parent(parent: int, every_s: float = 0.5) -> None:
+def _watch_parent(parent: int, every_s: float = 0.5, folder: str | None = None) -> None:
     """Once ``parent`` is gone (this process was reparented), kill this process's descendants
-    (the controller forks its schedulers, an engine its nanny) and exit: no orphaned ranks."""
+    (the controller forks its schedulers, an engine its nanny) and exit: no orphaned ranks. The
+    controller also removes the pool's ``folder`` (logs, exit statuses, the store), which the
+    killed kernel could not; the engines, exiting too, may still write there for a moment."""
     def watch():
         while os.getppid() == parent:
             time.sleep(every_s)
@@ -192,6 +196,11 @@ def _watch_parent(parent: int, every_s: float = 0.5) -> None:
                 child.kill()
             except psutil.NoSuchProcess:
                 pass
+        for _ in range(10) if folder else ():  # each engine notices within every_s, then exits
+            shutil.rmtree(folder, ignore_errors=True)
+            time.sleep(every_s)
+            if not os.path.exists(folder):
+                break
         os._exit(3)
     threading.Thread(target=watch, name="course-parent-watch", daemon=True).start()
 
@@ -200,7 +209,7 @@ def main(argv: list[str]) -> None:
     role, rest = argv[0], argv[1:]
     if role not in ("engine", "engine-child", "controller"):
         sys.exit("usage: python -m course_lib.launch.rank_pool_engine engine|controller [args]")
-    _watch_parent(os.getppid())
+    _watch_parent(os.getppid(), folder=os.environ.get("COURSE_RANKS_DIR") if role == "controller" else None)
     if role == "engine":
         _parent_of_engine(rest)
     if role == "engine-child":
