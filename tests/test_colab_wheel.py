@@ -37,6 +37,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 import threading
 import time
 import zipfile
@@ -70,14 +71,18 @@ class Colab:
     jupyter_path: Path  # holds the kernel spec of that interpreter
     base: Path  # per-notebook folders and homes go here
     mpl_cache: Path
+    tmp: Path  # the kernels' temporary folders (short: multiprocessing puts sockets there)
 
     def env(self, home: Path) -> dict[str, str]:
-        """A kernel's environment: Colab's switch, a fresh HOME, the wheel as the install spec."""
+        """A kernel's environment: Colab's switch, a fresh HOME and temporary folder (a kernel killed
+        at the end leaves its files there, not in /tmp), the wheel as the install spec."""
         env = clean_env(dict(os.environ))
         env.pop("MPLBACKEND", None)
         home.mkdir(parents=True)
+        (self.tmp / home.name).mkdir()
         env.update({
-            "HOME": str(home), "COLAB_RELEASE_TAG": "course-test-wheel", "COURSE_SMOKE": "1",
+            "HOME": str(home), "TMPDIR": str(self.tmp / home.name), "COLAB_RELEASE_TAG": "course-test-wheel",
+            "COURSE_SMOKE": "1",
             "COURSE_INSTALL_SPEC": f"course-lib[colab] @ {self.wheel.as_uri()}",
             # offline; the dependencies and extras were resolved once, in the test below
             "PIP_NO_INDEX": "1", "PIP_NO_DEPS": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1",
@@ -90,7 +95,7 @@ class Colab:
 
 
 @pytest.fixture(scope="module")
-def colab(tmp_path_factory) -> Colab:
+def colab(tmp_path_factory):
     base = tmp_path_factory.mktemp("colab")
     t0 = time.perf_counter()
     wheel = build_wheel(ROOT, base / "wheel")
@@ -101,7 +106,9 @@ def colab(tmp_path_factory) -> Colab:
         "argv": [str(python), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
         "display_name": "course-lib from the wheel", "language": "python"}))
     print(f"wheel built and installed in {time.perf_counter() - t0:.1f} s")
-    return Colab(wheel, python, base / "jupyter", base, base / "mpl-cache")
+    tmp = Path(tempfile.mkdtemp(prefix="colab_"))
+    yield Colab(wheel, python, base / "jupyter", base, base / "mpl-cache", tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _wheel_files(wheel: Path) -> dict[str, bytes]:
