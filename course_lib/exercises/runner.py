@@ -71,11 +71,10 @@ def every_client_polls_in_slices(startup_timeout: int | None = None):
     a lost wake-up there would wait until the grader's limit for the submission). Not thread-safe:
     for a process that runs one notebook at a time, such as ``course grade``'s worker.
 
-    ``startup_timeout``: the seconds each of these clients waits at least for its kernel to
-    answer, where the library that made the client left nbclient's 60 s. A grader that runs more
-    submissions than it has cores starts kernels slowly: on this 2-core machine, ten notebooks
-    starting at once once kept a kernel from answering for over 60 s, and the submission lost
-    every point to the grading machine."""
+    ``startup_timeout``: each of these clients waits at least this many seconds for its kernel to
+    answer (nbclient's default is 60). A grader that runs more submissions than it has cores
+    starts kernels slowly: in the course's CI (2 cores, ten notebooks starting at once) a kernel
+    once took over 60 s, and its submission lost every point to the grading machine."""
     start, start_sync = NotebookClient.async_start_new_kernel_client, NotebookClient.start_new_kernel_client
 
     async def start_polling_in_slices(self):
