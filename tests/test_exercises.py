@@ -69,7 +69,7 @@ import sys, nbformat
 from course_lib.exercises.runner import NotebookRunner
 path, out = sys.argv[1], sys.argv[2]
 nb = nbformat.read(path, as_version=4)
-NotebookRunner(nb, timeout=300, startup_timeout=300, kernel_name="python3", allow_errors=True,  # a loaded machine
+NotebookRunner(nb, timeout=300, kernel_name="python3", allow_errors=True,
                resources={"metadata": {"path": str(__import__("pathlib").Path(path).parent)}}).execute()
 nbformat.write(nb, out)
 """

@@ -115,33 +115,45 @@ def test_another_librarys_client_polls_in_slices_within_the_context(monkeypatch)
 
 
 @pytest.mark.timeout(120)
-def test_within_the_context_a_slow_kernel_gets_the_longer_start(monkeypatch, tmp_path):
-    """A kernel that answers after 2 s and more, and a client that waits 1 s for it (as nbclient's
-    60 s is to a kernel starting on a grader with more submissions than cores): outside the
-    context it fails as nbclient does, inside it waits ``startup_timeout``."""
+def test_within_the_context_a_kernel_that_never_answers_is_replaced(monkeypatch, tmp_path):
+    """A kernel spec whose first kernel never answers (it sleeps before starting ipykernel) and
+    whose next one does, and a client that waits 2 s for a kernel: outside the context the client
+    fails as nbclient does; inside it, with ``kernel_starts=2``, the second kernel runs the
+    notebook and the silent one is gone."""
     import json
     import sys
 
+    import psutil
     from nbconvert.preprocessors import ExecutePreprocessor
 
     from course_lib.exercises.runner import every_client_polls_in_slices
 
-    spec = tmp_path / "kernels" / "slow_python"
+    marker = tmp_path / "started_once"
+    spec = tmp_path / "kernels" / "silent_once"
     spec.mkdir(parents=True)
     (spec / "kernel.json").write_text(json.dumps({
-        "display_name": "slow", "language": "python",
-        "argv": [sys.executable, "-c", "import sys, time; time.sleep(2); from ipykernel import kernelapp; "
-                 "kernelapp.launch_new_instance()", "-f", "{connection_file}"]}))
+        "display_name": "silent once", "language": "python",
+        "argv": [sys.executable, "-c", f"import os, time; first = not os.path.exists({str(marker)!r}); "
+                 f"open({str(marker)!r}, 'a').close(); time.sleep(3600 if first else 0); "
+                 "from ipykernel import kernelapp; kernelapp.launch_new_instance()", "-f", "{connection_file}"]}))
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path))
     monkeypatch.setenv("PYDEVD_DISABLE_FILE_VALIDATION", "1")
 
     def run():
         nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(6 * 7)")])
-        ExecutePreprocessor(timeout=60, startup_timeout=1, kernel_name="slow_python").preprocess(
-            nb, {"metadata": {"path": str(tmp_path)}})
+        ExecutePreprocessor(timeout=60, startup_timeout=2, kernel_name="silent_once",
+                            shutdown_kernel="immediate").preprocess(nb, {"metadata": {"path": str(tmp_path)}})
         return nb.cells[0].outputs[0]["text"]
+
+    def sleepers():
+        return [p for p in psutil.Process().children(recursive=True) if "3600 if first" in " ".join(p.cmdline())]
 
     with pytest.raises(RuntimeError, match="Kernel didn't respond"):
         run()
-    with every_client_polls_in_slices(startup_timeout=30):
+    marker.unlink()
+    with every_client_polls_in_slices(kernel_starts=2):
         assert run() == "42\n"
+    assert marker.exists() and sleepers() == []
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="kernel_starts"), every_client_polls_in_slices(kernel_starts=bad):
+            pass

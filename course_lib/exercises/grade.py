@@ -38,7 +38,7 @@ from course_lib.exercises.layout import select
 
 GRADING_TIMEOUT_S = 10.0  # seconds per checked call while grading (COURSE_GRADING_TIMEOUT)
 SUBMISSION_LIMIT_S = 600.0  # wall clock for one submission, kernel and ranks included
-KERNEL_START_S = 300  # the longest wait for a submission's kernel to answer (nbclient's default: 60)
+KERNEL_STARTS = 3  # kernels started for one submission before grading gives up on the machine
 HIDDEN_FAILED = "a hidden test failed"
 
 
@@ -170,9 +170,8 @@ def grade(submission: str | os.PathLike, autograder: str | os.PathLike | None = 
 
             # the kernel otter starts inherits the seed; otter's client waits without a timeout, so a
             # lost wake-up (exercises.runner) would cost the submission its grade at the time limit;
-            # its kernel may take KERNEL_START_S to answer: a grader running more submissions than
-            # it has cores starts kernels slowly, and that is no fault of the student's
-            with silenced(quiet), seeded(seed), every_client_polls_in_slices(KERNEL_START_S):
+            # a kernel that never answers is the machine's fault, not the student's: another one
+            with silenced(quiet), seeded(seed), every_client_polls_in_slices(kernel_starts=KERNEL_STARTS):
                 results = grade_submission(str(canonical), str(autograder), quiet=quiet)
             if results.catastrophic_error is not None:
                 error = repr(results.catastrophic_error)

@@ -65,22 +65,33 @@ class NotebookRunner(NotebookClient):
 
 
 @contextmanager
-def every_client_polls_in_slices(startup_timeout: int | None = None):
+def every_client_polls_in_slices(kernel_starts: int = 1):
     """Within: every nbclient client that this process starts polls in slices, those of other
     libraries too (nbconvert's ExecutePreprocessor, which otter-grader runs, has no timeout, so
     a lost wake-up there would wait until the grader's limit for the submission). Not thread-safe:
     for a process that runs one notebook at a time, such as ``course grade``'s worker.
 
-    ``startup_timeout``: each of these clients waits at least this many seconds for its kernel to
-    answer (nbclient's default is 60). A grader that runs more submissions than it has cores
-    starts kernels slowly: in the course's CI (2 cores, ten notebooks starting at once) a kernel
-    once took over 60 s, and its submission lost every point to the grading machine."""
+    ``kernel_starts``: how many kernels a client may start, each time the last one did not answer
+    within its ``startup_timeout`` (nbclient's default: 60 s) or died before answering. Nothing of
+    the notebook has run by then. A kernel answers in about a second, also where ten notebooks
+    start at once on 2 cores (0.5-1.7 s, 49 starts in ``course grade``'s test); in the course's CI
+    one kernel among a few thousand never did, and its submission lost every point to the grading
+    machine."""
+    if isinstance(kernel_starts, bool) or not isinstance(kernel_starts, int) or kernel_starts < 1:
+        raise ValueError(f"kernel_starts must be a whole number >= 1, got {kernel_starts!r}")
     start, start_sync = NotebookClient.async_start_new_kernel_client, NotebookClient.start_new_kernel_client
 
     async def start_polling_in_slices(self):
-        if startup_timeout is not None:
-            self.startup_timeout = max(self.startup_timeout, startup_timeout)
-        kc = await start(self)
+        for tries_left in range(kernel_starts - 1, -1, -1):
+            try:
+                kc = await start(self)
+                break
+            except RuntimeError:  # jupyter_client: "Kernel didn't respond ..." / "Kernel died before replying ..."
+                if not tries_left:
+                    raise
+            # nbclient has shut the silent kernel down and dropped its manager: a new kernel
+            self.km = self.create_kernel_manager()
+            await self.async_start_new_kernel()
         _poll_kernel_in_slices(kc)
         return kc
 
