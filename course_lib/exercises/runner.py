@@ -82,16 +82,16 @@ def every_client_polls_in_slices(kernel_starts: int = 1):
     start, start_sync = NotebookClient.async_start_new_kernel_client, NotebookClient.start_new_kernel_client
 
     async def start_polling_in_slices(self):
-        for tries_left in range(kernel_starts - 1, -1, -1):
+        for _ in range(kernel_starts - 1):
             try:
                 kc = await start(self)
                 break
             except RuntimeError:  # jupyter_client: "Kernel didn't respond ..." / "Kernel died before replying ..."
-                if not tries_left:
-                    raise
-            # nbclient has shut the silent kernel down and dropped its manager: a new kernel
-            self.km = self.create_kernel_manager()
-            await self.async_start_new_kernel()
+                # nbclient has shut the silent kernel down and dropped its manager: a new kernel
+                self.km = self.create_kernel_manager()
+                await self.async_start_new_kernel()
+        else:  # the last kernel: its failure is the client's
+            kc = await start(self)
         _poll_kernel_in_slices(kc)
         return kc
 
