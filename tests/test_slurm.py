@@ -48,7 +48,11 @@ def slurm(tmp_path_factory):
 
 
 def _submit(slurm, cwd, argv):
-    env = slurm.env({**os.environ, "LOGLEVEL": "INFO"})  # torchrun logs its rendezvous
+    # torchrun logs its rendezvous (LOGLEVEL); the job's TMPDIR is the test's, so the folder torchrun
+    # makes there for its agent's logs (torchelastic_*, no --log-dir in the script) goes with the test
+    tmp = cwd / "job_tmp"
+    tmp.mkdir(exist_ok=True)
+    env = slurm.env({**os.environ, "LOGLEVEL": "INFO", "TMPDIR": str(tmp)})
     return subprocess.run([sys.executable, "-m", "course_lib.cli", "submit", "--scheduler", "slurm", *argv],
                           env=env, cwd=cwd, capture_output=True, text=True, timeout=60, check=False)
 
