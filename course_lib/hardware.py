@@ -5,7 +5,8 @@
 Peak figures are the vendors' dense (no sparsity) tensor-core numbers from their data sheets:
 NVIDIA T4 (Turing, 65 TFLOP/s fp16, 8.1 fp32), V100 SXM2 (125 fp16, 15.7 fp32), A100 (312
 bf16/fp16, 156 tf32, 19.5 fp32), L4 (121 bf16/fp16, 60 tf32, 30.3 fp32), H100 SXM5 (989 bf16/fp16,
-495 tf32, 67 fp32), H100 PCIe (756, 378, 51), H200 (same compute as H100 SXM5).  MFU (PaLM,
+495 tf32, 67 fp32), H100 PCIe (756, 378, 51), H100 NVL (835, 417, 60; 94 GB), H200 (same compute as
+H100 SXM5), H200 NVL (same compute as H100 NVL; 141 GB).  MFU (PaLM,
 Chowdhery et al. 2022, App. B) divides achieved model FLOP/s by the peak of the dtype in use.
 """
 
@@ -63,7 +64,9 @@ PROFILES: dict[str, HardwareProfile] = {
     "l4": _gpu("l4", 24, 121, 121, 60, 30.3, "bfloat16"),
     "h100": _gpu("h100", 80, 989, 989, 495, 67, "bfloat16"),
     "h100-pcie": _gpu("h100-pcie", 80, 756, 756, 378, 51, "bfloat16"),
+    "h100-nvl": _gpu("h100-nvl", 94, 835, 835, 417, 60, "bfloat16"),
     "h200": _gpu("h200", 141, 989, 989, 495, 67, "bfloat16"),
+    "h200-nvl": _gpu("h200-nvl", 141, 835, 835, 417, 60, "bfloat16"),
     "cpu": HardwareProfile("cpu", "cpu", 0, {}, "float32", estimated=True),
 }
 
@@ -71,10 +74,11 @@ PROFILES: dict[str, HardwareProfile] = {
 def _match_gpu(device_name: str, total_memory: int) -> str | None:
     """Map a CUDA device name (e.g. 'NVIDIA A100-SXM4-80GB') to a profile key."""
     n = device_name.upper()
+    nvl = re.search(r"\bNVL\b", n) is not None  # the NVL boards: PCIe cards, lower clocks than SXM
     if "H200" in n:
-        return "h200"
+        return "h200-nvl" if nvl else "h200"
     if "H100" in n:
-        return "h100-pcie" if "PCIE" in n else "h100"
+        return "h100-pcie" if "PCIE" in n else "h100-nvl" if nvl else "h100"
     if "A100" in n:
         return "a100-80gb" if total_memory > 50 * GB else "a100-40gb"
     for key in ("t4", "v100", "l4"):

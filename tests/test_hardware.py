@@ -8,7 +8,9 @@ L4: "NVIDIA L4 Tensor Core GPU" data sheet - fp16/bf16 242 sparse (121 dense), t
     (60 dense), fp32 30.3; 24 GB.
 H100: "NVIDIA H100 Tensor Core GPU" data sheet - SXM bf16/fp16 1979 sparse (989.5 dense), tf32
     989 sparse (494.5 dense), fp32 67, 80 GB; PCIe 1513 / 756 sparse (756 / 378 dense), fp32 51.
-H200: "NVIDIA H200 Tensor Core GPU" data sheet - 141 GB, compute as H100 SXM.
+    NVL (the same data sheet's second column): 1671 / 835 sparse (835.5 / 417.5 dense), fp32 60, 94 GB.
+H200: "NVIDIA H200 Tensor Core GPU" data sheet - 141 GB, compute as H100 SXM; H200 NVL 141 GB,
+    compute as H100 NVL (1671 / 835 sparse, fp32 60).
 Mixed-precision choice: bf16 needs Ampere or newer; Turing/Volta train in fp16 with loss scaling
 (Micikevicius et al. 2018, "Mixed Precision Training").
 """
@@ -28,7 +30,9 @@ DATA_SHEETS = {  # profile: (memory GB, {dtype: dense TFLOP/s})
     "l4": (24, {"bfloat16": 242 / 2, "float16": 242 / 2, "tf32": 120 / 2, "float32": 30.3}),
     "h100": (80, {"bfloat16": 1979 / 2, "float16": 1979 / 2, "tf32": 989 / 2, "float32": 67}),
     "h100-pcie": (80, {"bfloat16": 1513 / 2, "float16": 1513 / 2, "tf32": 756 / 2, "float32": 51}),
+    "h100-nvl": (94, {"bfloat16": 1671 / 2, "float16": 1671 / 2, "tf32": 835 / 2, "float32": 60}),
     "h200": (141, {"bfloat16": 1979 / 2, "tf32": 989 / 2, "float32": 67}),
+    "h200-nvl": (141, {"bfloat16": 1671 / 2, "float16": 1671 / 2, "tf32": 835 / 2, "float32": 60}),
 }
 
 
@@ -58,7 +62,9 @@ def test_turing_and_volta_have_no_bf16_or_tf32():
     ("NVIDIA L4", 22.5 * 1.074, "l4"),
     ("NVIDIA H100 80GB HBM3", 79.1 * 1.074, "h100"),
     ("NVIDIA H100 PCIe", 79.6 * 1.074, "h100-pcie"),
+    ("NVIDIA H100 NVL", 93.1 * 1.074, "h100-nvl"),  # MFU against the SXM5's peak would read 16 % low
     ("NVIDIA H200", 139.8 * 1.074, "h200"),
+    ("NVIDIA H200 NVL", 139.8 * 1.074, "h200-nvl"),
     ("NVIDIA L40S", 44.4 * 1.074, None),  # not an L4
     ("Quadro T400", 1.9, None),  # not a T4
     ("NVIDIA GeForce RTX 4090", 23.6, None),
@@ -70,7 +76,7 @@ def test_match_device_names(name, mem_gb, key):
 def test_dtype_choice():
     assert pick_dtype(PROFILES["t4"]) == "float16" and PROFILES["t4"].needs_grad_scaler
     assert pick_dtype(PROFILES["v100"]) == "float16" and PROFILES["v100"].needs_grad_scaler
-    for key in ("a100-40gb", "a100-80gb", "l4", "h100", "h100-pcie", "h200"):
+    for key in ("a100-40gb", "a100-80gb", "l4", "h100", "h100-pcie", "h100-nvl", "h200", "h200-nvl"):
         assert pick_dtype(PROFILES[key]) == "bfloat16", key
         assert not PROFILES[key].needs_grad_scaler
     assert pick_dtype(PROFILES["cpu"]) == "float32"

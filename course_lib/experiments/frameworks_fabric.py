@@ -8,8 +8,8 @@ its training step, the bytes its collectives move, and what it refuses on this m
     refusals(["dp", "fsdp", "deepspeed"])              # {name: what Fabric says on this machine}
 
 How Fabric finds its ranks (read in Lightning's source, ``lightning/fabric/connector.py`` and
-``plugins/environments/``): it asks each cluster environment in turn (SLURM, torchelastic,
-Kubeflow, LSF, MPI) whether it is running under it; otherwise ``LightningEnvironment``, which
+``plugins/environments/``): it asks each cluster environment in turn (torchelastic first, as
+torchrun can run inside a SLURM job; then SLURM, LSF, MPI) whether it is running under it; otherwise ``LightningEnvironment``, which
 counts the processes as started from outside when ``LOCAL_RANK`` is set, and then does not spawn
 any. The course's rank runner sets ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE`` and has already
 joined the gloo group; Fabric's ``_init_dist_connection`` returns at once when a group exists, so

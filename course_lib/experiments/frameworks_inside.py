@@ -54,7 +54,8 @@ def ddp_inside(rank: int, world: int, bucket_cap_mb: float = 0.05, gpt: dict | N
                steps: int = 2) -> dict:
     """Fabric's DDP with small buckets, taken apart: per step, the buckets in the order DDP
     all-reduced them ({index, params, bytes, ms after backward began}); DDP's logged bucket
-    sizes before the first step and after (it rebuilds them in the order gradients arrived);
+    sizes before the first step (one bucket: without ``find_unused_parameters`` DDP does not
+    bucket before it has seen the gradients' order) and after (it rebuilds them in that order);
     the course's buckets for the same tensors in backward order; the reducer's hook methods."""
     cfg = GPTConfig(**{**SMALL, **(gpt or {})})
     torch.manual_seed(0)
@@ -85,7 +86,10 @@ def ddp_inside(rank: int, world: int, bucket_cap_mb: float = 0.05, gpt: dict | N
     params = [p for p in ddp.module.parameters() if p.requires_grad]
     backward_order = params[::-1]  # the reverse of definition order (parallel/data/buckets.py)
     sizes = [p.numel() * p.element_size() for p in backward_order]
-    first_cap = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", None)
+    # the first bucket's cap in DDP's rebuild: newer torch keeps it in _bucket_config (1 MiB only
+    # with the default bucket_cap_mb, else the cap itself); older torch always gave its Reducer 1 MiB
+    first_cap = getattr(getattr(ddp, "_bucket_config", None), "first_bucket_bytes_cap",
+                        getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", None))
     course = bucket_indices(sizes, bucket_cap_mb * MiB, first_cap)
     return {"bucket_cap_bytes": ddp.bucket_bytes_cap, "first_bucket_cap_bytes": first_cap,
             "logged_bucket_sizes": logged, "buckets_by_step": per_step,

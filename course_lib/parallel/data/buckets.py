@@ -4,8 +4,9 @@ Sec. 3.2.3: DDP's ``bucket_cap_mb``).
 Tensors are taken in backward order (the reverse of definition order, since backward visits the
 last layers first) and added to the current bucket; a bucket closes as soon as it holds
 ``cap_bytes`` or more. The first bucket is therefore complete early in backward and its
-collective can start while the rest of backward runs; PyTorch's DDP closes its first bucket even
-earlier, at 1 MiB (``first_cap_bytes``), so that communication starts sooner.
+collective can start while the rest of backward runs; with its default ``bucket_cap_mb`` PyTorch's
+DDP closes its first bucket even earlier, at 1 MiB (``first_cap_bytes``), so that communication
+starts sooner.
 
     groups = bucket_indices([4096, 4096, 512], cap_bytes=8192)     # [[0, 1], [2]]
     buckets = bucket_params(params, bucket_cap_mb=25)               # lists of Parameters
