@@ -1,8 +1,8 @@
 """Notebook 5's experiments (experiments/model_parallel_check) on real gloo processes, against one
 process computing the same thing.
 
-Pipeline bubble: (p - 1) / (m + p - 1) of a step (Huang et al. 2019, GPipe, Sec. 2.2; Narayanan
-et al. 2021, Sec. 2.2), for AFAB and 1F1B alike; 1F1B keeps at most p - r micro-batches in
+Pipeline bubble: (p - 1) / (m + p - 1) of a step (Huang et al. 2019, GPipe, Sec. 2.3; Narayanan
+et al. 2021, Sec. 2.2.1: (p - 1) / m of the ideal time), for AFAB and 1F1B alike; 1F1B keeps at most p - r micro-batches in
 flight on stage r, AFAB all m (Narayanan et al. 2021, Sec. 2.2.1).
 
 Communication counts follow Megatron-LM (Shoeybi et al. 2019, Sec. 3): one all-reduce in forward

@@ -4,7 +4,8 @@ A toy MLP and a GPT whose embedding is tied to its LM head (the copies on the fi
 stage exchange gradients) are split into 2 and 4 stages on gloo ranks and trained for 10 AdamW
 steps with 4 micro-batches, under both schedules; loss and every parameter must match the
 single-process reference to ~1e-6. The bubble measured on the schedule's logical clock must be
-(p - 1) / (m + p - 1) (GPipe, Huang et al. 2019, Sec. 2.2; Narayanan et al. 2021, Sec. 2.2), and
+(p - 1) / (m + p - 1) (GPipe, Huang et al. 2019, Sec. 2.3; Narayanan et al. 2021, Sec. 2.2.1: (p - 1) / m
+of the ideal time), and
 1F1B must hold at most p - r micro-batches' activations on stage r where GPipe holds all m.
 """
 

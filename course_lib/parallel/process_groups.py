@@ -3,7 +3,8 @@
 world_size = dp * pp * cp * tp ranks are laid out with tensor parallelism innermost (neighbouring
 ranks, i.e. GPUs of one node on its fastest links: TP communicates in every layer), then context
 parallelism (a ring exchange per attention layer), then data parallelism, then pipeline stages
-outermost (Megatron-LM's default order "tp-cp-dp-pp"; Narayanan et al. 2021, Sec. 3):
+outermost (Megatron-LM's default order "tp-cp-ep-dp-pp", "tp-cp-dp-pp" without experts; Narayanan et al.
+2021, Sec. 3):
 
     rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
@@ -16,7 +17,7 @@ same samples). Example, 8 ranks as dp=2, tp=2, pp=2 (cp=1):
     tp groups [0,1] [2,3] [4,5] [6,7]    dp groups [0,2] [1,3] [4,6] [5,7]    pp groups [0,4] [1,5] [2,6] [3,7]
 
 Expert parallelism (a mixture of experts, :mod:`course_lib.parallel.expert`) is carved out of dp,
-as in Megatron-LM's expert-model-parallel groups and DeepSeek-V3 (Sec. 3.1): ``ep`` divides dp,
+as in Megatron-LM's expert-model-parallel groups and DeepSeek-V3 (Sec. 3.2): ``ep`` divides dp,
 ep innermost within it (``dp_rank = edp_rank * ep + ep_rank``, so an ep group is neighbouring dp
 ranks). Its ``ep_group`` holds the ep ranks that share out the experts (the all-to-all); its
 ``edp_cp_group`` the replicas of one expert shard (dp/ep x cp ranks: expert gradients are averaged

@@ -13,7 +13,8 @@ exactly with the online-softmax rule (Milakov and Gimelshein 2018; FlashAttentio
 Causal load balance: with the sequence cut into cp contiguous pieces the last rank's queries see
 every key and the first rank's almost none. Cutting it into 2 cp chunks instead, rank i holds
 chunks i and 2 cp - 1 - i (an early and a late one), so every rank does the same work (the
-"zigzag" layout of Megatron-LM's context parallelism and of Brandon et al. 2023). A (query chunk a,
+"zigzag" layout of Megatron-LM's context parallelism; Brandon et al. 2023, "Striped Attention",
+balance it another way, spreading each rank's tokens evenly over the sequence). A (query chunk a,
 key chunk b) pair is full for b < a, causal for b = a, and skipped for b > a.
 
 Backward: the ring shift is an autograd function whose backward sends the gradient the other way

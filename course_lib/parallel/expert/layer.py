@@ -18,7 +18,7 @@ of the whole ep group sent it; summing that over the replicas of the shard (the 
 dp/ep x cp ranks) gives the sum over every rank's tokens, which is divided by dp x cp (not by the
 group's size). The other parameters are averaged over all dp x cp ranks by the data-parallel
 strategy, which skips the experts (they are flagged ``ep_sharded``). As Megatron-LM's
-expert-data-parallel group and DeepSeek-V3's (Sec. 3.1) layout: experts data-parallel over dp/ep.
+expert-data-parallel group and DeepSeek-V3's (Sec. 3.2) layout: experts data-parallel over dp/ep.
 
 Tensor parallelism: the experts are not split by tp; each tp rank runs its ep shard on the full
 tokens (as the LayerNorms), so the ep group and the all-to-all are per tp rank.

@@ -15,7 +15,8 @@ Two schedules (``schedule=``):
   by p instead of m.
 
 Both idle for a "bubble" of (p - 1) forward+backward times per step, a fraction
-(p - 1) / (m + p - 1) of it (GPipe, Sec. 2.2; Narayanan et al. 2021, Sec. 2.2). The pipeline
+(p - 1) / (m + p - 1) of it (GPipe, Sec. 2.3; Narayanan et al. 2021, Sec. 2.2.1, give the same bubble
+as (p - 1) / m of the ideal time). The pipeline
 measures it two ways: on a logical clock (each forward costs 1 tick and each backward 2, every
 message carries the tick at which it was produced and a stage starts an operation when both it
 and its input are ready: the schedule's own timing, free of this machine's noise), and in wall

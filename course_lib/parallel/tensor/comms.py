@@ -13,8 +13,10 @@ activation memory. Sequence parallelism shards those regions along T: rank ``tp_
 tokens [tp_rank T/tp, (tp_rank+1) T/tp). The conjugate operators of Megatron's f and g become
 (Korthikanti et al. 2022, Sec. 4.2.2, Figure 5):
 
-    g_bar (enter a column-parallel linear): forward all-gather along T,   backward reduce-scatter
-    g     (leave a row-parallel linear):    forward reduce-scatter along T, backward all-gather
+    g     (enter a column-parallel linear): forward all-gather along T,     backward reduce-scatter
+    g_bar (leave a row-parallel linear):    forward reduce-scatter along T, backward all-gather
+
+(the paper's names: g replaces Megatron's f, g_bar its g; Figure 5's caption defines both).
 
 An all-reduce is a reduce-scatter followed by an all-gather, so the bytes sent are the same as
 tensor parallelism's; what is saved is activation memory (and the LayerNorm work) divided by tp.
@@ -107,12 +109,12 @@ class _ReduceScatterSeq(torch.autograd.Function):
 
 
 def gather_seq(x: torch.Tensor, comms: Comms) -> torch.Tensor:
-    """g_bar: (B, T/tp, C) -> (B, T, C); its backward reduce-scatters the partial gradients."""
+    """g: (B, T/tp, C) -> (B, T, C); its backward reduce-scatters the partial gradients."""
     return _GatherSeq.apply(x, comms)
 
 
 def reduce_scatter_seq(x: torch.Tensor, comms: Comms) -> torch.Tensor:
-    """g: (B, T, C) partial sums -> (B, T/tp, C) summed; its backward all-gathers."""
+    """g_bar: (B, T, C) partial sums -> (B, T/tp, C) summed; its backward all-gathers."""
     return _ReduceScatterSeq.apply(x, comms)
 
 

@@ -58,7 +58,7 @@ class ColumnParallelLinear(nn.Module):
     ``fused`` > 1 is for a weight that stacks several matrices along its output (c_attn stacks
     Q, K and V): each of them is split, so a rank gets matching columns of all of them.
     ``sequence_parallel``: x arrives split along the sequence, (B, T/tp, in), and is all-gathered
-    (g_bar) instead of passing f (:mod:`course_lib.parallel.tensor.comms`).
+    (Korthikanti's g) instead of passing f (:mod:`course_lib.parallel.tensor.comms`).
     """
 
     def __init__(self, in_features: int, out_features: int, comms: Comms, bias: bool = True,
@@ -96,7 +96,7 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = x B with B (in, out) split by rows: x arrives split, (..., in/tp) from a column-parallel
     layer; the partial products x_i B_i are summed by g; the bias is added once, after the sum.
-    ``sequence_parallel``: g reduce-scatters along the sequence, the output is (B, T/tp, out)."""
+    ``sequence_parallel``: g_bar reduce-scatters along the sequence, the output is (B, T/tp, out)."""
 
     def __init__(self, in_features: int, out_features: int, comms: Comms, bias: bool = True,
                  dtype=None, device=None, sequence_parallel: bool = False):

@@ -2,8 +2,11 @@
 
 Used by both ZeRO wrappers (:mod:`course_lib.parallel.zero.zero12`, :mod:`course_lib.parallel.zero.zero3`).
 A parameter of n elements is flattened and zero-padded to N * s with s = ceil(n / N); rank r owns
-flat elements [r s, (r+1) s) clipped to n (the last ranks' shards may be short or empty). This is
-FSDP's per-parameter ("dim-0 of the flattened tensor") sharding, Zhao et al. 2023 Sec. 3.2.
+flat elements [r s, (r+1) s) clipped to n (the last ranks' shards may be short or empty). Each
+parameter is cut on its own, as DeepSpeed's ZeRO-3 cuts a parameter's flattened elements. PyTorch's
+FSDP cuts differently: FSDP1 (Zhao et al. 2023, Sec. 3.2) flattens and concatenates all of a
+unit's parameters into one FlatParameter and cuts that; FSDP2 cuts each parameter along dim 0 of
+its own shape.
 
 A group of parameters is packed into an (N, row) buffer whose row r holds rank r's chunk of every
 parameter, so a reduce-scatter hands rank r exactly its row and an all-gather of the rows rebuilds

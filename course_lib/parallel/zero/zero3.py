@@ -23,7 +23,8 @@ Between steps a rank holds 1/N of every parameter, gradient and optimizer state:
 
 so communication overlaps computation, and at most 1 + ``prefetch`` units are whole at a time
 (plus the root, gathered once for forward and backward as in FSDP). The order of units is recorded
-in the first forward (as FSDP2 does), reversed for backward. Beyond ``max_in_flight``
+in the first forward and reversed for backward (FSDP1 fixes its order after the first iteration
+in the same way; FSDP2 records it anew in every forward). Beyond ``max_in_flight``
 reduce-scatters the oldest is completed and its gradient buffer freed. Per step each rank moves
 3 Psi - Psi_root (paper Sec. 7.2.2).
 
