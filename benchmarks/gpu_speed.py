@@ -49,7 +49,7 @@ class Variant:
     accum: int = 1
     bias: bool = False  # bench.py's GPT-2 has no biases
     compile_mode: str | None = "default"  # None: eager
-    attention: str = "default"  # "default": SDPA picks (flash on Hopper); "cudnn": cuDNN's fused attention only
+    attention: str = "default"  # "default": SDPA picks (cuDNN on the H200 measured, RESULTS.md); "cudnn": cuDNN's fused attention only
     loss_chunks: int = 0  # > 0: the LM head and the loss fused over row chunks (GPT.set_loss_chunks)
 
 

@@ -79,7 +79,8 @@ def torch_worker(rank: int, cfg: dict, port: int, out_path: str) -> None:
         torch.cuda.set_device(device)
     init_process_group(backend, timeout_s=cfg["timeout_s"], init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                        world_size=p)
-    # torch >= 2.13 names the tensor-in/tensor-out collectives *_single; older: *_into_tensor.
+    # torch >= 2.13 names the tensor-in/tensor-out collectives *_single; older: all_gather_into_tensor
+    # and reduce_scatter_tensor.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 

@@ -30,7 +30,8 @@ from course_lib.utils import atomic_write_bytes
 
 
 def _tasks_per_node() -> int:
-    """SLURM_NTASKS_PER_NODE ("2", or "2(x2)" for two nodes of 2): the tasks on each node."""
+    """SLURM_NTASKS_PER_NODE (set by --ntasks-per-node, which the course's sbatch script gives): the
+    tasks on each node. The "2(x2)" form is SLURM_TASKS_PER_NODE's; it is cut at "(" all the same."""
     return int(os.environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0])
 
 

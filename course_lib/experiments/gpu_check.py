@@ -247,8 +247,9 @@ def _library_workspaces(device: str) -> tuple[int, int]:
 
     The first matmul on a stream makes cuBLAS (and cuBLASLt) take a workspace from PyTorch's
     caching allocator, which ``memory_allocated`` counts from then on: on Hopper PyTorch sizes it
-    at 32 MiB each (``CUBLAS_WORKSPACE_CONFIG``'s default ``:4096:8``, "Reproducibility" and
-    "cuBLAS workspaces" in PyTorch's CUDA semantics notes). Counting it as model state is the
+    at 32 MiB each (``aten/src/ATen/cuda/CublasHandlePool.cpp``: ":4096:2:16:8 default, 32MiB for
+    Hopper"; "cuBLAS workspaces" in PyTorch's CUDA semantics notes gives the general default,
+    ``CUBLAS_WORKSPACE_CONFIG=:4096:2:16:8``, about 8 MiB). Counting it as model state is the
     likely source of the ~64 MiB check-gpu once measured above weights + Adam (x1.046): an
     unverified hypothesis until ``library_workspace_bytes`` is read on a GPU. Returns (what the
     warm-up allocated and kept, the allocated bytes after it: the baseline of the measurement)."""

@@ -128,8 +128,9 @@ def check_strategy_world(req: TrainRequest) -> None:
     if (STRATEGIES[req.strategy].needs_nccl_on_cuda and req.device == "cuda" and req.plan
             and req.plan.backend == "gloo"):
         # Seen on an H200 with torch 2.11 (issue 28): fsdp_grad_op on 2 ranks sharing the GPU over gloo
-        # killed rank 0 with SIGSEGV, no Python error. gloo's CUDA paths cover all_reduce and broadcast
-        # (torch.distributed docs, "Backends"); FSDP2 all-gathers and reduce-scatters CUDA tensors.
+        # killed rank 0 with SIGSEGV, no Python error. FSDP2 all-gathers and reduce-scatters CUDA tensors,
+        # the newest of gloo's CUDA paths (reduce-scatter since torch 2.8, placement.py): the refusal
+        # rests on that crash, not on the documentation, whose "Backends" table now lists both.
         raise LaunchConfigError(f"{req.strategy} (PyTorch's FSDP2) needs NCCL for CUDA tensors, and these ranks "
                                 f"share a GPU over gloo ({req.plan.line()}); use one rank per GPU, --device=cpu, "
                                 "or the course's zero2/zero3, which run over gloo")

@@ -133,8 +133,9 @@ def slurm_script(nodes: int, gpus_per_node: int, train_args: Sequence[str] = (),
              # SIGPIPE would fail the script under pipefail
              'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
              *_port_lines(port, "SLURM_JOB_ID"), "",
-             # Slurm >= 22.05: srun no longer inherits sbatch's --cpus-per-task; ask again, or
-             # every rank of the node shares one core (Slurm's srun man page, --cpus-per-task)
+             # Slurm 22.05 to 23.02: srun does not inherit sbatch's --cpus-per-task (23.11 reads
+             # SLURM_CPUS_PER_TASK again); ask again, or every rank of the node may share one core
+             # (Slurm's srun man page, --cpus-per-task); harmless where it is inherited
              "srun --kill-on-bad-exit=1 " + (f"--cpus-per-task={cpus_per_node} " if cpus_per_node
                                              else "") + _torchrun_line(
                  nodes, nproc, "$head_node", "$SLURM_JOB_ID", join_timeout, target, train_args)]

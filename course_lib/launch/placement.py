@@ -9,9 +9,9 @@ prints :meth:`RankPlan.line` once. The input is plain numbers and names (no torc
 can be tested on any machine by passing the GPU count.
 
 More ranks than GPUs (2 ranks on Colab's one T4): the ranks take the GPUs in turn and share them
-over gloo, which runs collectives on CUDA tensors (torch.distributed docs, "Backends": gloo
-all_reduce and broadcast on GPU; PyTorch's ProcessGroupGloo also all-gathers CUDA tensors, and
-reduce-scatters since torch 2.8: 2.7's gloo has none, measured here) but sends none point to
+over gloo, which runs collectives on CUDA tensors (torch.distributed docs, "Backends": a table
+that has grown with gloo's CUDA support; all_reduce and broadcast for long, all-gather, and
+reduce-scatter since torch 2.8: 2.7's gloo has none, measured here) but sends none point to
 point (the same table), so pipeline and context parallelism on shared GPUs are refused by the
 training checks. NCCL does not allow two ranks of one communicator on one device: it stops at
 initialisation with "Duplicate GPU detected", an ``ncclInvalidUsage`` ("NCCL invalid usage", seen with two course
