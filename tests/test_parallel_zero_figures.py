@@ -110,7 +110,7 @@ def test_zero_memory_and_communication_match_the_paper(world_size):
 
 
 def test_memory_shrinks_with_stage_as_in_the_paper():
-    """The paper's Figure 1 example at fp32 sizes, through the same model the test above uses:
-    Psi = 7.5e9, N = 64: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB (mixed precision)."""
+    """The paper's Figure 1 example, mixed precision (K = 12), through ``model_state_bytes`` with its
+    default dtype: Psi = 7.5e9, N = 64: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB."""
     gb = [model_state_bytes(7.5e9, 64, s).total / 1e9 for s in range(4)]
     assert [round(g, 1) for g in gb] == [120.0, 31.4, 16.6, 1.9]

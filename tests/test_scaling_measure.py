@@ -1,6 +1,8 @@
 """The measured scaling workload: even split, deterministic work, strong and weak scaling rows
 consistent with the laws of :mod:`course_lib.analysis.scaling_laws`, the figure and the command."""
 
+import time
+
 import pytest
 
 from course_lib.analysis.scaling_laws import karp_flatt
@@ -10,7 +12,13 @@ from course_lib.notebook.plots import plot_scaling
 
 def test_work_is_split_evenly():
     assert sm._split(10, 3) == [4, 3, 3] and sum(sm._split(7, 7)) == 7
-    assert sm.burn(1) == sm.burn(1)  # deterministic work, not a sleep
+
+
+def test_a_unit_of_work_is_cpu_work_not_a_sleep():
+    n = 2 * sm.UNIT_ITERS
+    t0 = time.process_time()
+    assert sm.burn(2) == (n - 1) * n * (2 * n - 1) // 6 % 1_000_003  # the sum of i^2 for i < n, closed form
+    assert time.process_time() > t0  # this process's CPU time advanced: work, not a wait
 
 
 @pytest.mark.timeout(120)
