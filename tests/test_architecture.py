@@ -234,3 +234,20 @@ def test_readme_tree_matches_the_folders():
     assert len(listed) > 50
     assert listed == actual, (f"README module tree: missing {sorted(actual - listed)}, "
                               f"not in course_lib {sorted(listed - actual)}")
+
+
+COMMANDS = ("python ", "course ", "torchrun ", "mpiexec ")  # what a runnable file's first line may start with
+
+
+def test_each_runnable_file_starts_with_the_command_that_runs_it():
+    """A file with a ``__main__`` block (course_lib/, benchmarks/, tools/) opens its docstring with
+    the command line that runs it, as nanoGPT's scripts do."""
+    wrong = []
+    for folder in ("course_lib", "benchmarks", "tools"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            runnable = any(isinstance(node, ast.If) and "__main__" in ast.unparse(node.test) for node in tree.body)
+            first = ((ast.get_docstring(tree) or "").splitlines() or [""])[0]
+            if runnable and not first.startswith(COMMANDS):
+                wrong.append(f"{path.relative_to(ROOT)}: {first[:80]!r}")
+    assert not wrong, wrong

@@ -1,7 +1,7 @@
-"""``course grade``: otter's local grading (``otter run``, no Docker), one killable process per
-submission, a score per question and the failure messages of each test case.
+"""python -m course_lib.exercises.grade SUBMISSION.ipynb AUTOGRADER.zip REPORT.json SEED   (one worker; course grade runs it)
 
-    python -m course_lib.exercises.grade SUBMISSION.ipynb AUTOGRADER.zip REPORT.json SEED   # one worker
+``course grade``: otter's local grading (``otter run``, no Docker), one killable process per
+submission, a score per question and the failure messages of each test case.
 
 Limits, all enforced from outside the student's code:
 
