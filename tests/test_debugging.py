@@ -77,6 +77,7 @@ def test_crashes_are_named_the_rank_restarted_and_lost_variables_stated(kernel):
 def test_hangs_name_each_ranks_real_state(kernel):
     _, kc = kernel
     msg, _ = bug(kc, "%%ranks\nif RANK == 0:\n    dist.all_reduce(torch.ones(2))", "RankHangError")
+    assert msg.startswith(f"the cell ran past {LIMIT} s and was stopped"), msg
     assert "rank 0: waiting in all_reduce" in msg and "rank 1: done (finished the cell)" in msg
     usable(kc)
     msg, _ = bug(kc, "%%ranks\nif RANK == 1:\n    dist.barrier()", "RankHangError")

@@ -192,25 +192,3 @@ def test_wall_clock_limit_stops_a_hung_run(tmp_path, marker):
     assert "rank 1 was still running at mpi_hang.py:5: time.sleep(120)" in r.error
     assert r.stdout == {0: "started\n", 1: "started\n"}
 
-
-@pytest.mark.timeout(150)
-def test_launch_training_returns_the_metrics_table(tmp_path, marker):
-    """The course trainer on 2 ranks: progress bar from metrics.csv, the table comes back."""
-    from course_lib.gpt.data import prepare
-    from course_lib.launch import launch_training
-    from course_lib.trainer.config import make_config
-
-    prepare("shakespeare_char", data_dir=tmp_path / "data")
-    cfg = make_config("shakespeare_char_cpu", {
-        "max_iters": 4, "log_interval": 1, "eval_interval": 4, "eval_iters": 1, "warmup_iters": 1,
-        "lr_decay_iters": 4, "batch_size": 4, "block_size": 32, "nproc": 2,
-        "out_dir": str(tmp_path / "run"), "data_dir": str(tmp_path / "data")})
-    err = io.StringIO()
-    r = launch_training(cfg, env={"COURSE_TEST_MARKER": marker}, out=io.StringIO(), err=err)
-    assert r.ok, r.error
-    assert r.nproc == 2 and r.run_dir == (tmp_path / "run").resolve()
-    assert r.metrics["iter"].tolist() == [0, 1, 2, 3, 4]
-    assert r.metrics["train_loss"].iloc[:4].notna().all()
-    assert "5/5" in err.getvalue()  # the launcher's bar followed metrics.csv to the end
-    written = (tmp_path / "run" / "config.json").read_text()
-    assert '"nproc": 2' in written and '"max_iters": 4' in written

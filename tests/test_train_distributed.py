@@ -1,7 +1,7 @@
 """The trainer on 2 real gloo workers started by torchrun (``course train --nproc=2``,
 ``launch_training`` and the demo): a 2-rank run with gradient accumulation equals one process with
 the same global batch, ``course train`` and ``launch_training`` give the very same run (one code
-path; only the display differs), Ctrl-C stops the whole process tree, and the interrupted run
+path; only the display differs; ``launch_training`` returns metrics.csv as a table), Ctrl-C stops the whole process tree, and the interrupted run
 resumes through the CLI.
 
 The single-process reference trains in this process; each spawned run costs a few seconds of
@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import psutil
 import pytest
@@ -25,6 +26,7 @@ import torch
 from course_lib.gpt import checkpoint as ckpt_io
 from course_lib.gpt.data import prepare
 from course_lib.launch import launch_training
+from course_lib.launch.procs import find_by_env
 from course_lib.trainer.config import make_config
 from course_lib.trainer.loop import train
 from course_lib.trainer.metrics import read_metrics
@@ -97,10 +99,16 @@ def test_course_train_and_launch_training_are_one_path(reference):
 
     cfg = make_config("shakespeare_char_cpu", {**base, "data_dir": str(reference / "data"), "nproc": 2,
                                                "out_dir": str(reference / "notebook")})
-    out, err = io.StringIO(), io.StringIO()
-    launch_training(cfg, out=out, err=err, check=True)
+    out, err, marker = io.StringIO(), io.StringIO(), uuid.uuid4().hex
+    r = launch_training(cfg, out=out, err=err, check=True, env={"COURSE_TEST_MARKER": marker})
     # notebook display: rank-prefixed lines, and the launcher's bar over metrics.csv (iterations 0..ITERS)
     assert out.getvalue().startswith("[rank0] [notebook] 2 x cpu") and f"{ITERS + 1}/{ITERS + 1}" in err.getvalue()
+    # the outcome it returns: the run, its folder and its metrics.csv as a table; no process left behind
+    assert r.ok and r.nproc == 2 and r.run_dir == (reference / "notebook").resolve(), r.error
+    assert r.metrics["iter"].tolist() == list(range(ITERS + 1)) and r.metrics["train_loss"].iloc[:ITERS].notna().all()
+    written = json.loads((reference / "notebook" / "config.json").read_text())
+    assert (written["nproc"], written["max_iters"]) == (2, ITERS)
+    assert find_by_env("COURSE_TEST_MARKER", marker) == [], "processes of the launch were left behind"
 
     keys = ("iter", "train_loss", "val_loss", "eval_train_loss", "lr", "grad_norm")
     rows = [[[repr(r[k]) for k in keys] for r in read_metrics(reference / d / "metrics.csv")] for d in ("cli", "notebook")]
