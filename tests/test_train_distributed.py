@@ -1,8 +1,8 @@
 """The trainer on 2 real gloo workers started by torchrun (``course train --nproc=2``,
 ``launch_training`` and the demo): a 2-rank run with gradient accumulation equals one process with
 the same global batch, ``course train`` and ``launch_training`` give the very same run (one code
-path; only the display differs; ``launch_training`` returns metrics.csv as a table), Ctrl-C stops the whole process tree, and the interrupted run
-resumes through the CLI.
+path; only the display differs; ``launch_training`` returns metrics.csv as a table), Ctrl-C stops
+the whole process tree, and the interrupted run resumes through the CLI.
 
 The single-process reference trains in this process; each spawned run costs a few seconds of
 torch imports, so there are four.
