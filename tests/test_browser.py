@@ -90,6 +90,39 @@ def _run_all(page, base: str, token: str, name: str) -> dict:
         time.sleep(0.5)
 
 
+# The visible parts of a widget (labels, controls, text and images): none may stick out of the
+# widget's own box or cover another, as a squeezed column of controls did (clipped labels, a
+# dropdown under the table beside it), and each label sits on its control's row
+JS_LAYOUT = """(root) => {
+  const box = root.getBoundingClientRect();
+  const parts = Array.from(root.querySelectorAll(
+      '.widget-label, .widget-toggle-button, .widget-dropdown select, .widget-text input, ' +
+      '.widget-slider .noUi-target, .widget-readout, .widget-checkbox input, .widget-html-content, ' +
+      '.widget-image, .jupyter-widgets-output-area'))
+    .map(e => ({e, r: e.getBoundingClientRect()}))
+    .filter(p => p.r.width > 0 && p.r.height > 0);
+  const name = p => (p.e.className || p.e.tagName).toString().split(' ')[0] + ' "' +
+                    (p.e.innerText || p.e.value || '').trim().slice(0, 30) + '"';
+  const out = parts.filter(p => p.r.left < box.left - 1 || p.r.right > box.right + 1).map(name);
+  const over = [];
+  for (let i = 0; i < parts.length; i++)
+    for (let j = i + 1; j < parts.length; j++) {
+      const a = parts[i], b = parts[j];
+      if (a.e.contains(b.e) || b.e.contains(a.e)) continue;
+      const w = Math.min(a.r.right, b.r.right) - Math.max(a.r.left, b.r.left);
+      const h = Math.min(a.r.bottom, b.r.bottom) - Math.max(a.r.top, b.r.top);
+      if (w > 1 && h > 1) over.push(name(a) + ' and ' + name(b));
+    }
+  // a control's description sits beside it, on its row (not stacked above, as a ToggleButtons' was)
+  const stacked = parts.filter(p => p.e.classList.contains('widget-label') && p.e.parentElement &&
+      Array.from(p.e.parentElement.children).some(c => c !== p.e && c.getBoundingClientRect().height > 0) &&
+      !Array.from(p.e.parentElement.children).some(c => {
+        const r = c.getBoundingClientRect();
+        return c !== p.e && r.height > 0 && r.top < p.r.bottom && r.bottom > p.r.top; })).map(name);
+  return {outside: out, overlapping: over, stacked: stacked};
+}"""
+
+
 def _check_slider(page, check: SliderCheck, shot: Path) -> None:
     from playwright.sync_api import expect
 
@@ -99,6 +132,9 @@ def _check_slider(page, check: SliderCheck, shot: Path) -> None:
     box_of = slider.locator("xpath=ancestor::div[contains(concat(' ', @class, ' '), ' widget-box ')][1]")
     output = (scope if check.container else box_of).locator(check.output).first
     expect(output).not_to_have_text("", timeout=15_000)  # the widget has drawn its first output
+    widget = scope if check.container else box_of
+    layout = widget.evaluate(JS_LAYOUT)
+    assert layout == {"outside": [], "overlapping": [], "stacked": []}, f"{check.label}: a bad layout: {layout}"
     before, readout = output.inner_text(), slider.locator(".widget-readout").inner_text()
     handle = slider.locator(".noUi-handle").first
     handle.hover()  # scrolls it into view and puts the mouse on it

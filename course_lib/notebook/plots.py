@@ -52,6 +52,7 @@ def plot_memory(items: Mapping[str, object], memory_bytes: float | None = None,
         bottom = [b + v for b, v in zip(bottom, values)]
     for x, total in enumerate(bottom):
         ax.annotate(f"{total:.3g}", (x, total), ha="center", va="bottom", fontsize=8)
+    ax.margins(y=0.1)  # room above the tallest bar for its total
     if memory_bytes:
         ax.axhline(memory_bytes / unit, color="black", linestyle="--", linewidth=1,
                    label=memory_label or f"device memory ({memory_bytes / unit:g})")

@@ -160,9 +160,10 @@ def stages_png(result: Calculation) -> bytes:
              for st, b in result.stages.items()}
     fig = plot_memory(items, result.gpu_bytes, f"{result.gpu_name} ({result.gpu_bytes / GB:.0f} GB)",
                       f"N_d = {result.settings.dp}; * = the stage you chose")
-    fig.set_size_inches(7.0, 3.6)
+    fig.set_size_inches(5.0, 3.4)  # ~480 px wide at 96 dpi: its column's width, not scaled down
     ax = fig.axes[0]
-    ax.legend(fontsize=10, loc="upper left", bbox_to_anchor=(1.01, 1))  # off the bars; 10 pt ~ 13 px at 96 dpi
+    # off the bars, under the axis; 10 pt ~ 13 px at 96 dpi
+    ax.legend(fontsize=10, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, frameon=False)
     ax.tick_params(labelsize=10)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=96, bbox_inches="tight")
@@ -208,9 +209,16 @@ class MemoryCalculator:
             "gpu": w.Dropdown(options=gpu_choices(), value=s.gpu, description="GPU to fit on",
                               style=style, layout=layout),
         }
+        for name in ("stage", "recompute"):  # ipywidgets 8 stacks a ToggleButtons' description above
+            self.controls[name].add_class("widget-inline-hbox")  # its buttons; this puts it on their row
         self.summary = w.HTML()
-        self.image = w.Image(format="png")
-        self.widget = w.HBox([w.VBox(list(self.controls.values())), w.VBox([self.summary, self.image])])
+        self.image = w.Image(format="png", layout=w.Layout(max_width="100%", height="auto"))  # fits its column
+        # The controls keep their width (a squeezed column clips its labels and wraps each row of
+        # buttons under its label); the results take the rest, at least 400 px, and go below the
+        # controls where the output area is narrower than both
+        controls = w.VBox(list(self.controls.values()), layout=w.Layout(flex="0 0 490px"))
+        results = w.VBox([self.summary, self.image], layout=w.Layout(flex="1 1 400px", min_width="400px"))
+        self.widget = w.HBox([controls, results], layout=w.Layout(flex_flow="row wrap"))
         self.widget.add_class("course-memcalc")
         self.result: Calculation | None = None
         for control in self.controls.values():
