@@ -3,6 +3,7 @@
     python -m course_lib.notebook.book                    # full mode, cached; site in build/book/html
     python -m course_lib.notebook.book --smoke            # every notebook shrunk (what the tests build)
     python -m course_lib.notebook.book --force            # re-execute even what is cached
+    python -m course_lib.notebook.book --lesson 04        # one lesson in full mode, its time as JSON
 
 The site is built with Sphinx, MyST-NB (the notebook reader of Jupyter Book) and the Sphinx
 Book Theme: a page per notebook with its outputs, the README's course table as front page, a
@@ -10,9 +11,9 @@ search box, and every figure and diagram. The notebooks are executed here, once 
 nbclient (cwd ``notebooks/``), and kept in ``build/book/executed/{full,smoke}/``; a notebook is
 re-executed only when its code changes (the cache key is the hash of its code cells and the
 mode, in smoke mode also of course_lib's sources; in full mode ``--force`` after a library
-change); prose edits are merged with the cached outputs, so rebuilding after them is seconds. Each one's execution time goes into
-``times.json`` next to them. Widgets are shown from the static copy each widget output carries
-(course_lib.notebook.static): a website has no kernel.
+change); prose edits are merged with the cached outputs, so rebuilding after them is seconds.
+Each one's execution time goes into ``times.json`` next to them. Widgets are shown from the static
+copy each widget output carries (course_lib.notebook.static): a website has no kernel.
 """
 
 from __future__ import annotations
@@ -206,6 +207,19 @@ def times_table(cache_dir: Path) -> str:
     return "\n".join(["| notebook | minutes | executed at |", "|---|---:|---|", *rows, f"| all | {total:.1f} | |"])
 
 
+def find_lesson(name: str, root: Path | None) -> Path:
+    """The notebook that ``--lesson`` names: a path, or a lesson of ``root/notebooks`` (the clone's, or
+    the working directory's without a clone) by its file name, its name without ``.ipynb`` or its number ("04")."""
+    if Path(name).is_file():
+        return Path(name)
+    lessons = sorted(((root or Path.cwd()) / "notebooks").glob("*.ipynb"))
+    hits = [p for p in lessons if name in (p.name, p.stem) or p.stem.startswith(f"{name}_")]
+    if len(hits) != 1:
+        raise ValueError(f"--lesson {name}: {'no such notebook' if not hits else 'more than one lesson'}; "
+                         f"give a path, or one of: {', '.join(p.stem for p in lessons)}")
+    return hits[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m course_lib.notebook.book",
                                 description="Build the course website from the executed lessons.")
@@ -213,13 +227,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true", help="re-execute every notebook, cached or not")
     p.add_argument("--out", type=Path, help="output folder (default build/book)")
     p.add_argument("--times", action="store_true", help="print the cached execution times as a table, build nothing")
-    p.add_argument("--lesson", type=Path, help="execute this one notebook now, keep it under --out, print its "
-                   "wall time as JSON; build nothing (course check-gpu runs each lesson this way)")
+    p.add_argument("--lesson", help="execute this one notebook (a path, or a lesson's name or number: 04) now, "
+                   "keep it under --out, print its wall time as JSON; build nothing (course check-gpu runs each "
+                   "lesson this way)")
     args = p.parse_args(argv)
     if args.lesson:
+        try:  # before a kernel starts
+            lesson = find_lesson(args.lesson, repo_root())
+        except ValueError as e:
+            p.error(str(e))
         t0 = time.perf_counter()
-        execute(args.lesson, args.out or Path("executed"), smoke=args.smoke, force=True)
-        print(json.dumps({"lesson": args.lesson.stem, "seconds": round(time.perf_counter() - t0, 1)}))
+        execute(lesson, args.out or Path("executed"), smoke=args.smoke, force=True)
+        print(json.dumps({"lesson": lesson.stem, "seconds": round(time.perf_counter() - t0, 1)}))
         return 0
     if args.times:
         out = args.out or repo_root() / "build" / "book"
