@@ -115,6 +115,11 @@ def test_course_train_reports_the_same_errors_in_one_line(small_data, tmp_path, 
     err = capsys.readouterr().err
     assert "grad_comm_dtype=bfloat16 is for data-parallel" in err and err.count("\n") == 1
     assert not (tmp_path / "run").exists()
+    (tmp_path / "a_file").write_text("")  # an out_dir that cannot be made (as root too): one line, no traceback
+    assert cli([*args, f"--out_dir={tmp_path / 'a_file' / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"course train: error: cannot write the run directory {tmp_path / 'a_file' / 'run'} "
+                   "(Not a directory); choose another --out_dir\n")
 
 
 def test_a_new_check_plugs_in(small_data, tmp_path, monkeypatch):

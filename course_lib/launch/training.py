@@ -50,10 +50,14 @@ DISPLAYS = ("notebook", "terminal")
 def prepare_run_dir(req: TrainRequest) -> Path:
     """Clear an overwritten run, write RUN_DIR/config.json; returns its path."""
     cfg, out = req.config, Path(req.config.out_dir)
-    if cfg.init_from == "scratch" and req.overwrite:
-        for name in RUN_FILES:
-            (out / name).unlink(missing_ok=True)
-    return cfg.save().resolve()
+    try:
+        if cfg.init_from == "scratch" and req.overwrite:
+            for name in RUN_FILES:
+                (out / name).unlink(missing_ok=True)
+        return cfg.save().resolve()
+    except OSError as e:  # a read-only or mistyped path: one line, still before any worker starts
+        raise LaunchConfigError(f"cannot write the run directory {out} ({e.strerror or e}); "
+                                "choose another --out_dir") from None
 
 
 def prepare_run(config: TrainConfig, *, nproc=None, nnodes: int = 1, overwrite: bool = False,
