@@ -51,7 +51,8 @@ def plot_gradient_histogram(magnitudes, scales: Sequence[float] = (1.0,), ax=Non
     for x, text in ((-24, "fp16 smallest subnormal 2^-24"), (-14, "fp16 smallest normal 2^-14"),
                     (math.log2(65504), "fp16 max 65504")):
         ax.axvline(x, color="k", linestyle="--", linewidth=1)
-        ax.text(x, ax.get_ylim()[1] * 0.95, " " + text, rotation=90, va="top", fontsize=8)
+        ax.text(x, ax.get_ylim()[1] * 0.95, text, rotation=90, va="top", ha="center", fontsize=8,
+                bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})  # readable over the curves
     ax.axvspan(ax.get_xlim()[0], -25, color="#c44e52", alpha=0.12)
     ax.set_xlabel("log2 |gradient value|")
     ax.set_ylabel("values")
