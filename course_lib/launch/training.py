@@ -18,9 +18,10 @@ Both front ends are :func:`run_training`, and differ only in how the run is show
 * ``display="terminal"`` (``course train``, :func:`cli`): rank 0's own
   output byte for byte, its own progress bar included, as if it ran in this terminal.
 
-Either way: :func:`course_lib.launch.checks.check_request` refuses a bad request before anything is spawned, with one line
-that says what to change; :func:`prepare_run_dir` writes ``RUN_DIR/config.json`` (RUN_DIR =
-``config.out_dir``); then ``python -m course_lib.trainer.loop --config-file RUN_DIR/config.json``
+Either way: :func:`course_lib.launch.checks.check_request` refuses a bad request before anything
+is spawned, with one line that says what to change; :func:`prepare_run_dir` writes
+``RUN_DIR/config.json`` (RUN_DIR = ``config.out_dir``; one that cannot be written is refused the
+same way); then ``python -m course_lib.trainer.loop --config-file RUN_DIR/config.json``
 runs on every rank under torchrun through :func:`course_lib.launch.api.launch` (its process
 handling, logs in ``RUN_DIR/logs``, failure diagnosis). One process can also train right here,
 after the same checks: :func:`train_in_process`.
