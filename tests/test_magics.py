@@ -79,6 +79,21 @@ def test_a_plan_that_cannot_work_is_a_usage_error(kernel):
     assert "UsageError: NCCL runs on GPUs only" in cell.stderr and "never" not in cell.stdout  # IPython's one line
 
 
+@pytest.mark.parametrize("parser,line", [("torchrun_parser", "--timeout 0"), ("torchrun_parser", "--time-limit -5"),
+                                         ("mpirun_parser", "--timeout abc"), ("_line_parser", "start 2 --timeout nan"),
+                                         ("_cell_parser", "--timeout 0")])
+def test_a_timeout_that_is_not_seconds_is_named_by_its_flag(parser, line):
+    """Refused while the magic's line is read, named as the student typed it (it once reached the
+    launcher as "collective_timeout must be ...")."""
+    from IPython.core.error import UsageError
+
+    from course_lib.launch import magics
+
+    flag, value = re.search(r"(--[a-z-]+) (\S+)", line).groups()
+    with pytest.raises(UsageError, match=rf"argument [^:]*{flag}: expected seconds > 0, got '{value}'"):
+        getattr(magics, parser)().parse_args(line.split())
+
+
 @pytest.mark.timeout(60)
 def test_mpirun_cell(kernel):
     marker = uuid.uuid4().hex

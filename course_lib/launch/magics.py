@@ -55,6 +55,17 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}\n{self.format_usage()}")
 
 
+def _seconds(text: str) -> float:
+    """A --timeout or --time-limit: seconds > 0, named as the student typed it."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
+    return value
+
+
 # -- %%torchrun and %%mpirun: a cell run once on N new ranks -----------------------------------------
 def _show_ranks(text: str):
     if text == "all":
@@ -69,8 +80,8 @@ def torchrun_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="%%torchrun", add_help=False)
     p.add_argument("-n", "--nproc", default="auto", help="ranks per node, or auto")
     p.add_argument("--nnodes", type=int, default=1, help="torchrun agents on this host, as nodes")
-    p.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
-    p.add_argument("--time-limit", type=float, help="wall-clock limit for the cell, seconds")
+    p.add_argument("--timeout", type=_seconds, default=60.0, help="collective timeout, seconds")
+    p.add_argument("--time-limit", type=_seconds, help="wall-clock limit for the cell, seconds")
     p.add_argument("--ranks", default="all", help="whose stdout to show: all, or e.g. 0 or 0,1")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
@@ -89,7 +100,7 @@ def torchrun_parser() -> argparse.ArgumentParser:
 def mpirun_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="%%mpirun", add_help=False)
     p.add_argument("-n", "--np", type=int, default=2, help="MPI ranks")
-    p.add_argument("--time-limit", "--timeout", type=float, dest="time_limit",
+    p.add_argument("--time-limit", "--timeout", type=_seconds, dest="time_limit",
                    help="wall-clock limit, seconds (MPI has no collective timeout)")
     p.add_argument("--ranks", default="all")
     p.add_argument("--run-dir")
@@ -170,7 +181,7 @@ def _line_parser() -> _Parser:
     p.add_argument("--local", help="check_replicas: the name of the gradients before the sync (local_grads)")
     p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+    p.add_argument("--timeout", type=_seconds, default=DEFAULT_TIMEOUT_S,
                    help="seconds a cell may run, and the collective timeout")
     return p
 
@@ -178,7 +189,7 @@ def _line_parser() -> _Parser:
 def _cell_parser() -> _Parser:
     p = _Parser(prog="%%ranks", add_help=False)
     p.add_argument("ranks", nargs="?", default=None, help="e.g. 0,2 (default: every rank)")
-    p.add_argument("--timeout", type=float, default=None)
+    p.add_argument("--timeout", type=_seconds, default=None)
     return p
 
 
