@@ -114,7 +114,7 @@ JS_LAYOUT = """(root) => {
       if (w > 1 && h > 1) over.push(name(a) + ' and ' + name(b));
     }
   // a control's description sits beside it, on its row (not stacked above, as a ToggleButtons' was)
-  const stacked = parts.filter(p => p.e.classList.contains('widget-label') && p.e.parentElement &&
+  const stacked = parts.filter(p => p.e.tagName === 'LABEL' && p.e.parentElement &&  // a description, not a Label
       Array.from(p.e.parentElement.children).some(c => c !== p.e && c.getBoundingClientRect().height > 0) &&
       !Array.from(p.e.parentElement.children).some(c => {
         const r = c.getBoundingClientRect();
@@ -130,9 +130,9 @@ def _check_slider(page, check: SliderCheck, shot: Path) -> None:
     slider = scope.locator(".widget-slider", has=page.locator(".widget-label", has_text=check.label)).first
     slider.scroll_into_view_if_needed(timeout=15_000)
     box_of = slider.locator("xpath=ancestor::div[contains(concat(' ', @class, ' '), ' widget-box ')][1]")
-    output = (scope if check.container else box_of).locator(check.output).first
-    expect(output).not_to_have_text("", timeout=15_000)  # the widget has drawn its first output
     widget = scope if check.container else box_of
+    output = widget.locator(check.output).first
+    expect(output).not_to_have_text("", timeout=15_000)  # the widget has drawn its first output
     layout = widget.evaluate(JS_LAYOUT)
     assert layout == {"outside": [], "overlapping": [], "stacked": []}, f"{check.label}: a bad layout: {layout}"
     before, readout = output.inner_text(), slider.locator(".widget-readout").inner_text()
@@ -146,7 +146,7 @@ def _check_slider(page, check: SliderCheck, shot: Path) -> None:
     page.mouse.up()
     expect(slider.locator(".widget-readout")).not_to_have_text(readout, timeout=10_000)
     expect(output).not_to_have_text(before, timeout=30_000)
-    (scope if check.container else box_of).screenshot(path=str(shot))
+    widget.screenshot(path=str(shot))
 
 
 @pytest.mark.timeout(240)
@@ -168,6 +168,14 @@ def test_notebook_runs_and_widgets_respond(name, lab, browser):
             assert any(i["alt"].startswith("diagram: ") for i in images), f"{name}: no diagram rendered"
         for i, check in enumerate(WIDGET_CHECKS[name]):
             _check_slider(page, check, ARTIFACTS / f"{stem}-widget{i}.png")
+        widgets = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-OutputArea-output > .jupyter-widgets")
+        assert widgets.count() >= len(WIDGET_CHECKS[name]), f"{name}: its widgets did not render"
+        for i in range(widgets.count()):  # every widget of the notebook, as laid out after Run All
+            widgets.nth(i).scroll_into_view_if_needed()
+            layout = widgets.nth(i).evaluate(JS_LAYOUT)
+            if layout != {"outside": [], "overlapping": [], "stacked": []}:
+                widgets.nth(i).screenshot(path=str(ARTIFACTS / f"{stem}-layout{i}.png"))
+                raise AssertionError(f"{name}: widget {i} (test-artifacts/browser/{stem}-layout{i}.png): {layout}")
     finally:
         page.screenshot(path=str(ARTIFACTS / f"{stem}.png"), full_page=False)
         try:  # stop this notebook's kernel so the next notebook has the CPU to itself

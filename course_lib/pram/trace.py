@@ -65,9 +65,11 @@ def render_step(result, step: int, arrays: Sequence[str] | None = None) -> str:
         t = result.trace[step]
         cells, reads, writes = t.memory, t.reads, t.writes
         title = f"after step {step + 1} of {len(result.trace)} ({result.model})"  # counted from 1
-    # a long row (ring all-reduce: 32 values) scrolls inside the output instead of being cut off
+    # a long row (ring all-reduce: 32 values) scrolls inside the output instead of being cut off.
+    # width 0 and min-width 100%: the box takes its container's width but adds nothing to the
+    # container's smallest width, so a widget's flex box cannot grow to the table and clip it
     parts = [f"<div><b>{html.escape(result.program)}</b>: {title}</div>",
-             "<div style='overflow-x:auto;max-width:100%'>",
+             "<div style='overflow-x:auto;width:0;min-width:100%'>",
              "<table style='border-collapse:collapse;font-family:monospace'>"]
     for name in arrays or list(mem):
         base, size = mem.bases[name], mem.size(name)
