@@ -5,6 +5,7 @@ Processes here are plain Python (no torch import), so these tests take a few sec
 
 import faulthandler
 import json
+import math
 import os
 import re
 import signal
@@ -187,6 +188,9 @@ def test_refuses_missing_script_and_module(nothing_spawned):
 def test_refuses_bad_options(nothing_spawned, script):
     with pytest.raises(checks.LaunchConfigError, match="timeout must be"):
         launch(script, nproc=2, timeout=0, run_dir=nothing_spawned)
+    for endless in (math.inf, math.nan):  # a rank's timedelta(seconds=inf) overflows; nan <= 0 is False
+        with pytest.raises(checks.LaunchConfigError, match="collective_timeout must be"):
+            launch(script, nproc=2, collective_timeout=endless, run_dir=nothing_spawned)
     with pytest.raises(checks.LaunchConfigError, match="rdzv must be"):
         launch(script, nproc=2, rdzv="etcd", run_dir=nothing_spawned)
     with pytest.raises(checks.LaunchConfigError, match="nnodes must be"):

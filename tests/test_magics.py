@@ -81,6 +81,7 @@ def test_a_plan_that_cannot_work_is_a_usage_error(kernel):
 
 @pytest.mark.parametrize("parser,line", [("torchrun_parser", "--timeout 0"), ("torchrun_parser", "--time-limit -5"),
                                          ("mpirun_parser", "--timeout abc"), ("_line_parser", "start 2 --timeout nan"),
+                                         ("torchrun_parser", "--timeout inf"),
                                          ("_cell_parser", "--timeout 0")])
 def test_a_timeout_that_is_not_seconds_is_named_by_its_flag(parser, line):
     """Refused while the magic's line is read, named as the student typed it (it once reached the

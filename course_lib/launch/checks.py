@@ -15,6 +15,7 @@ The one home of the launcher's checks, all run before anything is spawned or wri
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ def check_nnodes(nnodes) -> int:
 def check_timeout(name: str, value, allow_none: bool = True) -> float | None:
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
         raise LaunchConfigError(f"{name} must be a number of seconds > 0, got {value!r}")
     return float(value)
 

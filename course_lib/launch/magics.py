@@ -36,6 +36,7 @@ per rank) and ``ranks.push(x=...)`` / ``ranks.push_each(x=[...])``.
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 from pathlib import Path
 
@@ -61,7 +62,7 @@ def _seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         value = float("nan")
-    if not value > 0:  # NaN too
+    if not (math.isfinite(value) and value > 0):  # NaN and inf too: a rank's timedelta overflows
         raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
     return value
 
