@@ -100,20 +100,6 @@ def test_cache_key_follows_code_not_prose_and_outputs_are_merged():
     assert book.source_key(edited, smoke=False) != book.source_key(nb, smoke=False)
 
 
-def test_lesson_is_found_by_path_name_or_number_and_a_bad_one_is_refused(tmp_path, capsys):
-    from course_lib.notebook import book
-
-    lesson = ROOT / "notebooks" / f"{LESSONS[3]}.ipynb"
-    for name in (str(lesson), lesson.name, lesson.stem, lesson.stem[:2]):
-        assert book.find_lesson(name, ROOT) == lesson, name
-    with pytest.raises(SystemExit) as e:  # an argparse error, before any kernel starts
-        book.main(["--lesson", "99_nothing", "--out", str(tmp_path)])
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert "--lesson 99_nothing: no such notebook; give a path, or one of: " in err and LESSONS[3] in err
-    assert not any(tmp_path.iterdir())
-
-
 def test_front_page_is_the_readme_course_table():
     from course_lib.notebook import book
 

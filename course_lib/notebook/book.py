@@ -213,7 +213,8 @@ def find_lesson(name: str, root: Path | None) -> Path:
     if Path(name).is_file():
         return Path(name)
     lessons = sorted(((root or Path.cwd()) / "notebooks").glob("*.ipynb"))
-    hits = [p for p in lessons if name in (p.name, p.stem) or p.stem.startswith(f"{name}_")]
+    number = f"{int(name):02d}_" if name.isdigit() else None  # "4" and "04" are lesson 04
+    hits = [p for p in lessons if name in (p.name, p.stem) or (number and p.stem.startswith(number))]
     if len(hits) != 1:
         raise ValueError(f"--lesson {name}: {'no such notebook' if not hits else 'more than one lesson'}; "
                          f"give a path, or one of: {', '.join(p.stem for p in lessons)}")

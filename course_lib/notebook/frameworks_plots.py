@@ -77,8 +77,8 @@ def plot_fsdp_timeline(events: Sequence[tuple]):
             ax.bar(i, nbytes / 1e3, color=colours.get(what, "gray"), label=what)
         else:
             ax.axvline(i, color="black" if kind == "forward" else "tab:orange", lw=1, ls="--")
-            ax.text(i, 0, f"{kind} {what}", rotation=90, va="bottom", ha="center", fontsize=7,
-                    bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})  # over its line, readable
+            ax.text(i, 0, f" {kind} {what}", rotation=90, va="bottom", fontsize=7,  # beside its line
+                    bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})  # readable over a bar
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles))
     ax.legend(unique.values(), unique.keys(), fontsize=8, loc="upper left")

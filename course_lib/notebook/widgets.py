@@ -160,7 +160,7 @@ def stages_png(result: Calculation) -> bytes:
              for st, b in result.stages.items()}
     fig = plot_memory(items, result.gpu_bytes, f"{result.gpu_name} ({result.gpu_bytes / GB:.0f} GB)",
                       f"N_d = {result.settings.dp}; * = the stage you chose")
-    fig.set_size_inches(5.0, 3.4)  # ~480 px wide at 96 dpi: its column's width, not scaled down
+    fig.set_size_inches(5.0, 3.4)  # ~480 px wide at 96 dpi: the results column's width in a wide output
     ax = fig.axes[0]
     # off the bars, under the axis; 10 pt ~ 13 px at 96 dpi
     ax.legend(fontsize=10, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, frameon=False)
@@ -171,7 +171,8 @@ def stages_png(result: Calculation) -> bytes:
 
 
 class MemoryCalculator:
-    """The widget: controls on the left, the table, verdict and bar chart on the right.
+    """The widget: controls on the left, the table, verdict and bar chart on the right (below the
+    controls where the output area is too narrow for both).
 
     ``controls`` maps each :class:`Settings` field to its widget; setting a control's ``value``
     (in code or in the browser) recomputes ``result`` and redraws. ``widget`` is the ipywidgets
