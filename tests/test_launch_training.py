@@ -103,6 +103,26 @@ def test_resume_and_a_run_already_there(small_data, tmp_path):
     assert (req.world_size, req.strategy, req.device) == (1, "single", "cpu")
 
 
+@pytest.mark.parametrize("kw,error,match", [
+    ({"nprocs": 2}, TypeError, r"unknown field\(s\) nprocs"),
+    ({"device": "cuda"}, TypeError, r"sets device itself; leave it out \(device, timeout_s and out_dir are fields"),
+    ({"env": ["A=1"]}, ConfigError, "env must be a dict of variable names to values"),
+    ({"show_ranks": 0}, ConfigError, "show_ranks must be 'all' or rank numbers"),
+    ({"show_ranks": "0"}, ConfigError, "show_ranks must be 'all' or rank numbers"),
+    ({"rdzv": "etcd"}, ConfigError, "rdzv must be one of")], ids=lambda v: str(v)[:24])
+def test_a_bad_keyword_leaves_the_run_it_would_overwrite(small_data, tmp_path, kw, error, match):
+    """launch_training overwrites by default (a re-run cell starts afresh), so every keyword is checked
+    before the old run's files go: a mistyped one once deleted last.pt and best.pt, then was refused."""
+    cfg = tiny(small_data, tmp_path / "run")
+    fake_run(tmp_path / "run", cfg)
+    files = sorted(p.name for p in (tmp_path / "run").iterdir())
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(error, match=match):
+        launch_training(cfg, **kw)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == files
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+
+
 def test_course_train_reports_the_same_errors_in_one_line(small_data, tmp_path, capsys):
     args = [f"--{k}={v}" for k, v in TINY.items()] + [f"--data_dir={small_data}", f"--out_dir={tmp_path / 'run'}"]
     assert cli([*args, "--block_size=512", "--nproc=2"]) == 2

@@ -181,16 +181,28 @@ class LaunchSpec:
 LAUNCH_FIELDS = tuple(f.name for f in dataclasses.fields(LaunchSpec))
 
 
+def check_fields(fields: Mapping, caller: str, taken: Sequence[str] = (), hint: str = "") -> None:
+    """Keyword fields of a LaunchSpec: each one known, and none that ``caller`` sets itself (``taken``;
+    ``hint`` says where they come from instead)."""
+    unknown = sorted(set(fields) - set(LAUNCH_FIELDS))
+    if unknown:
+        raise TypeError(f"{caller} got unknown field(s) {', '.join(unknown)}; a LaunchSpec has "
+                        f"{', '.join(LAUNCH_FIELDS)}")
+    own = sorted(set(fields) & set(taken))
+    if own:
+        raise TypeError(f"{caller} sets {', '.join(own)} itself; leave {'it' if len(own) == 1 else 'them'} out"
+                        + (f" ({hint})" if hint else ""))
+
+
 def launch(target, args: Sequence[str] = (), spec: LaunchSpec | None = None, **fields) -> LaunchResult:
     """Run ``target`` (a .py path or a module name) with ``args`` on ``spec.nproc`` ranks per node via torchrun.
 
     ``spec`` is a :class:`LaunchSpec`; keyword ``fields`` build one (or change the given one):
     ``launch("train.py", nproc=2, timeout=600)``. An unknown keyword is an error.
     """
-    unknown = sorted(set(fields) - set(LAUNCH_FIELDS))
-    if unknown:
-        raise TypeError(f"launch() got unknown field(s) {', '.join(unknown)}; a LaunchSpec has "
-                        f"{', '.join(LAUNCH_FIELDS)}")
+    check_fields(fields, "launch()")
+    if isinstance(args, (str, bytes)):
+        raise TypeError(f"args is a list of strings, such as ['--lr=0.1'], got the string {args!r}")
     spec = (spec or LaunchSpec()).replace(**fields)
     plan, target, is_module, timeout, collective_timeout = checks.check_launch(target, spec)
     nproc, nnodes = plan.nproc, spec.nnodes

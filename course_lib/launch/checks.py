@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -74,9 +74,24 @@ def check_strategy(name: str) -> None:
         raise LaunchConfigError(f"unknown strategy {name!r}; choose one of {sorted(STRATEGIES)}")
 
 
+def check_show_ranks_and_env(show_ranks, env) -> None:
+    """A LaunchSpec's ``show_ranks`` ("all", or rank numbers) and ``env`` (a dict of names to values)."""
+    ranks = None if isinstance(show_ranks, (str, bytes)) else show_ranks
+    if show_ranks != "all" and not (isinstance(ranks, Iterable) and all(
+            isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks)):
+        raise LaunchConfigError(f"show_ranks must be 'all' or rank numbers such as (0,) or [0, 1], got {show_ranks!r}")
+    if env is not None and not (isinstance(env, Mapping) and all(isinstance(k, str) for k in env)):
+        raise LaunchConfigError(f"env must be a dict of variable names to values, such as {{'OMP_NUM_THREADS': '1'}}, "
+                                f"got {env!r}")
+
+
 def check_launch(target, spec) -> tuple[placement.RankPlan, str, bool, float | None, float]:
     """Every check of a :class:`~course_lib.launch.api.LaunchSpec` and its target, before anything
     is spawned: (the rank plan, the resolved target, is it a module, timeout, collective timeout)."""
+    if callable(target):
+        raise LaunchConfigError(f"launch runs a script or a module, not {target!r}: for a function on N ranks use "
+                                "run_ranks(fn, nproc, *args) or notebook_launcher(fn, args, num_processes=N)")
+    check_show_ranks_and_env(spec.show_ranks, spec.env)
     nnodes = check_nnodes(spec.nnodes)
     plan = placement.plan(spec.nproc, spec.device, spec.backend, spec.recipe or Path(os.fspath(target)).name,
                           nnodes, same_host=spec.rdzv_endpoint is None)

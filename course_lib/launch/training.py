@@ -36,7 +36,7 @@ from pathlib import Path
 import course_lib.launch.checks as checks
 from course_lib.gpt.checkpoint import CheckpointError
 from course_lib.gpt.data import DataError
-from course_lib.launch.api import LaunchResult, launch
+from course_lib.launch.api import LaunchResult, LaunchSpec, check_fields, launch
 from course_lib.launch.checks import TrainRequest, check_request
 from course_lib.launch.placement import LaunchConfigError
 from course_lib.launch.supervise import MetricsProgress
@@ -44,6 +44,8 @@ from course_lib.registry import ConfigError
 from course_lib.trainer.config import TrainConfig, arg_parser, config_from_args
 
 TRAIN_MODULE = "course_lib.trainer.loop"
+# LaunchSpec fields a training run sets itself, from its config and its own arguments
+SET_HERE = ("module", "device", "collective_timeout", "run_dir", "progress", "output")
 RUN_FILES = ("last.pt", "best.pt", "metrics.csv", "summary.json", "run.json", "config.json")
 DISPLAYS = ("notebook", "terminal")
 
@@ -96,8 +98,10 @@ def run_training(config: TrainConfig, *, display: str = "notebook", nproc=None, 
     """
     if display not in DISPLAYS:
         raise LaunchConfigError(f"display must be one of {', '.join(DISPLAYS)}, got {display!r}")
-    checks.check_timeout("timeout", timeout)  # the rest of launch()'s own checks need no run directory
-    req = prepare_run(config, nproc=nproc, nnodes=nnodes, overwrite=overwrite, recipe=recipe, backend=backend)
+    check_fields(launch_kwargs, "launch_training", taken=SET_HERE,
+                 hint="device, timeout_s and out_dir are fields of the config: make_config(name, {'device': ...})")
+    checks.check_show_ranks_and_env(show_ranks, env)
+    req = check_request(config, nproc=nproc, nnodes=nnodes, overwrite=overwrite, recipe=recipe, backend=backend)
     cfg, config_file = req.config, Path(req.config.out_dir).resolve() / "config.json"
     env = dict(env or {})
     if cfg.threads:
@@ -111,11 +115,13 @@ def run_training(config: TrainConfig, *, display: str = "notebook", nproc=None, 
         if progress:
             err = launch_kwargs.get("err")
             bar = lambda rd: MetricsProgress(str(rd / "metrics.csv"), cfg.max_iters + 1, desc=cfg.name, file=err)
-    return launch(TRAIN_MODULE, args, module=True, nproc=cfg.nproc, nnodes=req.nnodes, device=req.device,
-                  backend=req.plan.backend, recipe=req.plan.recipe,
-                  timeout=timeout, collective_timeout=cfg.timeout_s, env=env, run_dir=config_file.parent,
-                  show_ranks=show_ranks, progress=bar, output="raw" if display == "terminal" else "ranks",
-                  check=check, **launch_kwargs)
+    spec = LaunchSpec(module=True, nproc=cfg.nproc, nnodes=req.nnodes, device=req.device, backend=req.plan.backend,
+                      recipe=req.plan.recipe, timeout=timeout, collective_timeout=cfg.timeout_s, env=env,
+                      run_dir=config_file.parent, show_ranks=show_ranks, progress=bar,
+                      output="raw" if display == "terminal" else "ranks", check=check).replace(**launch_kwargs)
+    checks.check_launch(TRAIN_MODULE, spec)  # all of it before the run directory is touched: overwrite clears it
+    prepare_run_dir(req)
+    return launch(TRAIN_MODULE, args, spec)
 
 
 def launch_training(config: TrainConfig, *, nproc=None, nnodes: int = 1, timeout: float | None = None,
