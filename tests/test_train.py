@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -184,6 +185,15 @@ def test_sampling_from_a_run(data_dir, tmp_path, capsys):
     assert capsys.readouterr().out.startswith("A")
     assert sample_cli(["--out_dir", str(tmp_path / "nothing")]) == 1
     assert "no checkpoint" in capsys.readouterr().err
+    run = tmp_path / "run"  # bad arguments: what to change, not a torch error (cuda here once said "corrupt")
+    bad = [({"device": "cuda:0"}, "but this machine has no CUDA GPU; use device='cpu'"),
+           ({"device": "gpu"}, "device must be"), ({"top_k": 0}, "top_k must be a whole number >= 1, or None"),
+           ({"temperature": "0.8"}, "temperature must be"),
+           ({"num_samples": 2.5}, "num_samples must be a whole number"), ({"start": None}, "start must be text"),
+           ({"start": f"FILE:{tmp_path / 'none.txt'}"}, "cannot read the prompt file")]
+    for kw, words in bad[0 if not torch.cuda.is_available() else 1:]:
+        with pytest.raises(ValueError, match=re.escape(words)):
+            sample(run, **kw)
 
 
 def test_worker_entry_alone_refuses_a_distributed_config(data_dir, tmp_path, capsys, monkeypatch):

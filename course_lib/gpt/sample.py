@@ -30,16 +30,39 @@ def load_model(out_dir: str | Path, which: str = "best", device: str = "cpu"):
     return model.to(device).eval(), ck["meta"], ck["iter_num"]
 
 
+def _check(start, num_samples, max_new_tokens, temperature, top_k, device: str) -> str:
+    """sample()'s arguments, each with what to change; returns the device ("auto" resolved)."""
+    if not isinstance(start, str):
+        raise ValueError(f"start must be text (or 'FILE:path'), got {start!r}")
+    for name, value in (("num_samples", num_samples), ("max_new_tokens", max_new_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"temperature must be a number > 0 (1.0: the model's own distribution), got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be a whole number >= 1, or None for every token, got {top_k!r}")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but this machine has no CUDA GPU; use device='cpu' (or 'auto')")
+    return device
+
+
 def sample(out_dir: str | Path, start: str = "\n", num_samples: int = 1, max_new_tokens: int = 500,
            temperature: float = 0.8, top_k: int | None = 200, seed: int = 1337, which: str = "best",
            device: str = "auto") -> list[str]:
-    """``num_samples`` continuations of ``start`` (``FILE:path`` reads the prompt from a file)."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if max_new_tokens < 1 or num_samples < 1:
-        raise ValueError("num_samples and max_new_tokens must be >= 1")
+    """``num_samples`` continuations of ``start`` (``FILE:path`` reads the prompt from a file).
+    Bad arguments raise ValueError before the checkpoint is read."""
+    device = _check(start, num_samples, max_new_tokens, temperature, top_k, device)
     if start.startswith("FILE:"):
-        start = Path(start[5:]).read_text()
+        try:
+            start = Path(start[5:]).read_text()
+        except OSError as e:
+            raise ValueError(f"cannot read the prompt file {start[5:]!r} ({e.strerror or e})") from None
     model, meta, _ = load_model(out_dir, which, device)
     encode, decode = tokenizer(meta)
     ids = encode(start)
