@@ -122,6 +122,23 @@ def test_bad_settings_raise_before_building_widgets():
         calculate(Settings(model="gpt5"))
     with pytest.raises(ValueError, match="dtype"):
         memory_calculator(dtype="int8")
+    # each once a KeyError, a TypeError from a comparison, or a silent other number (0: the preset's
+    # batch; 500: the slider's end, 128)
+    with pytest.raises(ValueError, match="ZeRO stage must be 0"):
+        memory_calculator(stage=7)
+    with pytest.raises(ValueError, match="parameter count must be a number > 0"):
+        memory_calculator(model=CUSTOM, params_b="7")
+    with pytest.raises(TypeError, match="calculate takes a Settings"):
+        calculate({"model": "gpt2"})
+    for batch in (0, 500, 2.5):
+        with pytest.raises(ValueError, match="batch_size must be a whole number from 1 to 128"):
+            memory_calculator(batch_size=batch)
+    with pytest.raises(ValueError, match="batch_size must be"):
+        breakdown(preset="gpt2", batch_size=0)
+    with pytest.raises(ValueError, match="seq_len must be"):
+        breakdown(preset="gpt2", seq_len=0)
+    with pytest.raises(ValueError, match="num_params must be a number > 0"):
+        breakdown("7.5e9")
 
 
 def test_summary_without_widgets():

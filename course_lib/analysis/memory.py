@@ -38,6 +38,7 @@ course trainer itself, at the op where it happens (the last section of this modu
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from course_lib.analysis.activations import (
@@ -112,8 +113,8 @@ def model_state_bytes(num_params: float, dp: int = 1, stage: int = 0, k: float |
         (Megatron splits the large matrices; the small replicated LayerNorm vectors are ignored).
     offload: ZeRO-Offload (module docstring): gradients and optimizer states live in CPU memory.
     """
-    if not num_params > 0:
-        raise ValueError(f"num_params must be > 0, got {num_params!r}")
+    if isinstance(num_params, bool) or not isinstance(num_params, numbers.Real) or not num_params > 0:
+        raise ValueError(f"num_params must be a number > 0 (e.g. 7.5e9), got {num_params!r}")
     dp = _check_positive_int("dp (data-parallel degree)", dp)
     tp = _check_positive_int("tp (tensor-parallel degree)", tp)
     if stage not in STAGES:
@@ -305,7 +306,8 @@ def breakdown(num_params: float | None = None, *, preset: str | ModelShape | Non
         if seq_len is not None and seq_len > shape.block_size:
             raise ValueError(f"seq_len {seq_len} exceeds the {shape.name} block size "
                              f"{shape.block_size}; use seq_len <= {shape.block_size}")
-        s, b = seq_len or shape.block_size, batch_size or shape.batch_size
+        s = shape.block_size if seq_len is None else _check_positive_int("seq_len", seq_len)  # 0 is refused
+        b = shape.batch_size if batch_size is None else _check_positive_int("batch_size", batch_size)
         drop = (shape.dropout > 0) if dropout is None else dropout
         if dtype == "autocast":
             if tp > 1 or sequence_parallel:

@@ -36,6 +36,7 @@ DP_CHOICES = tuple(2**i for i in range(11))  # 1, 2, 4, ..., 1024 data-parallel 
 DTYPE_CHOICES = (("mixed precision (16-bit weights, fp32 Adam)", "mixed"),
                  ("torch.autocast (fp32 weights, 16-bit activations)", "autocast"), ("fp32", "fp32"))
 RECOMPUTE_CHOICES = ("none", "selective", "full")
+BATCH_MAX = 128  # the micro-batch slider's end
 PARTS = ("params", "grads", "optimizer", "activations")
 
 
@@ -109,11 +110,15 @@ class Calculation:
 
 def calculate(settings: Settings) -> Calculation:
     """The calculator's numbers for ``settings`` (no widgets involved)."""
+    if not isinstance(settings, Settings):
+        raise TypeError(f"calculate takes a Settings, such as Settings(model='gpt2', dp=8), got {settings!r}")
     s = settings
+    if s.stage not in STAGES:
+        raise ValueError(f"ZeRO stage must be 0 (plain DP), 1, 2 or 3, got {s.stage!r}")
     kwargs = {"dp": s.dp, "dtype": s.dtype, "recompute": s.recompute}
     if s.model == CUSTOM:
-        if not s.params_b > 0:
-            raise ValueError(f"the parameter count must be > 0 billion, got {s.params_b!r}")
+        if isinstance(s.params_b, bool) or not isinstance(s.params_b, (int, float)) or not s.params_b > 0:
+            raise ValueError(f"the parameter count must be a number > 0 (billions), got {s.params_b!r}")
         what = {"num_params": s.params_b * 1e9}
     else:
         if s.model not in PRESETS:
@@ -204,7 +209,7 @@ class MemoryCalculator:
             "recompute": w.ToggleButtons(options=list(RECOMPUTE_CHOICES), value=s.recompute,
                                          description="recomputation", style=buttons, layout=row),
             "batch_size": w.IntSlider(value=s.batch_size or (PRESETS[s.model].batch_size if s.model in PRESETS else 8),
-                                      min=1, max=128, description="micro-batch", style=style, layout=layout),
+                                      min=1, max=BATCH_MAX, description="micro-batch", style=style, layout=layout),
             "flash_attention": w.Checkbox(value=s.flash_attention, description="fused (flash) attention",
                                           style=style, layout=layout),
             "gpu": w.Dropdown(options=gpu_choices(), value=s.gpu, description="GPU to fit on",
@@ -285,5 +290,8 @@ def memory_calculator(model: str = "gpt2", params_b: float = 7.5, dp: int = 1, s
         raise ValueError(f"gpu must be one of {', '.join(gpu_choices())}, got {gpu!r}")
     if dtype not in {value for _, value in DTYPE_CHOICES}:
         raise ValueError(f"dtype must be 'mixed', 'autocast' or 'fp32', got {dtype!r}")
+    if batch_size is not None and batch_size not in range(1, BATCH_MAX + 1):  # the slider's range
+        raise ValueError(f"batch_size must be a whole number from 1 to {BATCH_MAX} in the calculator, "
+                         f"got {batch_size!r}")
     return MemoryCalculator(Settings(model, params_b, dp, stage, dtype, recompute, batch_size,
                                      flash_attention, gpu), plot=plot)
