@@ -123,8 +123,39 @@ def test_what_cannot_be_sent_is_named_before_any_process_starts(monkeypatch, tmp
 
     with pytest.raises(SendError, match=r"variable 'gen' of variable 'uses_the_generator'"):
         run_ranks(calls_back, 2)
-    with open(tmp_path / "log", "w") as f, pytest.raises(SendError, match=r"keyword argument 'log' \(a TextIOWrapper\)"):
-        run_local(print, 2, kwargs={"log": f})
+    with open(tmp_path / "log", "w") as f, pytest.raises(SendError, match=r"keyword argument 'file' \(a TextIOWrapper\)"):
+        run_local(print, 2, kwargs={"file": f})
+
+
+@pytest.mark.timeout(60)
+def test_a_call_the_ranks_could_not_make_is_refused_before_any_process_starts(monkeypatch):
+    """What a rank would only find out after starting (and the notebook_launcher, RankPool and
+    grader front-ends with it): each once started processes, or failed with an internal error."""
+    from course_lib.launch.forked import notebook_launcher
+    from course_lib.launch.placement import LaunchConfigError
+    from course_lib.launch.rank_pool import RankPool
+
+    def no_start(method):
+        raise AssertionError("no process may start")
+
+    monkeypatch.setattr(ranks, "_context", no_start)
+    for call, error, words in [
+        (lambda: run_ranks(5, 2), TypeError, "fn must be a function, got 5"),
+        (lambda: run_ranks(lambda: 1, 2), TypeError,
+         r"each rank calls fn\(rank, world_size, \*args\), which <lambda>\(\) cannot take: too many positional"),
+        (lambda: run_ranks(_fails_on_rank_one, 2, "extra"), TypeError,
+         r"_fails_on_rank_one\(rank, world_size\) cannot take"),
+        (lambda: run_ranks(_module_state, 2, timeout="10"), ValueError, "timeout must be a number of seconds > 0"),
+        (lambda: run_ranks(_module_state, 2, threads=0), ValueError, "threads must be a whole number >= 1"),
+        (lambda: run_ranks(_module_state, 2, start_method="bogus"), ValueError, "start method must be one of"),
+        (lambda: notebook_launcher(print, (10.0), 2), TypeError, r"args must be a tuple of arguments, such as \(x,\)"),
+        (lambda: notebook_launcher(print, "abc", 2), TypeError, "args must be a tuple"),
+        (lambda: notebook_launcher(print, (), 2, kwargs=[1]), TypeError, "kwargs must be a dict"),
+        (lambda: notebook_launcher(print, (), 2, timeout="60"), LaunchConfigError, "timeout must be a number"),
+        (lambda: notebook_launcher(print, (), 2, threads=-1), ValueError, "threads must be"),
+        (lambda: RankPool(2, gpus=0, threads=0), LaunchConfigError, "threads must be a whole number >= 1")]:
+        with pytest.raises(error, match=words):
+            call()
 
 
 def _sleepy(rank, world_size):

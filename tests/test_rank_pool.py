@@ -35,7 +35,7 @@ def test_the_pool_decides_where_ranks_run_before_anything_starts():
     for bad in (0, 2.5, True, "4"):
         with pytest.raises(LaunchConfigError, match="whole number"):
             RankPool(bad, gpus=0)
-    with pytest.raises(LaunchConfigError, match="timeout must be > 0"):
+    with pytest.raises(LaunchConfigError, match="timeout must be a number of seconds > 0"):
         RankPool(2, timeout=0, gpus=0)
 
 

@@ -80,9 +80,7 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float | N
         raise TypeError(f"run_ranks needs a function fn(rank, world_size, ...), got {fn!r}")
     if isinstance(nproc, bool) or not isinstance(nproc, int) or not 1 <= nproc <= MAX_RANKS:
         raise ValueError(f"nproc must be a whole number from 1 to {MAX_RANKS}, got {nproc!r}")
-    timeout = default_timeout() if timeout is None else float(timeout)
-    if not timeout > 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    timeout = default_timeout() if timeout is None else _ranks.check_seconds("timeout", timeout)
     return _spawn.run_ranks(fn, nproc, *args, timeout=timeout)
 
 

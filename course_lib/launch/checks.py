@@ -15,7 +15,6 @@ The one home of the launcher's checks, all run before anything is spawned or wri
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from course_lib.analysis.memory import ModelShape, micro_batches_in_flight, stag
 from course_lib.gpt import data
 from course_lib.hardware import detect, pick_dtype
 from course_lib.launch.placement import LaunchConfigError, RankPlan
+from course_lib.launch.ranks import check_seconds
 from course_lib.registry import STRATEGIES
 from course_lib.trainer.config import TrainConfig, check_resume
 
@@ -38,14 +38,6 @@ def check_nnodes(nnodes) -> int:
     if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
         raise LaunchConfigError(f"nnodes must be a whole number >= 1, got {nnodes!r}")
     return nnodes
-
-
-def check_timeout(name: str, value, allow_none: bool = True) -> float | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-        raise LaunchConfigError(f"{name} must be a number of seconds > 0, got {value!r}")
-    return float(value)
 
 
 def resolve_target(target, module: bool | None = None) -> tuple[str, bool]:
@@ -95,8 +87,8 @@ def check_launch(target, spec) -> tuple[placement.RankPlan, str, bool, float | N
     nnodes = check_nnodes(spec.nnodes)
     plan = placement.plan(spec.nproc, spec.device, spec.backend, spec.recipe or Path(os.fspath(target)).name,
                           nnodes, same_host=spec.rdzv_endpoint is None)
-    timeout = check_timeout("timeout", spec.timeout)
-    collective_timeout = check_timeout("collective_timeout", spec.collective_timeout, False)
+    timeout = check_seconds("timeout", spec.timeout, error=LaunchConfigError)
+    collective_timeout = check_seconds("collective_timeout", spec.collective_timeout, False, LaunchConfigError)
     target, is_module = resolve_target(target, spec.module)
     if spec.rdzv not in torchrun.RDZV_BACKENDS:
         raise LaunchConfigError(f"rdzv must be one of {torchrun.RDZV_BACKENDS}, got {spec.rdzv!r}")

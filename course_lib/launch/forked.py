@@ -31,7 +31,7 @@ import sys
 from course_lib.hardware import threads_per_rank
 from course_lib.launch.bootstrap import diagnose
 from course_lib.launch.placement import LaunchConfigError
-from course_lib.launch.ranks import RankError, RanksTimeoutError, run_local
+from course_lib.launch.ranks import RankError, RanksTimeoutError, check_seconds, run_local
 
 
 class NotebookLaunchError(RuntimeError):
@@ -60,8 +60,8 @@ def notebook_launcher(fn, args: tuple = (), nproc: int = 2, *, kwargs: dict | No
     if backend != "gloo":
         raise LaunchConfigError(f"notebook_launcher runs on CPU with backend='gloo' (got {backend!r}); "
                                 "use %%torchrun or launch() for NCCL on GPUs")
-    if timeout <= 0 or (time_limit is not None and time_limit <= 0):
-        raise LaunchConfigError("timeout and time_limit must be > 0 seconds")
+    check_seconds("timeout", timeout, False, LaunchConfigError)
+    check_seconds("time_limit", time_limit, error=LaunchConfigError)
     try:
         return run_local(fn, nproc, args, kwargs, timeout=timeout, time_limit=time_limit,
                          threads=threads or threads_per_rank(nproc))

@@ -26,6 +26,7 @@ from course_lib.launch.api import (
     base_env,
     default_run_dir,
 )
+from course_lib.launch.ranks import check_seconds
 from course_lib.launch.supervise import Agent, supervise
 
 MPICH, OPEN_MPI = "MPICH", "Open MPI"
@@ -152,7 +153,7 @@ def mpirun(target, args: Sequence[str] = (), *, n: int = 2, module: bool | None 
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise checks.LaunchConfigError(f"n must be a whole number >= 1 (MPI ranks), got {n!r}")
-    timeout = checks.check_timeout("timeout", timeout)
+    timeout = check_seconds("timeout", timeout, error=checks.LaunchConfigError)
     target, is_module = checks.resolve_target(target, module)
     run_id = torchrun.new_run_id()
     full_env = base_env(env, n, run_id, local=True)

@@ -48,6 +48,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import psutil
@@ -56,6 +57,7 @@ from course_lib.hardware import gpu_count, threads_per_rank
 from course_lib.launch import rank_pool_engine as engine
 from course_lib.launch.placement import LaunchConfigError, RankPlan, plan_ranks
 from course_lib.launch.procs import pid_alive, signal_quietly
+from course_lib.launch.ranks import check_seconds
 from course_lib.launch.rank_pool_view import RankBoard, error_line
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -117,8 +119,7 @@ class RankPool:
     def __init__(self, world_size: int, backend: str = "auto", device: str = "auto",
                  timeout: float = DEFAULT_TIMEOUT_S, threads: int | None = None, gpus: int | None = None,
                  check: bool = True):
-        if not (isinstance(timeout, int | float) and timeout > 0):
-            raise LaunchConfigError(f"timeout must be > 0 seconds, got {timeout!r}")
+        self.timeout = check_seconds("timeout", timeout, False, LaunchConfigError)
         if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= 64:
             raise LaunchConfigError(f"the number of ranks must be a whole number from 1 to 64, got {world_size!r}")
         if gpus is None:
@@ -127,9 +128,11 @@ class RankPool:
         # gloo on shared GPUs), refused here, before anything starts, if it cannot work
         self.placement: RankPlan = plan_ranks(gpus, nproc=world_size, device=device, backend=backend,
                                               recipe="%ranks")
-        self.world_size, self.timeout = world_size, float(timeout)
+        self.world_size = world_size
         if threads is None:
             threads = threads_per_rank(world_size)
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise LaunchConfigError(f"threads must be a whole number >= 1 (torch threads per rank), got {threads!r}")
         self.threads = threads
         self._cluster = self._client = None
         self._dir: Path | None = None
@@ -234,7 +237,7 @@ class RankPool:
         """Run ``code`` on ``ranks`` (default all), showing each rank's output as it comes
         (``show=False``: only if a rank writes to stderr or fails)."""
         targets = self._targets(ranks)
-        limit = self.timeout if timeout is None else float(timeout)
+        limit = self.timeout if timeout is None else check_seconds("timeout", timeout, error=LaunchConfigError)
         self.history.append((_cell_label(len(self.history)), targets, code))
         self._log_from = {r: _log_size(self._log_file(r)) for r in targets}  # this cell's output starts there
         for r in targets:
@@ -314,6 +317,8 @@ class RankPool:
     def push_each(self, **per_rank) -> None:
         """Define each name on every rank, rank r getting ``values[r]``."""
         for name, values in per_rank.items():
+            if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+                raise ValueError(f"{name}: give one value per rank, such as [a, b] for 2 ranks, got {values!r}")
             if len(values) != self.world_size:
                 raise ValueError(f"{name}: {len(values)} values for {self.world_size} ranks")
         for r in range(self.world_size):
@@ -442,6 +447,10 @@ class RankPool:
         if dead:  # died since the last cell (killed from outside, out of memory): start it again first
             print("\n".join(f"rank {r} DIED since the last cell ({how})" for r, how in dead.items()))
             self.restart_ranks(list(dead))
+        if isinstance(ranks, int) and not isinstance(ranks, bool):  # one rank: ranks=1 means [1]
+            ranks = [ranks]
+        if ranks is not None and (isinstance(ranks, (str, bytes)) or not isinstance(ranks, Iterable)):
+            raise LaunchConfigError(f"ranks must be a rank or a list of ranks such as [0, 1], got {ranks!r}")
         ranks = list(range(self.world_size)) if ranks is None else sorted(set(ranks))
         bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < self.world_size)]
         if bad or not ranks:

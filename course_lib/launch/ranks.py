@@ -44,7 +44,9 @@ finish, :class:`RankError` carries the failing rank's traceback.
 from __future__ import annotations
 
 import importlib
+import inspect
 import io
+import math
 import multiprocessing as mp
 import os
 import pickle
@@ -53,7 +55,7 @@ import sys
 import tempfile
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
@@ -288,6 +290,44 @@ class _Run:
             conn.close()
 
 
+def check_seconds(name: str, value, allow_none: bool = True, error: type[Exception] = ValueError) -> float | None:
+    """A timeout or time limit: a finite number of seconds > 0 (or None where ``allow_none``), else
+    ``error`` (the caller's kind: the launcher's LaunchConfigError). The one rule for every front-end."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise error(f"{name} must be a number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+def check_call(fn, args, kwargs, pass_rank: bool, threads, method) -> None:
+    """What every front-end would otherwise learn from a failing rank: ``fn`` is a function that
+    takes the arguments it will get, ``args`` a tuple, ``kwargs`` a dict, ``threads`` a count and
+    ``method`` a start method of this platform."""
+    if not callable(fn):
+        raise TypeError(f"fn must be a function, got {fn!r}")
+    if isinstance(args, (str, bytes)) or not isinstance(args, (tuple, list)):
+        raise TypeError(f"args must be a tuple of arguments, such as (x,) for one, got {args!r}")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TypeError(f"kwargs must be a dict of keyword arguments, got {kwargs!r}")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without one: the rank will say
+        signature = None
+    if signature is not None:
+        given = ((0, 1) if pass_rank else ()) + tuple(args)
+        try:
+            signature.bind(*given, **(kwargs or {}))
+        except TypeError as e:
+            how = "fn(rank, world_size, *args)" if pass_rank else "fn(*args, **kwargs)"
+            raise TypeError(f"each rank calls {how}, which {getattr(fn, '__name__', 'fn')}{signature} "
+                            f"cannot take: {e}") from None
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be a whole number >= 1 (torch threads per rank), got {threads!r}")
+    if method is not None and method not in mp.get_all_start_methods():
+        raise ValueError(f"start method must be one of {mp.get_all_start_methods()}, got {method!r}")
+
+
 def run_local(fn: Callable[..., Any], nproc: int, args: tuple = (), kwargs: dict | None = None, *,
               backend: str | None = "gloo", pass_rank: bool = False, timeout: float | None = None,
               time_limit: float | None = None, start_limit: float = START_LIMIT_S, threads: int = 1,
@@ -301,9 +341,11 @@ def run_local(fn: Callable[..., Any], nproc: int, args: tuple = (), kwargs: dict
     prints ("{rank}" filled in), which comes back to this process's ``sys.stdout`` or
     ``sys.stderr`` (a notebook cell's output); None: the ranks print to the file descriptors
     they inherit. method: the start method (default :func:`start_method`; "fork" only to
-    compare). The caller checks its own arguments; this raises :class:`SendError` before
-    anything starts.
+    compare). The caller checks its own arguments (nproc, backend, timeouts); the call itself is
+    checked here, before anything starts (:func:`check_call`), and :class:`SendError` raised for
+    what cannot be sent.
     """
+    check_call(fn, args, kwargs, pass_rank, threads, method)
     payload = pack(fn, args, kwargs or {})
     method = method or start_method()
     ctx = _context(method)

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from course_lib.launch.ranks import RankError, RanksTimeoutError, SendError, run_local
+from course_lib.launch.ranks import RankError, RanksTimeoutError, SendError, check_seconds, run_local
 
 __all__ = ["TIMEOUT_GRACE_S", "RankError", "RanksTimeoutError", "SendError", "run_ranks"]
 
@@ -54,8 +54,7 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "gl
         raise ValueError(f"nproc must be >= 1, got {nproc!r} (a whole number of ranks)")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' (CPU) or 'nccl' (one GPU per rank), got {backend!r}")
-    if timeout is not None and not timeout > 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    timeout = check_seconds("timeout", timeout)
     if backend == "nccl":
         # torch only to count GPUs for NCCL: a gloo run needs no torch in the parent
         import torch
