@@ -89,6 +89,13 @@ def test_missing_and_corrupt_input_give_clear_errors(tmp_path, monkeypatch):
         data.prepare("openwebtext", tmp_path)
 
 
+def test_a_data_dir_that_cannot_be_written_is_named_before_tokenizing(tmp_path):
+    (tmp_path / "a_file").write_text("")  # cannot hold a folder, as root too (was a raw NotADirectoryError)
+    with pytest.raises(data.DataError, match="cannot write the dataset into .*a_file/shakespeare_char "
+                                             r"\(Not a directory\); choose another data_dir"):
+        data.prepare("shakespeare_char", tmp_path / "a_file", quiet=True)
+
+
 def test_unprepared_dataset_says_how_to_prepare(tmp_path):
     with pytest.raises(data.DataError, match=f"course data prepare shakespeare --data-dir {tmp_path}"):
         data.load_meta(tmp_path, "shakespeare")

@@ -128,6 +128,10 @@ def prepare(name: str, data_dir: str | os.PathLike | None = None, *, source: str
         if not quiet:
             print(f"{name}: already prepared in {out}")
         return out
+    try:  # before the text is tokenized: a data_dir that is a file, read-only or mistyped
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"cannot write the dataset into {out} ({e.strerror or e}); choose another data_dir") from None
     n = len(text)
     train_text, val_text = text[: int(n * 0.9)], text[int(n * 0.9):]  # 90/10 by characters
     meta = {"format": DATA_FORMAT_VERSION, "dataset": name, "source": src.name, "source_sha256": source_sha,
@@ -142,7 +146,6 @@ def prepare(name: str, data_dir: str | os.PathLike | None = None, *, source: str
         enc = gpt2_encoding()
         meta.update(tokenizer="gpt2", vocab_size=enc.n_vocab)
         train_ids, val_ids = enc.encode_ordinary(train_text), enc.encode_ordinary(val_text)
-    out.mkdir(parents=True, exist_ok=True)
     _write_dataset(out, train_ids, val_ids, meta)
     if not quiet:
         print(f"{name}: vocab {meta['vocab_size']:,}, train {meta['train_tokens']:,} tokens, "
