@@ -144,6 +144,24 @@ def test_n_must_be_a_power_of_two_where_the_algorithm_needs_it(name):
         algo.build(12)
     with pytest.raises(ValueError, match="n must be a positive integer, got 0"):
         algo.build(0)
+    for bad in (8.0, "8"):  # tree-sum and tree-max once drew their numbers first: a TypeError from range()
+        with pytest.raises(ValueError, match=rf"^{name}: n must be a positive integer, got {bad!r}"):
+            algo.build(bad)
+
+
+def test_matmul_past_the_processor_cap_is_refused_before_its_memory_is_built():
+    """n^3 processors and n^3 cells: n = 1024 is a billion of each (it ran out of time and memory)."""
+    with pytest.raises(pram.ProcessorLimitError, match=r"matmul needs n\^3 = 1,073,741,824 processors, more "
+                                                       r"than the 1,048,576 allowed"):
+        pram.matmul(1024)
+    assert pram.matmul(128, max_processors=128 ** 3).processors == 128 ** 3  # the cap raised on purpose
+
+
+def test_bad_sizes_and_memory_are_named():
+    with pytest.raises(ValueError, match="dim must be one of B, T, C, NH, V"):
+        pram.growth("X", 1, 2)
+    with pytest.raises(ValueError, match=r"memory must be a dict of named arrays, such as \{'A'"):
+        run(lambda pid, step, mem: None, processors=2, memory=[0, 0], steps=1)
 
 
 def test_algorithms_without_the_power_of_two_restriction():

@@ -25,6 +25,8 @@ import operator
 import random
 from collections.abc import Callable
 
+from .machine import MAX_PROCESSORS
+from .models import ProcessorLimitError
 from .program import Program, coords, phases
 
 __all__ = ["broadcast_crew", "broadcast_erew", "check_n", "matmul", "max_crcw", "or_crcw", "or_tree",
@@ -71,17 +73,17 @@ def _tree(name: str, n: int, values: list, op: Callable, op_name: str) -> Progra
 
 def tree_sum(n: int, seed: int = 0, values: list | None = None) -> Program:
     """Sum into A[0]: EREW, n/2 processors, log2 n steps, n - 1 additions."""
-    return _tree("tree-sum", n, _numbers(n, seed, values), operator.add, "add")
+    return _tree("tree-sum", n, _numbers(check_n("tree-sum", n), seed, values), operator.add, "add")
 
 
 def tree_max(n: int, seed: int = 0, values: list | None = None) -> Program:
     """Maximum into A[0]: EREW, n/2 processors, log2 n steps, n - 1 comparisons."""
-    return _tree("tree-max", n, _numbers(n, seed, values), max, "max")
+    return _tree("tree-max", n, _numbers(check_n("tree-max", n), seed, values), max, "max")
 
 
 def or_tree(n: int, seed: int = 0, bits: list | None = None) -> Program:
     """OR of n bits into A[0] on EREW/CREW: log2 n steps (the CREW lower bound is Omega(log n))."""
-    bits = _bits(n, seed, bits)
+    bits = _bits("or-tree", n, seed, bits)
     return _tree("or-tree", n, bits, operator.or_, "or")
 
 
@@ -170,8 +172,8 @@ def max_crcw(n: int, seed: int = 0, values: list | None = None) -> Program:
                    note="O(1) time but n^2 processors: work O(n^2) against n - 1 for a tree")
 
 
-def _bits(n: int, seed: int, bits: list | None) -> list[int]:
-    check_n("or", n, power_of_two=False)
+def _bits(name: str, n: int, seed: int, bits: list | None) -> list[int]:
+    check_n(name, n, power_of_two=False)
     if bits is None:
         rng = random.Random(seed)
         return [int(rng.random() < 0.5) for _ in range(n)]
@@ -182,7 +184,7 @@ def _bits(n: int, seed: int, bits: list | None) -> list[int]:
 
 def or_crcw(n: int, seed: int = 0, bits: list | None = None) -> Program:
     """OR of n bits in 1 step on CRCW-common: every processor holding a 1 writes 1 to R[0]."""
-    bits = _bits(n, seed, bits)
+    bits = _bits("or-crcw", n, seed, bits)
 
     def step(pid, step, mem):
         if step == 0:
@@ -195,7 +197,7 @@ def or_crcw(n: int, seed: int = 0, bits: list | None = None) -> Program:
                    note="several writers, all writing 1: legal under the common rule")
 
 
-def matmul(n: int, seed: int = 0) -> Program:
+def matmul(n: int, seed: int = 0, max_processors: int = MAX_PROCESSORS) -> Program:
     """C = A @ B with n^3 processors on CREW: 1 + log2 n steps.
 
     Step 0: processor (i, j, k) computes P[i, j, k] = A[i, k] * B[k, j] (A[i, k] is read by
@@ -203,6 +205,9 @@ def matmul(n: int, seed: int = 0) -> Program:
     the last one writes C[i, j].
     """
     check_n("matmul", n)
+    if n ** 3 > max_processors:  # before n^3 cells of memory are built (n=1024: a billion)
+        raise ProcessorLimitError(f"matmul needs n^3 = {n ** 3:,} processors, more than the {max_processors:,} "
+                                  "allowed; use a smaller n or raise max_processors (here and in run)")
     rng = random.Random(seed)
     A = [[rng.randint(-9, 9) for _ in range(n)] for _ in range(n)]
     B = [[rng.randint(-9, 9) for _ in range(n)] for _ in range(n)]

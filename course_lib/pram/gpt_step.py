@@ -171,12 +171,17 @@ def step_table(shape: GPTShape = GPTShape(), distinct: bool = True) -> list[dict
     return rows
 
 
+def _check_dim(dim: str) -> None:
+    """One of the step's sizes: B, T, C, NH or V."""
+    if dim not in ("B", "T", "C", "NH", "V"):
+        raise ValueError(f"dim must be one of B, T, C, NH, V (got {dim!r})")
+
+
 def scaling(dim: str, values: Sequence[int], shape: GPTShape = GPTShape(),
             kernels: Sequence[str] | None = None) -> list[dict]:
     """Steps and work of each kernel as ``dim`` ("B", "T", "C", "NH" or "V") takes ``values``,
     the other sizes as in ``shape``: rows ``{kernel, dim: value, steps, work, processors}``."""
-    if dim not in ("B", "T", "C", "NH", "V"):
-        raise ValueError(f"dim must be one of B, T, C, NH, V (got {dim!r})")
+    _check_dim(dim)
     labels = kernels or list(dict.fromkeys(k.label for k in STEP_KERNELS))
     rows = []
     for label in labels:
@@ -188,6 +193,7 @@ def scaling(dim: str, values: Sequence[int], shape: GPTShape = GPTShape(),
 def growth(dim: str, lo: int, hi: int, shape: GPTShape = GPTShape()) -> list[dict]:
     """How each kernel grows when ``dim`` goes from ``lo`` to ``hi``: the exponent k in
     ``steps ~ dim^k`` and ``work ~ dim^k`` (log ratio, rounded to 0.1)."""
+    _check_dim(dim)
     if not 1 <= lo < hi:
         raise ValueError(f"need 1 <= lo < hi, got lo={lo}, hi={hi}")
     rows, span = [], math.log(hi / lo)

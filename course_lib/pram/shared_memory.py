@@ -72,6 +72,8 @@ class Memory:
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.bases: dict[str, int] = {}
         self.cells: list = []
+        if not isinstance(arrays, Mapping):
+            raise ValueError(f"memory must be a dict of named arrays, such as {{'A': [3, 1, 4]}}, got {arrays!r}")
         for name, value in arrays.items():
             if not isinstance(name, str) or not name.isidentifier():
                 raise ValueError(f"array names must be identifiers like 'A' or 'dweight', "
