@@ -70,6 +70,15 @@ def test_invalid_values_are_rejected(changes, message):
         TrainConfig(**changes)
 
 
+def test_make_config_names_a_misplaced_argument():
+    """A dict where the preset's name goes, or overrides as text: once a TypeError (unhashable dict)
+    and a ValueError from deep in dict.update."""
+    with pytest.raises(ConfigError, match="the preset is a name such as 'shakespeare_char_cpu'"):
+        make_config({"max_iters": 3})
+    with pytest.raises(ConfigError, match=r"overrides must be a dict such as \{'max_iters': 100\}"):
+        make_config("shakespeare_char_cpu", "max_iters=3")
+
+
 def test_every_strategy_name_is_accepted_and_auto_resolves():
     for name in STRATEGY_NAMES:
         TrainConfig(strategy=name, nproc=1 if name == "single" else 2)

@@ -193,6 +193,9 @@ def test_refuses_bad_options(nothing_spawned, script):
             launch(script, nproc=2, collective_timeout=endless, run_dir=nothing_spawned)
     with pytest.raises(checks.LaunchConfigError, match="rdzv must be"):
         launch(script, nproc=2, rdzv="etcd", run_dir=nothing_spawned)
+    nothing_spawned.parent.joinpath("a_file").write_text("")  # as %%torchrun --run-dir a_file: was a FileExistsError
+    with pytest.raises(checks.LaunchConfigError, match=r"cannot write the run directory .*a_file.*choose another"):
+        launch(script, nproc=2, run_dir=nothing_spawned.parent / "a_file")
     with pytest.raises(TypeError, match=r"args is a list of strings, such as \['--lr=0.1'\], got the string"):
         launch(script, "--lr=0.1", nproc=2, run_dir=nothing_spawned)  # it once ran with args - - l r = ...
     with pytest.raises(checks.LaunchConfigError, match="launch runs a script or a module.*use run_ranks"):

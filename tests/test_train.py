@@ -183,6 +183,8 @@ def test_sampling_from_a_run(data_dir, tmp_path, capsys):
     assert a == b and len(a) == 2 and all(len(t) == 6 + 40 and t.startswith("ROMEO:") for t in a)
     assert sample_cli(["--out_dir", str(tmp_path / "run"), "--max_new_tokens=10", "--start=A"]) == 0
     assert capsys.readouterr().out.startswith("A")
+    by_dir, by_file = read_metrics(tmp_path / "run"), read_metrics(tmp_path / "run" / "metrics.csv")
+    assert [r["iter"] for r in by_dir] == [r["iter"] for r in by_file] != []  # the run directory: its metrics.csv
     assert sample_cli(["--out_dir", str(tmp_path / "nothing")]) == 1
     assert "no checkpoint" in capsys.readouterr().err
     run = tmp_path / "run"  # bad arguments: what to change, not a torch error (cuda here once said "corrupt")

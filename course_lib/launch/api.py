@@ -89,7 +89,11 @@ def default_run_dir(kind: str = "launch") -> Path:
 def _prepare_run_dir(run_dir) -> Path:
     run_dir = Path(run_dir).resolve()
     logs = run_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file, read-only or mistyped: one line, before anything starts
+        raise checks.LaunchConfigError(f"cannot write the run directory {run_dir} ({e.strerror or e}); "
+                                       "choose another run_dir") from None
     for old in logs.glob("rank*"):  # a previous launch's rank files would confuse this one
         old.unlink()
     return run_dir

@@ -36,6 +36,7 @@ import dataclasses
 import difflib
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -295,6 +296,11 @@ TRAIN_PRESETS["shakespeare_char_moe_cpu"] = {**TRAIN_PRESETS["shakespeare_char_c
 
 def make_config(preset: str | None = None, overrides: dict | None = None, base: TrainConfig | None = None) -> TrainConfig:
     """Defaults (or ``base``), then the preset, then the overrides; validated once at the end."""
+    if preset is not None and not isinstance(preset, str):  # make_config({...}) without a preset name
+        raise ConfigError(f"make_config(preset, overrides): the preset is a name such as 'shakespeare_char_cpu' "
+                          f"(or None), got {preset!r}")
+    if overrides is not None and not isinstance(overrides, Mapping):
+        raise ConfigError(f"overrides must be a dict such as {{'max_iters': 100}}, got {overrides!r}")
     d = (base or TrainConfig()).to_dict()
     if preset is not None:
         if preset not in TRAIN_PRESETS:

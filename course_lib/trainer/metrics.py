@@ -75,8 +75,11 @@ def launcher_info(env=None) -> dict:
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
-    """Rows of a metrics.csv as dicts of floats (NaN where a cell is empty); ``iter`` as int."""
+    """Rows of a metrics.csv (``path``, or a run directory's) as dicts of floats (NaN where a cell
+    is empty); ``iter`` as int."""
     rows = []
+    if Path(path).is_dir():  # a run directory: its metrics.csv
+        path = Path(path) / "metrics.csv"
     with open(path, newline="") as f:
         for r in csv.DictReader(f):
             row = {k: (float(v) if v not in ("", None) else math.nan) for k, v in r.items()}
