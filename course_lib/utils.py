@@ -1,12 +1,13 @@
 """Small helpers shared across course_lib: free ports, paths to shipped data, atomic writes, the one
-call of ``init_process_group``, progress bars (the trainer's and the launcher's), and where the
-course is published (the pip spec a Colab setup cell installs, Colab links and badges), which
-lessons and exercises share."""
+call of ``init_process_group``, the one rule for a timeout in seconds, progress bars (the trainer's
+and the launcher's), and where the course is published (the pip spec a Colab setup cell installs,
+Colab links and badges), which lessons and exercises share."""
 
 from __future__ import annotations
 
 import functools
 import inspect
+import math
 import os
 import re
 import socket
@@ -263,3 +264,13 @@ def colab_install_lines(repo: str = GITHUB_REPO, branch: str = GITHUB_BRANCH, th
         '    %pip install --quiet "{COURSE_INSTALL_SPEC}"',
         *(f"    {line}" for line in then),
     ])
+
+
+def check_seconds(name: str, value, allow_none: bool = True, error: type[Exception] = ValueError) -> float | None:
+    """A timeout or time limit: a finite number of seconds > 0 (or None where ``allow_none``), else
+    ``error`` (the caller's kind: the launcher's LaunchConfigError). The one rule for every front-end."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise error(f"{name} must be a number of seconds > 0, got {value!r}")
+    return float(value)

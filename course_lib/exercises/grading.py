@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from course_lib.launch import ranks as _ranks  # the one local rank runner
+from course_lib.utils import check_seconds
 
 RUN_TIMEOUT_S = 60.0
 TIMEOUT_ENV = "COURSE_GRADING_TIMEOUT"
@@ -80,7 +81,7 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float | N
         raise TypeError(f"run_ranks needs a function fn(rank, world_size, ...), got {fn!r}")
     if isinstance(nproc, bool) or not isinstance(nproc, int) or not 1 <= nproc <= MAX_RANKS:
         raise ValueError(f"nproc must be a whole number from 1 to {MAX_RANKS}, got {nproc!r}")
-    timeout = default_timeout() if timeout is None else _ranks.check_seconds("timeout", timeout)
+    timeout = default_timeout() if timeout is None else check_seconds("timeout", timeout)
     return _spawn.run_ranks(fn, nproc, *args, timeout=timeout)
 
 

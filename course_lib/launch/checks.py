@@ -29,9 +29,9 @@ from course_lib.analysis.memory import ModelShape, micro_batches_in_flight, stag
 from course_lib.gpt import data
 from course_lib.hardware import detect, pick_dtype
 from course_lib.launch.placement import LaunchConfigError, RankPlan
-from course_lib.launch.ranks import check_seconds
 from course_lib.registry import STRATEGIES
 from course_lib.trainer.config import TrainConfig, check_resume
+from course_lib.utils import check_seconds
 
 
 def check_nnodes(nnodes) -> int:

@@ -31,7 +31,8 @@ import sys
 from course_lib.hardware import threads_per_rank
 from course_lib.launch.bootstrap import diagnose
 from course_lib.launch.placement import LaunchConfigError
-from course_lib.launch.ranks import RankError, RanksTimeoutError, check_seconds, run_local
+from course_lib.launch.ranks import RankError, RanksTimeoutError, run_local
+from course_lib.utils import check_seconds
 
 
 class NotebookLaunchError(RuntimeError):

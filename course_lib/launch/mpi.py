@@ -26,8 +26,8 @@ from course_lib.launch.api import (
     base_env,
     default_run_dir,
 )
-from course_lib.launch.ranks import check_seconds
 from course_lib.launch.supervise import Agent, supervise
+from course_lib.utils import check_seconds
 
 MPICH, OPEN_MPI = "MPICH", "Open MPI"
 # mpi4py.rc: load the MPI library without starting MPI (MPI_Get_library_version may be called

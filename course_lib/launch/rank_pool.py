@@ -57,8 +57,8 @@ from course_lib.hardware import gpu_count, threads_per_rank
 from course_lib.launch import rank_pool_engine as engine
 from course_lib.launch.placement import LaunchConfigError, RankPlan, plan_ranks
 from course_lib.launch.procs import pid_alive, signal_quietly
-from course_lib.launch.ranks import check_seconds
 from course_lib.launch.rank_pool_view import RankBoard, error_line
+from course_lib.utils import check_seconds
 
 DEFAULT_TIMEOUT_S = 30.0
 OUTPUT_WAIT_S = 5.0  # after a cell's replies: the most the pool waits for the rest of its output

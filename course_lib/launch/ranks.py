@@ -46,7 +46,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import io
-import math
 import multiprocessing as mp
 import os
 import pickle
@@ -288,16 +287,6 @@ class _Run:
             p.join(5.0)
         for conn in self.conns.values():
             conn.close()
-
-
-def check_seconds(name: str, value, allow_none: bool = True, error: type[Exception] = ValueError) -> float | None:
-    """A timeout or time limit: a finite number of seconds > 0 (or None where ``allow_none``), else
-    ``error`` (the caller's kind: the launcher's LaunchConfigError). The one rule for every front-end."""
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-        raise error(f"{name} must be a number of seconds > 0, got {value!r}")
-    return float(value)
 
 
 def check_call(fn, args, kwargs, pass_rank: bool, threads, method) -> None:

@@ -28,7 +28,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from course_lib.launch.ranks import RankError, RanksTimeoutError, SendError, check_seconds, run_local
+from course_lib.launch.ranks import RankError, RanksTimeoutError, SendError, run_local
+from course_lib.utils import check_seconds
 
 __all__ = ["TIMEOUT_GRACE_S", "RankError", "RanksTimeoutError", "SendError", "run_ranks"]
 
