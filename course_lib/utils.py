@@ -1,5 +1,5 @@
 """Small helpers shared across course_lib: free ports, paths to shipped data, atomic writes, the one
-call of ``init_process_group``, the one rule for a timeout in seconds, progress bars (the trainer's
+call of ``init_process_group``, the one rule for a timeout in seconds and for a count, progress bars (the trainer's
 and the launcher's), and where the course is published (the pip spec a Colab setup cell installs,
 Colab links and badges), which lessons and exercises share."""
 
@@ -274,3 +274,10 @@ def check_seconds(name: str, value, allow_none: bool = True, error: type[Excepti
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
         raise error(f"{name} must be a number of seconds > 0, got {value!r}")
     return float(value)
+
+
+def check_count(name: str, value, error: type[Exception] = ValueError) -> int:
+    """A count (threads, samples, tokens): a whole number >= 1, else ``error`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise error(f"{name} must be a whole number >= 1, got {value!r}")
+    return value

@@ -198,7 +198,8 @@ def test_refuses_bad_options(nothing_spawned, script):
         launch(script, nproc=2, run_dir=nothing_spawned.parent / "a_file")
     with pytest.raises(TypeError, match=r"args is a list of strings, such as \['--lr=0.1'\], got the string"):
         launch(script, "--lr=0.1", nproc=2, run_dir=nothing_spawned)  # it once ran with args - - l r = ...
-    with pytest.raises(checks.LaunchConfigError, match="launch runs a script or a module.*use run_ranks"):
+    with pytest.raises(checks.LaunchConfigError,
+                       match=r"launch runs a script or a module.*run_ranks.*notebook_launcher\(fn, args, nproc=N\)"):
         launch(print, nproc=2, run_dir=nothing_spawned)
     with pytest.raises(checks.LaunchConfigError, match="nnodes must be"):
         launch(script, nproc=2, nnodes=0, run_dir=nothing_spawned)

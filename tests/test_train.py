@@ -189,7 +189,7 @@ def test_sampling_from_a_run(data_dir, tmp_path, capsys):
     assert "no checkpoint" in capsys.readouterr().err
     run = tmp_path / "run"  # bad arguments: what to change, not a torch error (cuda here once said "corrupt")
     bad = [({"device": "cuda:0"}, "but this machine has no CUDA GPU; use device='cpu'"),
-           ({"device": "gpu"}, "device must be"), ({"top_k": 0}, "top_k must be a whole number >= 1, or None"),
+           ({"device": "gpu"}, "device must be"), ({"top_k": 0}, "top_k must be a whole number >= 1, got 0"),
            ({"temperature": "0.8"}, "temperature must be"),
            ({"num_samples": 2.5}, "num_samples must be a whole number"), ({"start": None}, "start must be text"),
            ({"start": f"FILE:{tmp_path / 'none.txt'}"}, "cannot read the prompt file")]

@@ -18,6 +18,7 @@ import torch
 from course_lib.gpt import checkpoint as ckpt_io
 from course_lib.gpt.data import tokenizer
 from course_lib.gpt.model import GPT, GPTConfig
+from course_lib.utils import check_count
 
 
 def load_model(out_dir: str | Path, which: str = "best", device: str = "cpu"):
@@ -34,13 +35,12 @@ def _check(start, num_samples, max_new_tokens, temperature, top_k, device: str) 
     """sample()'s arguments, each with what to change; returns the device ("auto" resolved)."""
     if not isinstance(start, str):
         raise ValueError(f"start must be text (or 'FILE:path'), got {start!r}")
-    for name, value in (("num_samples", num_samples), ("max_new_tokens", max_new_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+    check_count("num_samples", num_samples)
+    check_count("max_new_tokens", max_new_tokens)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
         raise ValueError(f"temperature must be a number > 0 (1.0: the model's own distribution), got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be a whole number >= 1, or None for every token, got {top_k!r}")
+    if top_k is not None:  # None: every token
+        check_count("top_k", top_k)
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     try:

@@ -82,7 +82,7 @@ def check_launch(target, spec) -> tuple[placement.RankPlan, str, bool, float | N
     is spawned: (the rank plan, the resolved target, is it a module, timeout, collective timeout)."""
     if callable(target):
         raise LaunchConfigError(f"launch runs a script or a module, not {target!r}: for a function on N ranks use "
-                                "run_ranks(fn, nproc, *args) or notebook_launcher(fn, args, num_processes=N)")
+                                "run_ranks(fn, nproc, *args) or notebook_launcher(fn, args, nproc=N)")
     check_show_ranks_and_env(spec.show_ranks, spec.env)
     nnodes = check_nnodes(spec.nnodes)
     plan = placement.plan(spec.nproc, spec.device, spec.backend, spec.recipe or Path(os.fspath(target)).name,

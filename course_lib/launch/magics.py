@@ -36,7 +36,6 @@ per rank) and ``ranks.push(x=...)`` / ``ranks.push_each(x=[...])``.
 from __future__ import annotations
 
 import argparse
-import math
 import shlex
 from pathlib import Path
 
@@ -49,6 +48,7 @@ from course_lib.launch.mpi import mpirun
 from course_lib.launch.placement import LaunchConfigError
 from course_lib.launch.rank_pool import DEFAULT_TIMEOUT_S, RankPool
 from course_lib.launch.rank_pool_view import flight_table
+from course_lib.utils import check_seconds
 
 
 class _Parser(argparse.ArgumentParser):
@@ -57,14 +57,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _seconds(text: str) -> float:
-    """A --timeout or --time-limit: seconds > 0, named as the student typed it."""
+    """A --timeout or --time-limit: utils.check_seconds's rule, named as the student typed it."""
     try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (math.isfinite(value) and value > 0):  # NaN and inf too: a rank's timedelta overflows
-        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
-    return value
+        return check_seconds("seconds", float(text), allow_none=False)
+    except ValueError:  # not a number, or not a finite one > 0
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}") from None
 
 
 # -- %%torchrun and %%mpirun: a cell run once on N new ranks -----------------------------------------

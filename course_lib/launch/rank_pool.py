@@ -58,7 +58,7 @@ from course_lib.launch import rank_pool_engine as engine
 from course_lib.launch.placement import LaunchConfigError, RankPlan, plan_ranks
 from course_lib.launch.procs import pid_alive, signal_quietly
 from course_lib.launch.rank_pool_view import RankBoard, error_line
-from course_lib.utils import check_seconds
+from course_lib.utils import check_count, check_seconds
 
 DEFAULT_TIMEOUT_S = 30.0
 OUTPUT_WAIT_S = 5.0  # after a cell's replies: the most the pool waits for the rest of its output
@@ -131,9 +131,7 @@ class RankPool:
         self.world_size = world_size
         if threads is None:
             threads = threads_per_rank(world_size)
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise LaunchConfigError(f"threads must be a whole number >= 1 (torch threads per rank), got {threads!r}")
-        self.threads = threads
+        self.threads = check_count("threads", threads, LaunchConfigError)
         self._cluster = self._client = None
         self._dir: Path | None = None
         self._pids: list[int] = []

@@ -63,6 +63,7 @@ import cloudpickle
 
 from course_lib.launch.procs import signal_quietly
 from course_lib.launch.rank_child import rank_main
+from course_lib.utils import check_count
 
 START_LIMIT_S = 120.0  # the fork server's first start imports torch: seconds on a busy machine
 # What the fork server imports once, so that no rank does: torch, its distributed package, the
@@ -311,8 +312,7 @@ def check_call(fn, args, kwargs, pass_rank: bool, threads, method) -> None:
             how = "fn(rank, world_size, *args)" if pass_rank else "fn(*args, **kwargs)"
             raise TypeError(f"each rank calls {how}, which {getattr(fn, '__name__', 'fn')}{signature} "
                             f"cannot take: {e}") from None
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads must be a whole number >= 1 (torch threads per rank), got {threads!r}")
+    check_count("threads", threads)
     if method is not None and method not in mp.get_all_start_methods():
         raise ValueError(f"start method must be one of {mp.get_all_start_methods()}, got {method!r}")
 

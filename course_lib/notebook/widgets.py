@@ -113,8 +113,6 @@ def calculate(settings: Settings) -> Calculation:
     if not isinstance(settings, Settings):
         raise TypeError(f"calculate takes a Settings, such as Settings(model='gpt2', dp=8), got {settings!r}")
     s = settings
-    if s.stage not in STAGES:
-        raise ValueError(f"ZeRO stage must be 0 (plain DP), 1, 2 or 3, got {s.stage!r}")
     kwargs = {"dp": s.dp, "dtype": s.dtype, "recompute": s.recompute}
     if s.model == CUSTOM:
         if isinstance(s.params_b, bool) or not isinstance(s.params_b, (int, float)) or not s.params_b > 0:
@@ -124,9 +122,10 @@ def calculate(settings: Settings) -> Calculation:
         if s.model not in PRESETS:
             raise ValueError(f"unknown model {s.model!r}; choose {CUSTOM!r} or one of: {', '.join(PRESETS)}")
         what = {"preset": s.model, "batch_size": s.batch_size, "flash_attention": s.flash_attention}
-    stages = {st: breakdown(**what, stage=st, **kwargs) for st in STAGES}
+    chosen = breakdown(**what, stage=s.stage, **kwargs)  # a bad stage is refused here, by breakdown's check
+    stages = {st: chosen if st == s.stage else breakdown(**what, stage=st, **kwargs) for st in STAGES}
     name, nbytes = resolve_gpu(s.gpu)
-    return Calculation(s, stages[s.stage], stages, name, nbytes)
+    return Calculation(s, chosen, stages, name, nbytes)
 
 
 def summary_html(result: Calculation) -> str:
