@@ -38,6 +38,7 @@ import dataclasses
 import inspect
 import itertools
 import textwrap
+import typing
 from dataclasses import dataclass
 
 
@@ -124,13 +125,16 @@ def at_least(cfg, low: float, names) -> None:
 
 
 def check_types(cfg) -> None:
-    """Every field of the dataclass ``cfg`` holds its declared type (an int is taken for a float)."""
+    """Every field of the dataclass ``cfg`` holds its declared type (an int is taken for a float).
+    The types are read with ``typing.get_type_hints``: a module with ``from __future__ import
+    annotations`` (gpt/model.py) declares them as strings."""
+    types = typing.get_type_hints(type(cfg))
     for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if f.type is float and type(value) is int:
+        value, want = getattr(cfg, f.name), types[f.name]
+        if want is float and type(value) is int:
             object.__setattr__(cfg, f.name, float(value))  # JSON writes 1.0 as 1
-        elif type(value) is not f.type:
-            raise ConfigError(f"{f.name}: expected {f.type.__name__}, got {type(value).__name__} {value!r}")
+        elif type(value) is not want:
+            raise ConfigError(f"{f.name}: expected {want.__name__}, got {type(value).__name__} {value!r}")
 
 
 def field_docs(cls) -> dict[str, str]:

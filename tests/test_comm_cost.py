@@ -145,6 +145,9 @@ def test_zero_communication_volume():
     assert sum(z3.values()) == pytest.approx(1.5 * sum(exact.values()))  # 1.5x DP
     with pytest.raises(ValueError, match="stage"):
         zero_comm_volume(psi, 4, n)
+    for bad in (-2, 0, "2", True):  # a negative byte count came back as negative bytes
+        with pytest.raises(ValueError, match="bytes_per_elem must be a number > 0"):
+            zero_comm_volume(psi, 1, n, bytes_per_elem=bad)
 
 
 def test_bad_inputs():

@@ -101,3 +101,13 @@ def test_flops_per_token_and_mfu():
     peak = PROFILES["a100-80gb"].peak("bfloat16")
     assert model.estimate_mfu(1e5, peak) == pytest.approx(model.flops_per_token() * 1e5 / 312e12)
     assert math.isnan(model.estimate_mfu(1e5, None))
+
+
+def test_a_config_of_the_wrong_type_is_named():
+    """A string from a form or a float from arithmetic is refused by name, before any comparison."""
+    for kw, msg in [({"n_layer": "4"}, "n_layer: expected int, got str '4'"),
+                    ({"n_embd": 64.0}, "n_embd: expected int, got float 64.0"),
+                    ({"bias": 1}, "bias: expected bool, got int 1")]:
+        with pytest.raises(ValueError, match=msg):
+            GPTConfig(**kw)
+    assert GPTConfig(dropout=0).dropout == 0.0  # an int is taken for a float

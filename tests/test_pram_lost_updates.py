@@ -58,8 +58,12 @@ def test_gradient_sync_racy_loses_gradients_while_the_sum_is_exact():
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="workers and updates must be >= 1"):
+    with pytest.raises(ValueError, match="workers must be a whole number >= 1, got 0"):
         lu.racy_threads(workers=0)
+    with pytest.raises(ValueError, match="updates must be a whole number >= 1, got 2.5"):
+        lu.locked_threads(updates=2.5)
+    with pytest.raises(ValueError, match="world_size must be a whole number >= 1, got 0"):
+        lu.gradient_sync(0)
     with pytest.raises(ValueError, match="op must be 'index_add_' or 'scatter_add_'"):
         lu.combined_add(2, 10, op="add_")
 

@@ -55,6 +55,13 @@ def test_lr_schedule_warmup_then_cosine():
     assert get_lr(7, cfg.replace(decay_lr=False)) == 1e-3
 
 
+def test_train_names_what_it_takes():
+    threads = torch.get_num_threads()
+    with pytest.raises(TypeError, match=r"train\(\) takes a TrainConfig, got dict: .*make_config"):
+        train({"max_iters": 1})
+    assert torch.get_num_threads() == threads  # refused before the runtime was touched
+
+
 def test_run_directory_metrics_and_checkpoints(data_dir, tmp_path):
     cfg = tiny(data_dir, tmp_path / "run")
     summary = train(cfg, progress=False)

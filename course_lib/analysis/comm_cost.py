@@ -48,6 +48,7 @@ bits and bits per second give the same seconds).
 from __future__ import annotations
 
 import math
+import numbers
 
 import numpy as np
 
@@ -199,6 +200,8 @@ def zero_comm_volume(num_params: float, stage: int, dp: int, bytes_per_elem: flo
     (3 Psi, 1.5x DP). ``exact`` keeps the (N-1)/N of a ring; False gives the paper's 2 Psi / 3 Psi.
     """
     model_state_bytes(num_params, dp, stage)  # validates num_params, dp and stage
+    if isinstance(bytes_per_elem, bool) or not (isinstance(bytes_per_elem, numbers.Real) and bytes_per_elem > 0):
+        raise ValueError(f"bytes_per_elem must be a number > 0 (2 for bf16/fp16, 4 for fp32), got {bytes_per_elem!r}")
     size = float(num_params) * bytes_per_elem
     frac = (dp - 1) / dp if exact else 1.0
     if stage == 0:

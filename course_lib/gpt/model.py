@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from course_lib.analysis.activations import RECOMPUTE  # none, selective, full
 from course_lib.gpt.chunked_loss import chunked_linear_cross_entropy
 from course_lib.gpt.moe import Experts, MoE, aux_loss
-from course_lib.registry import MoEConfig
+from course_lib.registry import MoEConfig, check_types
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,7 @@ class GPTConfig(MoEConfig):  # n_expert > 0: every block's MLP is a mixture of e
     bias: bool = True  # biases in Linear and LayerNorm layers, like GPT-2
 
     def __post_init__(self):
+        check_types(self)  # GPTConfig(n_layer="4") is named here, not in a comparison below
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")

@@ -26,6 +26,8 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
+from course_lib.utils import check_count
+
 from .trace import format_table
 
 __all__ = ["UpdateCount", "racy_threads", "racy_processes", "locked_threads", "tree_threads",
@@ -51,8 +53,8 @@ class UpdateCount:
 
 
 def _check(workers: int, updates: int) -> None:
-    if workers < 1 or updates < 1:
-        raise ValueError(f"workers and updates must be >= 1, got {workers} and {updates}")
+    check_count("workers", workers)
+    check_count("updates", updates)
 
 
 def _rmw_loop(cell: np.ndarray, updates: int, barrier, pause: bool) -> None:
@@ -219,6 +221,8 @@ def gradient_sync(world_size: int = 4, n: int = 8, seed: int = 0) -> dict:
     lockstep keeps one rank's gradient per element; ``index_add_`` gives the sum that
     ``all_reduce(op=SUM)`` computes. Returns the max error of each against the exact sum."""
     import torch  # here, not at the top: the spawned workers of racy_processes import this module
+    check_count("world_size", world_size)
+    check_count("n", n)
     g = torch.Generator().manual_seed(seed)
     grads = [torch.randn(n, dtype=torch.float64, generator=g) for _ in range(world_size)]
     exact = torch.stack(grads).sum(0)

@@ -265,6 +265,9 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
     Under torchrun every worker calls this (``python -m course_lib.trainer.loop``); the host side
     that checks the request and launches them is :func:`course_lib.launch.training.run_training`.
     """
+    if not isinstance(cfg, TrainConfig):  # a dict of overrides is what make_config takes
+        raise TypeError(f"train() takes a TrainConfig, got {type(cfg).__name__}: build one with "
+                        "course_lib.trainer.config.make_config(preset, overrides)")
     threads_before = torch.get_num_threads()
     rt = setup_runtime(cfg)
     run = meter = None
