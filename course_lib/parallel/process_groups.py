@@ -3,8 +3,9 @@
 world_size = dp * pp * cp * tp ranks are laid out with tensor parallelism innermost (neighbouring
 ranks, i.e. GPUs of one node on its fastest links: TP communicates in every layer), then context
 parallelism (a ring exchange per attention layer), then data parallelism, then pipeline stages
-outermost (Megatron-LM's default order "tp-cp-ep-dp-pp", "tp-cp-dp-pp" without experts; Narayanan et al.
-2021, Sec. 3):
+outermost (Megatron-LM's default order "tp-cp-ep-dp-pp", "tp-cp-dp-pp" without experts: the ``order``
+argument of ``initialize_model_parallel`` in Megatron-Core's ``parallel_state.py``; why tensor
+parallelism stays inside a node: Narayanan et al. 2021, Sec. 3):
 
     rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
