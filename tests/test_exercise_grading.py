@@ -6,6 +6,10 @@ forbidden, messages say expected vs found and the likely factor, the cell limit.
 
 from __future__ import annotations
 
+import importlib
+import sys
+import time
+
 import nbformat
 import pytest
 
@@ -175,3 +179,74 @@ def test_p2p_only_refuses_the_courses_own_ring_however_imported():
     with p2p_only(), pytest.raises(RuntimeError, match="write the ring yourself"):
         ring.ring_step([torch.zeros(1)], "all-gather", 0)
     assert copied.__code__.co_name == "ring_all_reduce" and ring.ring_step.__code__.co_name == "ring_step"
+
+
+# A stand-in for the grading worker (grade._worker_argv): a "slow" submission never finishes, any
+# other writes a report at once, in the worker's format.
+_FAKE_WORKER = """
+import json, sys, time
+submission, autograder, report = sys.argv[1:4]
+if "slow" in submission:
+    time.sleep(120)
+json.dump({"submission": submission, "autograder": autograder, "questions":
+           [{"name": "q1", "score": 1.0, "possible": 2.0}]}, open(report, "w"))
+"""
+
+
+def _fake_batch(tmp_path, monkeypatch, names):
+    grade = importlib.import_module("course_lib.exercises.grade")  # the package's name `grade` is a function
+    monkeypatch.setattr(grade, "_worker_argv", lambda sub, ag, out, seed: [sys.executable, "-c", _FAKE_WORKER,
+                                                                             sub, ag, str(out)])
+    subs = []
+    for name in names:
+        subs.append(tmp_path / f"{name}.ipynb")
+        subs[-1].write_text(name)
+    return subs, [tmp_path / "ag.zip"] * len(subs)
+
+
+@pytest.mark.timeout(60)
+def test_a_batch_reports_each_submission_as_it_finishes(tmp_path, monkeypatch):
+    """on_report sees the reports so far in submission order (course grade saves them there)."""
+    subs, zips = _fake_batch(tmp_path, monkeypatch, ["ada", "bo", "cy"])
+    seen = []
+    reports = exercises.grade_many(subs, zips, jobs=2, on_report=lambda r, done: seen.append(
+        (r.student, [d.student for d in done])))
+    assert [r.student for r in reports] == ["ada", "bo", "cy"] and [r.total for r in reports] == [1.0] * 3
+    assert sorted(s for s, _ in seen) == ["ada", "bo", "cy"]
+    for student, done in seen:
+        assert student in done and done == sorted(done)  # in submission order, whatever finished first
+    assert [len(done) for _, done in seen] == [1, 2, 3]
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_stops_the_running_workers(tmp_path, monkeypatch):
+    """Each worker is a session of its own (the terminal's Ctrl-C does not reach it): a stopped
+    batch must kill them, not wait for them or leave them running as orphans."""
+    import psutil
+
+    subs, zips = _fake_batch(tmp_path, monkeypatch, ["fast", "slow1", "slow2"])
+
+    def interrupt(report, done):
+        raise KeyboardInterrupt
+
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        exercises.grade_many(subs, zips, jobs=3, on_report=interrupt)
+    assert time.monotonic() - t0 < 30, "it waited for the slow workers"  # each sleeps 120 s
+    left = [p for p in psutil.process_iter(["cmdline"]) if any("slow" in a for a in (p.info["cmdline"] or []))
+            and str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+    assert not left, [p.info["cmdline"] for p in left]
+
+
+def test_course_grade_checks_where_it_writes_before_grading(tmp_path, capsys):
+    from course_lib.exercises.cli import grade_cli
+
+    sub = tmp_path / "ada.ipynb"
+    sub.write_text("{}")
+    (tmp_path / "a_file").write_text("")
+    for flags, msg in [(["--csv", str(tmp_path / "a_file" / "grades.csv")], "--csv: cannot make the folder"),
+                       (["--csv", str(tmp_path)], "is a folder; give a file name"),
+                       (["--feedback", str(tmp_path / "a_file")], "is a file; give a folder")]:
+        assert grade_cli([str(sub), "--autograder", str(tmp_path / "a_file"), *flags]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and err.count("\n") == 1, err

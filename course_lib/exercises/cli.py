@@ -119,7 +119,7 @@ def cli(argv: list[str] | None = None) -> int:
         return 0
     subs = [ex.solution_notebook for ex in exercises] + [ex.student_notebook for ex in exercises]
     zips = [ex.autograder_zip for ex in exercises] * 2
-    reports = grade_many(subs, zips, jobs=args.jobs)
+    reports = grade_many(subs, zips, jobs=args.jobs, progress=True)
     bad = 0
     for i, r in enumerate(reports):
         want_full = i < len(exercises)
@@ -129,6 +129,20 @@ def cli(argv: list[str] | None = None) -> int:
         print(f"{'ok ' if ok else 'BAD'} {kind:<13} {Path(r.submission).name:<28} "
               f"{points_text(r.total)} / {points_text(r.possible)}  ({r.seconds:.1f} s)")
     return 1 if bad else 0
+
+
+def _writable(flag: str, folder: Path, target: Path, folder_wanted: bool) -> None:
+    """ValueError unless ``target`` can be written (a file, or a folder with ``folder_wanted``),
+    checked before a batch that may take hours is graded."""
+    if target.exists() and target.is_dir() != folder_wanted:
+        raise ValueError(f"{flag} {target} is {'a file' if folder_wanted else 'a folder'}; give "
+                         f"{'a folder' if folder_wanted else 'a file name'}")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot make the folder {folder} ({e.strerror or e})") from None
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"{flag}: the folder {folder} is not writable")
 
 
 def grade_cli(argv: list[str] | None = None) -> int:
@@ -177,15 +191,22 @@ def grade_cli(argv: list[str] | None = None) -> int:
         os.environ[CELL_TIMEOUT_ENV] = str(args.cell_timeout)
     try:
         zips = [args.autograder or find_autograder(s, args.root) for s in args.submissions]
+        if args.csv:
+            _writable("--csv", args.csv.parent, args.csv, folder_wanted=False)
+        if args.feedback:
+            _writable("--feedback", args.feedback, args.feedback, folder_wanted=True)
     except (ValueError, FileNotFoundError) as e:
         print(f"course grade: {e}", file=sys.stderr)
         return 2
+
+    def save(report, done):  # as each submission finishes: a crash or Ctrl-C later keeps these
+        if args.feedback:
+            write_feedback([report], args.feedback)
+        if args.csv:
+            write_csv(done, args.csv)
+
     reports = grade_many(args.submissions, zips, args.root, jobs=args.jobs, time_limit=args.time_limit,
-                         seed=args.seed)
-    if args.csv:
-        write_csv(reports, args.csv)
-    if args.feedback:
-        write_feedback(reports, args.feedback)
+                         seed=args.seed, on_report=save, progress=len(args.submissions) > 1)
     if args.json:
         print(json.dumps([r.to_dict() for r in reports], indent=2))
     else:

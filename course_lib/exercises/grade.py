@@ -25,9 +25,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zipfile
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from course_lib.exercises.cell_limit import CELL_TIMEOUT_ENV, CellTimeLimit  # n
 from course_lib.exercises.draws import seeded, submission_seed
 from course_lib.exercises.layout import quiet as silenced
 from course_lib.exercises.layout import select
+from course_lib.utils import progress_bar
 
 GRADING_TIMEOUT_S = 10.0  # seconds per checked call while grading (COURSE_GRADING_TIMEOUT)
 SUBMISSION_LIMIT_S = 600.0  # wall clock for one submission, kernel and ranks included
@@ -235,12 +237,50 @@ def _stopped_report(submission: str, autograder: str, why: str, seconds: float, 
     return GradeReport(submission, autograder, questions, why, [], seconds, seed)
 
 
+class _Workers:
+    """The grading workers running now. Each is a session of its own (so the terminal's Ctrl-C
+    does not reach it): :meth:`stop` kills them all, and any started after it, when the grader
+    stops (Ctrl-C, an error), instead of leaving them to run to their time limit as orphans."""
+
+    def __init__(self):
+        self.lock, self.running, self.stopped = threading.Lock(), set(), False
+
+    def started(self, proc: subprocess.Popen) -> None:
+        with self.lock:
+            self.running.add(proc)
+            if self.stopped:
+                _kill_session(proc)
+
+    def finished(self, proc: subprocess.Popen) -> None:
+        with self.lock:
+            self.running.discard(proc)
+
+    def stop(self) -> None:
+        with self.lock:
+            self.stopped = True
+            for proc in self.running:
+                _kill_session(proc)
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the worker, its kernel and any ranks left over
+    except ProcessLookupError:
+        pass
+
+
+def _worker_argv(submission: str, autograder: str, report: Path, seed: int) -> list[str]:
+    """The command of one grading worker (this module's ``__main__``), which writes ``report``."""
+    return [sys.executable, "-m", "course_lib.exercises.grade", submission, autograder, str(report), str(seed)]
+
+
 def _grade_in_process(submission: str, autograder: str, time_limit: float, env: dict,
-                      seed: int | None = None) -> GradeReport:
+                      seed: int | None = None, workers: _Workers | None = None) -> GradeReport:
     """Grade one submission in a worker process of its own session; kill the whole session
     (worker, kernel, ranks) at ``time_limit``. The session's temporary files (the copy of the
     submission, multiprocessing's sockets) go in this job's folder, removed here: a killed worker
     leaves nothing in the grader's temporary folder."""
+    workers = workers or _Workers()
     with tempfile.TemporaryDirectory(prefix="course_grade_job_") as tmp:
         out = Path(tmp) / "report.json"
         log = Path(tmp) / "worker.log"
@@ -249,19 +289,18 @@ def _grade_in_process(submission: str, autograder: str, time_limit: float, env: 
         t0 = time.monotonic()
         with open(log, "wb") as log_file:
             seed = submission_seed(submission) if seed is None else seed
-            proc = subprocess.Popen([sys.executable, "-m", "course_lib.exercises.grade", submission,
-                                     autograder, str(out), str(seed)], stdout=log_file, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen(_worker_argv(submission, autograder, out, seed), stdout=log_file,
+                                    stderr=subprocess.STDOUT,
                                     env={**env, "TMPDIR": str(worker_tmp)}, start_new_session=True)
+            workers.started(proc)
             try:
                 proc.wait(timeout=time_limit)
             except subprocess.TimeoutExpired:
                 pass
             finally:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)  # also the kernel and any ranks left over
-                except ProcessLookupError:
-                    pass
+                _kill_session(proc)
                 proc.wait()
+                workers.finished(proc)
         seconds = time.monotonic() - t0
         if out.is_file():
             return _report_from_dict(json.loads(out.read_text(encoding="utf-8")))
@@ -282,9 +321,15 @@ def grading_env(base: dict | None = None) -> dict:
 
 
 def grade_many(submissions: list, autograders: list | None = None, root: Path | None = None,
-               jobs: int = 1, time_limit: float = SUBMISSION_LIMIT_S, seed: int | None = None) -> list[GradeReport]:
+               jobs: int = 1, time_limit: float = SUBMISSION_LIMIT_S, seed: int | None = None,
+               on_report=None, progress: bool = False) -> list[GradeReport]:
     """Grade several notebooks, ``jobs`` at a time, each in a worker process that is killed after
-    ``time_limit`` s (its questions then score zero, with the reason); ``seed``: see :func:`grade`."""
+    ``time_limit`` s (its questions then score zero, with the reason); ``seed``: see :func:`grade`.
+
+    ``on_report(report, done)`` is called as each submission finishes, with the reports so far in
+    submission order (``course grade`` saves them there: a crash or Ctrl-C at the 39th of 40 keeps
+    38). ``progress``: a bar of submissions graded. Ctrl-C kills the running workers before it
+    is raised."""
     autograders = list(autograders) if autograders is not None else [None] * len(submissions)
     if len(autograders) != len(submissions):
         raise ValueError("give one autograder per submission (or none)")
@@ -292,9 +337,23 @@ def grade_many(submissions: list, autograders: list | None = None, root: Path | 
         raise ValueError(f"time_limit must be > 0 seconds, got {time_limit!r}")
     work = [(str(Path(s).resolve()), str(Path(a or find_autograder(Path(s), root)).resolve()))
             for s, a in zip(submissions, autograders)]
-    env = grading_env()
+    env, workers = grading_env(), _Workers()
+    reports: list[GradeReport | None] = [None] * len(work)
     with ThreadPoolExecutor(max(1, min(jobs, len(work)))) as pool:
-        return list(pool.map(lambda w: _grade_in_process(*w, time_limit, env, seed), work))
+        futures = {pool.submit(_grade_in_process, *w, time_limit, env, seed, workers): i for i, w in enumerate(work)}
+        try:
+            with progress_bar(total=len(work), desc="grading", unit="submission", disable=not progress) as bar:
+                for future in as_completed(futures):
+                    reports[futures[future]] = future.result()
+                    if on_report is not None:
+                        on_report(reports[futures[future]], [r for r in reports if r is not None])
+                    bar.update(1)
+        except BaseException:  # Ctrl-C or an error in on_report: nothing may go on grading
+            for future in futures:
+                future.cancel()
+            workers.stop()
+            raise
+    return reports
 
 
 def _main(argv: list[str]) -> int:

@@ -4,25 +4,27 @@ student-safe feedback file per submission (``--feedback DIR``)."""
 from __future__ import annotations
 
 import csv
+import io
 import os
 from pathlib import Path
 
 from course_lib.exercises.grade import GradeReport, assignment_of_zip, points_text
+from course_lib.utils import atomic_write_bytes
 
 
 def write_csv(reports: list[GradeReport], path: str | os.PathLike) -> Path:
     """The gradebook: one row per student and question, then one TOTAL row per student; ``seed``
     is the one the hidden tests drew their inputs from (to grade again with ``--seed``)."""
-    path = Path(path)
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        out = csv.writer(f)
-        out.writerow(["student", "assignment", "question", "score", "possible", "seed"])
-        for r in reports:
-            assignment = assignment_of_zip(Path(r.autograder)) or ""
-            seed = "" if r.seed is None else r.seed
-            for q in r.questions:
-                out.writerow([r.student, assignment, q.name, points_text(q.score), points_text(q.possible), seed])
-            out.writerow([r.student, assignment, "TOTAL", points_text(r.total), points_text(r.possible), seed])
+    path, text = Path(path), io.StringIO()
+    out = csv.writer(text)
+    out.writerow(["student", "assignment", "question", "score", "possible", "seed"])
+    for r in reports:
+        assignment = assignment_of_zip(Path(r.autograder)) or ""
+        seed = "" if r.seed is None else r.seed
+        for q in r.questions:
+            out.writerow([r.student, assignment, q.name, points_text(q.score), points_text(q.possible), seed])
+        out.writerow([r.student, assignment, "TOTAL", points_text(r.total), points_text(r.possible), seed])
+    atomic_write_bytes(path, text.getvalue().encode("utf-8"))  # a crash leaves the old gradebook whole
     return path
 
 
@@ -34,6 +36,6 @@ def write_feedback(reports: list[GradeReport], folder: str | os.PathLike) -> lis
     written = []
     for r in reports:
         path = folder / f"{r.student}.txt"
-        path.write_text(r.format(verbose=True, student_safe=True) + "\n", encoding="utf-8")
+        atomic_write_bytes(path, (r.format(verbose=True, student_safe=True) + "\n").encode("utf-8"))
         written.append(path)
     return written
