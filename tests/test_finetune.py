@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 
+from course_lib.gpt import checkpoint as ckpt_io
 from course_lib.gpt import data
 from course_lib.launch.training import train_in_process
 from course_lib.registry import ConfigError
@@ -85,3 +86,40 @@ def test_finetune_starts_from_the_pretrained_weights(tmp_path, shakespeare):
         finetune_config(tmp_path / "pre", tmp_path / "ft2", ft_data, iters=5, eval_interval=3)
     with pytest.raises(ConfigError, match="learning_rate"):
         finetune_config(tmp_path / "pre", tmp_path / "ft2", ft_data, iters=5, learning_rate=3e-4)
+
+
+def test_finetune_config_checks_everything_before_it_writes(tmp_path):
+    """A refused fine-tuning config leaves every run as it was: the checks once ran after the new
+    run's directory had been cleared, so a bad eval_interval wiped an earlier fine-tuning run, and
+    out_dir = pretrained_dir replaced the pre-trained run's checkpoints with its best.pt."""
+    cfg = make_config("shakespeare_char_cpu", {"out_dir": str(tmp_path / "pre"), "eval_interval": 20})
+    state = {"format": ckpt_io.FORMAT_VERSION, "config": cfg.to_dict(), "iter_num": 40, "best_val_loss": 1.5}
+    for run in ("pre", "ft"):
+        ckpt_io.save_checkpoint(tmp_path / run / ckpt_io.LAST, {**state, "tag": run})
+        ckpt_io.save_checkpoint(tmp_path / run / ckpt_io.BEST, {**state, "tag": run})
+        (tmp_path / run / "metrics.csv").write_text("iter\n")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    for kw, error, match in [
+            ({"out_dir": tmp_path / "pre"}, ValueError, "the pre-trained run's own directory"),
+            ({"eval_interval": 3}, ValueError, "eval_interval=3 does not divide"),
+            ({"learning_rate": 3e-4}, ConfigError, "learning_rate"),
+            ({"overwrite": False}, ValueError, "already holds a run; pass overwrite=True"),
+            ({"iters": 0}, ValueError, "iters must be a whole number >= 1")]:
+        with pytest.raises(error, match=match):
+            finetune_config(**{"pretrained_dir": tmp_path / "pre", "out_dir": tmp_path / "ft",
+                               "data_dir": tmp_path / "data", "iters": 5, **kw})
+        assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before, kw
+    cfg = finetune_config(tmp_path / "pre", tmp_path / "ft", tmp_path / "data", iters=5)
+    assert sorted(p.name for p in (tmp_path / "ft").iterdir()) == ["last.pt"] and cfg.max_iters == 45
+    assert ckpt_io.load_checkpoint(tmp_path / "ft" / ckpt_io.LAST)["tag"] == "pre"
+
+
+def test_finetune_data_does_not_replace_the_corpus(tmp_path, shakespeare):
+    data.prepare("shakespeare_char", tmp_path / "data", quiet=True)
+    meta = data.load_meta(tmp_path / "data", "shakespeare_char")
+    corpus = {p.name: p.read_bytes() for p in (tmp_path / "data" / "shakespeare_char").iterdir()}
+    with pytest.raises(ValueError, match="holds the corpus prepared from .*choose another data_dir"):
+        prepare_finetune_data(speeches(shakespeare, ["ROMEO"]), tmp_path / "data", meta)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "data" / "shakespeare_char").iterdir()} == corpus
+    ft = prepare_finetune_data(speeches(shakespeare, ["ROMEO"]), tmp_path / "ft-data", meta)
+    prepare_finetune_data(speeches(shakespeare, ["JULIET"]), ft, meta)  # a re-run cell replaces its own text

@@ -15,7 +15,7 @@ import pytest
 from course_lib.gpt import checkpoint as ckpt_io
 from course_lib.gpt.data import DataError, prepare
 from course_lib.hardware import cpu_autocast_dtypes, gpu_count
-from course_lib.launch import checks, launch_training
+from course_lib.launch import checks, launch_training, training
 from course_lib.launch.placement import plan_ranks
 from course_lib.registry import STRATEGIES
 from course_lib.launch.training import cli
@@ -121,6 +121,26 @@ def test_a_bad_keyword_leaves_the_run_it_would_overwrite(small_data, tmp_path, k
         launch_training(cfg, **kw)
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == files
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+
+
+def test_a_new_run_clears_every_file_of_the_old_one(small_data, tmp_path):
+    """An overwritten run keeps nothing the trainer wrote (a model-parallel run's ranks.json once
+    stayed beside the next run's files, and the layout tables mixed the two); a resumed run keeps
+    its files. Either way the half-written temporary files of a stopped worker go: SIGTERM and
+    SIGKILL skip atomic_write's own cleanup, and a checkpoint's is as large as the checkpoint."""
+    cfg = tiny(small_data, tmp_path / "run")
+    fake_run(tmp_path / "run", cfg)
+    trainer_files = [n for n in training.RUN_FILES if n not in ("last.pt", "config.json")]
+    debris = [".last.pt.k2j4x9.tmp", ".metrics.csv.a1b2c3.tmp"]
+    for name in trainer_files + debris + ["notes.txt"]:
+        (tmp_path / "run" / name).write_text("old")
+    training.prepare_run(cfg.replace(init_from="resume"))
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == sorted(["last.pt", "config.json", "notes.txt"]
+                                                                          + trainer_files)
+    for name in debris:
+        (tmp_path / "run" / name).write_text("old")
+    training.prepare_run(cfg, overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.json", "notes.txt"]
 
 
 def test_course_train_reports_the_same_errors_in_one_line(small_data, tmp_path, capsys):

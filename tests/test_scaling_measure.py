@@ -44,6 +44,17 @@ def test_measurements_are_consistent():
 
 
 @pytest.mark.timeout(120)
+def test_the_measurements_show_their_progress(capsys):
+    """A bar per process count: on a 64-core hub node weak scaling takes minutes."""
+    sm.measure_strong([2, 4], serial_units=1, parallel_units=4, repeats=1)  # + the 1-process baseline
+    sm.measure_weak([1, 2], serial_units=1, parallel_units_per_proc=2, repeats=1)
+    err = capsys.readouterr().err
+    assert "strong scaling: 100%" in err and "3/3" in err and "weak scaling: 100%" in err and "2/2" in err
+    sm.measure_weak([1], serial_units=1, parallel_units_per_proc=2, repeats=1, progress=False)
+    assert "scaling" not in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
 def test_command_line(capsys):
     assert sm.main(["--procs", "1,2", "--serial-units", "1", "--parallel-units", "2", "--repeats", "1"]) == 0
     out = capsys.readouterr().out

@@ -38,6 +38,27 @@ def test_one_repeat_of_ddp_against_the_baseline(tmp_path):
     assert (tmp_path / "strategies.md").read_text().startswith("| strategy | nodes | ranks |")
 
 
+def test_an_interrupted_comparison_leaves_no_older_summary(tmp_path, monkeypatch):
+    """The raw rows are written as each run ends; the summary only at the end. A stopped re-run
+    once left the previous summary beside its own partial rows, possibly for other strategies."""
+    for name in ("strategies.csv", "strategies.md"):
+        (tmp_path / name).write_text("from an earlier comparison\n")
+    done = []
+
+    def one_run(name, ranks, *args):
+        if done:
+            raise KeyboardInterrupt
+        done.append(name)
+        return {"strategy": name, "ranks": ranks, "s": 1.0, "comm": 0.0, "states": 1, "rss": 1, "tokens": 1}
+
+    monkeypatch.setattr(sc, "one_run", one_run)
+    with pytest.raises(KeyboardInterrupt):
+        sc.compare(["ddp"], [2], repeats=1, iters=1, warmup=0, threads=1, out_dir=tmp_path, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["strategies_runs.csv"]
+    with open(tmp_path / "strategies_runs.csv") as f:
+        assert [r["strategy"] for r in csv.DictReader(f)] == ["single"]  # the run that finished
+
+
 def test_bad_input_is_refused_before_any_run(tmp_path):
     with pytest.raises(ValueError, match="unknown strategies.*'nope'"):
         sc.compare(["ddp", "nope"], [2], out_dir=tmp_path)

@@ -56,7 +56,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tqdm.auto import tqdm
 
 from course_lib.analysis.memory import ModelShape, get_preset
 from course_lib.exercises import grading
@@ -65,7 +64,7 @@ from course_lib.gpt.data import prepare
 from course_lib.hardware import PROFILES, GiB, detect, pick_dtype
 from course_lib.launch.forked import notebook_launcher
 from course_lib.launch.spawn import run_ranks
-from course_lib.utils import atomic_write_bytes, repo_root
+from course_lib.utils import atomic_write_bytes, progress_bar, repo_root
 
 if TYPE_CHECKING:  # for the annotations only: torch is imported when a step runs
     import torch
@@ -200,7 +199,7 @@ def train_runs(out: Path, runs: dict[str, Sequence[str]], timeout_s: float = 900
             procs[name] = (subprocess.Popen([sys.executable, "-m", "course_lib.cli", "train", *argv],
                                             stdout=log, stderr=subprocess.STDOUT), time.perf_counter())
     walls = {}
-    with tqdm(total=sum(totals.values()), desc=" + ".join(runs), unit="it") as bar:
+    with progress_bar(total=sum(totals.values()), desc=" + ".join(runs), unit="it") as bar:
         while len(walls) < len(procs):
             for name, (proc, start) in procs.items():
                 if name not in walls and proc.poll() is not None:

@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 
 from course_lib.analysis.scaling_laws import fit_serial_fraction, gustafson_speedup, karp_flatt
+from course_lib.utils import progress_bar
 
 UNIT_ITERS = 20_000  # loop iterations in one unit of work (about 1 ms on a laptop core)
 
@@ -83,37 +84,43 @@ def _check_procs(procs: Sequence[int]) -> list[int]:
 
 
 def measure_strong(procs: Sequence[int], serial_units: int = 10, parallel_units: int = 190,
-                   repeats: int = 3) -> list[dict]:
+                   repeats: int = 3, progress: bool = True) -> list[dict]:
     """Strong scaling: the same job on p = each of ``procs`` processes (median of ``repeats``).
 
     Rows: p, seconds, speedup T(1)/T(p), efficiency speedup/p, karp_flatt e(p) (None at p = 1).
+    ``progress``: a bar of the process counts timed (a many-core machine takes a minute or more).
     """
     procs = _check_procs(procs)
     if serial_units < 0 or parallel_units < 1 or repeats < 1:
         raise ValueError("need serial_units >= 0, parallel_units >= 1 and repeats >= 1")
-    t1, _ = _timed(serial_units, parallel_units, 1, repeats)
     rows = []
-    for p in procs:
-        t = t1 if p == 1 else _timed(serial_units, parallel_units, p, repeats)[0]
-        speedup = t1 / t
-        rows.append({"p": p, "seconds": t, "speedup": speedup, "efficiency": speedup / p,
-                     "karp_flatt": karp_flatt(speedup, p) if p > 1 else None})
+    with progress_bar(total=len(procs) + (1 not in procs), desc="strong scaling", unit="p",
+                      disable=not progress) as bar:
+        t1, _ = _timed(serial_units, parallel_units, 1, repeats)
+        bar.update(1 not in procs)
+        for p in procs:
+            t = t1 if p == 1 else _timed(serial_units, parallel_units, p, repeats)[0]
+            bar.update(1)
+            speedup = t1 / t
+            rows.append({"p": p, "seconds": t, "speedup": speedup, "efficiency": speedup / p,
+                         "karp_flatt": karp_flatt(speedup, p) if p > 1 else None})
     return rows
 
 
 def measure_weak(procs: Sequence[int], serial_units: int = 10, parallel_units_per_proc: int = 95,
-                 repeats: int = 3) -> list[dict]:
+                 repeats: int = 3, progress: bool = True) -> list[dict]:
     """Weak scaling: p processes on a job whose parallel part is p times larger.
 
     Rows: p, seconds (on p processes), seconds_1 (the same job on one process), scaled_speedup
     seconds_1 / seconds, serial_share s' (serial time / seconds, measured in the p-process run)
-    and gustafson = s' + (1 - s') p, the law's prediction from that share.
+    and gustafson = s' + (1 - s') p, the law's prediction from that share. ``progress``: a bar of
+    the process counts done (the one-process baselines grow with p: minutes on 64 cores).
     """
     procs = _check_procs(procs)
     if serial_units < 0 or parallel_units_per_proc < 1 or repeats < 1:
         raise ValueError("need serial_units >= 0, parallel_units_per_proc >= 1 and repeats >= 1")
     rows = []
-    for p in procs:
+    for p in progress_bar(procs, desc="weak scaling", unit="p", disable=not progress):
         work = parallel_units_per_proc * p
         t1, ts1 = _timed(serial_units, work, 1, repeats)
         t, ts = (t1, ts1) if p == 1 else _timed(serial_units, work, p, repeats)

@@ -48,6 +48,7 @@ from course_lib.parallel.strategy import build_strategy
 from course_lib.registry import STRATEGIES
 from course_lib.trainer.config import make_config
 from course_lib.trainer.loop import optimizer_factory
+from course_lib.utils import progress_bar
 
 COMPARISON_FIELDS = ["strategy", "nodes", "ranks", "ms_per_iter", "ms_min", "ms_max", "tokens_per_s", "speedup",
           "efficiency", "comm_ms", "model_states_mb", "rss_mb", "runs", "threads_per_rank", "scaling"]
@@ -136,7 +137,6 @@ def compare(strategies: list[str], ranks: list[int], repeats: int = 5, iters: in
     The 1-rank ``single`` baseline always runs first. Prepares ``shakespeare_char`` if needed
     and writes the three files of the module docstring into ``out_dir``.
     """
-    from tqdm.auto import tqdm  # imported here: only the run itself needs it
 
     unknown = [n for n in strategies if n not in STRATEGIES]
     if unknown:
@@ -154,12 +154,15 @@ def compare(strategies: list[str], ranks: list[int], repeats: int = 5, iters: in
     per_rank_threads = {r: threads or max(1, cores // r) for r in [*ranks, 1]}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    for old in ("strategies.csv", "strategies.md"):  # an interrupted run must not leave an older summary
+        (out / old).unlink(missing_ok=True)          # beside its own raw rows
     # Repeats are the outer loop: a slow spell of a shared machine then hits every cell alike.
     runs: dict[tuple, list] = {cell: [] for cell in cells}
     with open(out / "strategies_runs.csv", "w", newline="") as f:  # every run, as it finishes
         writer = csv.DictWriter(f, fieldnames=["repeat", "strategy", "ranks", "s", "comm", "states", "rss", "tokens"])
         writer.writeheader()
-        with tqdm(total=len(cells) * repeats, desc="runs (strategy x ranks x repeat)", disable=not progress) as bar:
+        with progress_bar(total=len(cells) * repeats, desc="runs (strategy x ranks x repeat)",
+                          disable=not progress) as bar:
             for repeat in range(repeats):
                 for name, r in cells:
                     run = one_run(name, r, iters, warmup, scaling, per_rank_threads[r])

@@ -41,22 +41,28 @@ from course_lib.launch.checks import TrainRequest, check_request
 from course_lib.launch.placement import LaunchConfigError
 from course_lib.launch.supervise import MetricsProgress
 from course_lib.registry import ConfigError
-from course_lib.trainer.config import TrainConfig, arg_parser, config_from_args
+from course_lib.trainer.config import CONFIG_FILE, RUN_FILES, TrainConfig, arg_parser, config_from_args
 
 TRAIN_MODULE = "course_lib.trainer.loop"
 # LaunchSpec fields a training run sets itself, from its config and its own arguments
 SET_HERE = ("module", "device", "collective_timeout", "run_dir", "progress", "output")
-RUN_FILES = ("last.pt", "best.pt", "metrics.csv", "summary.json", "run.json", "config.json")
 DISPLAYS = ("notebook", "terminal")
 
 
 def prepare_run_dir(req: TrainRequest) -> Path:
-    """Clear an overwritten run, write RUN_DIR/config.json; returns its path."""
+    """Clear an overwritten run, write RUN_DIR/config.json; returns its path.
+
+    Either way, the temporary files of a write that a stopped worker left half done go
+    (``.last.pt.XXXX.tmp``: SIGTERM or SIGKILL skips the writer's own cleanup, and a checkpoint's
+    is as large as the checkpoint)."""
     cfg, out = req.config, Path(req.config.out_dir)
     try:
         if cfg.init_from == "scratch" and req.overwrite:
             for name in RUN_FILES:
                 (out / name).unlink(missing_ok=True)
+        for name in RUN_FILES:
+            for tmp in out.glob(f".{name}.*.tmp"):
+                tmp.unlink(missing_ok=True)
         return cfg.save().resolve()
     except OSError as e:  # a read-only or mistyped path: one line, still before any worker starts
         raise LaunchConfigError(f"cannot write the run directory {out} ({e.strerror or e}); "
@@ -102,7 +108,7 @@ def run_training(config: TrainConfig, *, display: str = "notebook", nproc=None, 
                  hint="device, timeout_s and out_dir are fields of the config: make_config(name, {'device': ...})")
     checks.check_show_ranks_and_env(show_ranks, env)
     req = check_request(config, nproc=nproc, nnodes=nnodes, overwrite=overwrite, recipe=recipe, backend=backend)
-    cfg, config_file = req.config, Path(req.config.out_dir).resolve() / "config.json"
+    cfg, config_file = req.config, Path(req.config.out_dir).resolve() / CONFIG_FILE
     env = dict(env or {})
     if cfg.threads:
         env.setdefault("OMP_NUM_THREADS", str(cfg.threads))

@@ -49,6 +49,9 @@ from course_lib.registry import (ConfigError, MoEConfig, ParallelConfig, at_leas
 from course_lib.utils import atomic_write_bytes
 
 CONFIG_FILE = "config.json"  # in each run directory: the frozen TrainConfig every rank reads
+# Every file a run writes in its directory (checkpoints, trainer/metrics.py's records, the config):
+# what a new run in the same directory clears
+RUN_FILES = ("last.pt", "best.pt", "metrics.csv", "summary.json", "run.json", "ranks.json", CONFIG_FILE)
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 INIT_FROM = ("scratch", "resume")
 # Fields a resumed run may change: where and how it runs, how often it reports, and how long.

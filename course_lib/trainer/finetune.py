@@ -35,9 +35,10 @@ import numpy as np
 
 from course_lib.gpt import checkpoint as ckpt_io
 from course_lib.gpt.data import tokenizer
-from course_lib.trainer.config import TrainConfig, check_resumable
-from course_lib.utils import atomic_write_bytes
+from course_lib.trainer.config import RUN_FILES, TrainConfig, check_resumable
+from course_lib.utils import atomic_write_bytes, check_count
 
+FINETUNE_SOURCE = "fine-tuning text"  # meta.json's source for a folder of prepare_finetune_data
 SPEAKER = re.compile(r"^([A-Z][A-Za-z' ]*[A-Za-z]):$")  # a speech's first line: "ROMEO:", "First Citizen:"
 # the same after a blank line (or at the start): a verse line may end with a colon too
 HEADING = re.compile(r"(?:\A|(?<=\n\n))([A-Z][A-Za-z' ]*[A-Za-z]):(?=\n)")
@@ -60,16 +61,22 @@ def speaker_counts(text: str) -> Counter:
 
 def prepare_finetune_data(text: str, data_dir: str | os.PathLike, base_meta: dict, val_fraction: float = 0.1) -> Path:
     """Write ``DATA_DIR/DATASET/{train.bin,val.bin,meta.json}`` for ``text``, encoded with the
-    tokenizer of ``base_meta`` (the pre-training dataset's meta.json); returns DATA_DIR."""
+    tokenizer of ``base_meta`` (the pre-training dataset's meta.json); returns DATA_DIR. A folder
+    that holds a prepared corpus (gpt.data.prepare's) is refused: the text would replace it."""
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    folder = Path(data_dir) / base_meta["dataset"]
+    if (folder / "meta.json").is_file():
+        old = json.loads((folder / "meta.json").read_text()).get("source")
+        if old != FINETUNE_SOURCE:
+            raise ValueError(f"{folder} holds the corpus prepared from {old}: the fine-tuning text would "
+                             "replace it; choose another data_dir (e.g. runs/finetune-data)")
     encode, _ = tokenizer(base_meta)
     ids = np.asarray(encode(text), dtype=np.uint16)  # ValueError for a character outside the vocabulary
     n_val = math.ceil(len(ids) * val_fraction)
     splits = {"train": ids[:-n_val], "val": ids[-n_val:]}
-    folder = Path(data_dir) / base_meta["dataset"]
     meta = {k: v for k, v in base_meta.items() if not k.startswith(("train_", "val_", "source"))}
-    meta["source"] = "fine-tuning text"
+    meta["source"] = FINETUNE_SOURCE
     for split, arr in splits.items():
         atomic_write_bytes(folder / f"{split}.bin", arr.tobytes())
         meta[f"{split}_tokens"] = int(arr.size)
@@ -78,21 +85,22 @@ def prepare_finetune_data(text: str, data_dir: str | os.PathLike, base_meta: dic
 
 
 def finetune_config(pretrained_dir: str | os.PathLike, out_dir: str | os.PathLike, data_dir: str | os.PathLike,
-                    iters: int, which: str = "best", **changes):
+                    iters: int, which: str = "best", overwrite: bool = True, **changes):
     """A config that continues ``pretrained_dir``'s checkpoint for ``iters`` more iterations on the
     data in ``data_dir``, as a new run in ``out_dir``. ``changes``: fields a resumed run may change
-    (eval_interval, eval_iters, log_interval, device, ...; see course_lib.gpt.checkpoint)."""
-    if iters < 1:
-        raise ValueError(f"iters must be >= 1, got {iters}")
+    (eval_interval, eval_iters, log_interval, device, ...; see course_lib.gpt.checkpoint).
+    Everything is checked before ``out_dir`` is touched; a run already there is replaced, as a
+    re-run cell of launch_training replaces its run (``overwrite=False`` refuses instead)."""
+    check_count("iters", iters)
     if which not in ("best", "last"):
         raise ValueError(f"which must be 'best' or 'last', got {which!r}")
-    ck = ckpt_io.load_checkpoint(Path(pretrained_dir) / f"{which}.pt")
     out = Path(out_dir)
-    # the pre-trained state, as the last checkpoint of the new run; "best" restarts on the new data
-    ck["best_val_loss"] = math.inf
-    ckpt_io.save_checkpoint(out / ckpt_io.LAST, ck)
-    for stale in (ckpt_io.BEST, "metrics.csv", "summary.json"):
-        (out / stale).unlink(missing_ok=True)
+    if out.resolve() == Path(pretrained_dir).resolve():
+        raise ValueError(f"out_dir is the pre-trained run's own directory ({out}): the fine-tuning run "
+                         "would replace its checkpoints; choose a new one (e.g. runs/finetune)")
+    if not overwrite and (out / ckpt_io.LAST).exists():
+        raise ValueError(f"{out} already holds a run; pass overwrite=True to replace it, or choose another out_dir")
+    ck = ckpt_io.load_checkpoint(Path(pretrained_dir) / f"{which}.pt")
     cfg = TrainConfig.from_dict(ck["config"]).replace(
         out_dir=str(out), data_dir=str(data_dir), init_from="resume", max_iters=ck["iter_num"] + iters,
         run_name="", **changes)
@@ -101,4 +109,10 @@ def finetune_config(pretrained_dir: str | os.PathLike, out_dir: str | os.PathLik
         raise ValueError(f"eval_interval={cfg.eval_interval} does not divide the checkpoint's iteration "
                          f"{ck['iter_num']}: choose one that does, so the run starts by evaluating the "
                          "pre-trained model on the new data")
+    # checked: now the new run's directory holds only the pre-trained state, as its last
+    # checkpoint; "best" restarts on the new data
+    for stale in RUN_FILES:
+        (out / stale).unlink(missing_ok=True)
+    ck["best_val_loss"] = math.inf
+    ckpt_io.save_checkpoint(out / ckpt_io.LAST, ck)
     return cfg
