@@ -132,3 +132,34 @@ def test_course_grade_refuses_bad_input(tmp_path, capsys):
     assert exercises.grade_cli([str(plain), "--cell-timeout", "0"]) == 2
     assert exercises.grade_cli([str(plain), "--time-limit", "0"]) == 2
     assert "--time-limit must be > 0" in capsys.readouterr().err
+
+
+def test_an_autograder_zip_of_an_older_course_lib_is_noticed(tmp_path):
+    """Gradescope installs the course wheel inside the autograder zip (local grading imports the
+    installed course_lib): a zip built before a change to course_lib would grade with the old helpers."""
+    import io
+    import zipfile
+
+    from course_lib.exercises.build import zip_package_differences
+
+    package = tmp_path / "course_lib"
+    (package / "exercises").mkdir(parents=True)
+    (package / "utils.py").write_text("A = 1\n")
+    (package / "exercises" / "grading.py").write_text("def assert_number(): ...\n")
+
+    def autograder(files: dict) -> Path:
+        wheel = io.BytesIO()
+        with zipfile.ZipFile(wheel, "w") as w:
+            for name, text in files.items():
+                w.writestr(name, text)
+        path = tmp_path / "autograder.zip"
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr("course_lib-0.1-py3-none-any.whl", wheel.getvalue())
+            z.writestr("tests/q1.py", "")
+        return path
+
+    same = {"course_lib/utils.py": "A = 1\n", "course_lib/exercises/grading.py": "def assert_number(): ...\n"}
+    assert zip_package_differences(autograder(same), package) == []
+    older = {"course_lib/utils.py": "A = 0\n", "course_lib/gone.py": ""}  # edited, removed since, grading.py added
+    assert zip_package_differences(autograder(older), package) == [
+        "course_lib/exercises/grading.py", "course_lib/gone.py", "course_lib/utils.py"]

@@ -37,6 +37,7 @@ import nbformat
 import pytest
 
 from course_lib import exercises
+from course_lib.utils import colab_url
 
 ROOT = Path(__file__).resolve().parents[1]
 EXERCISES = exercises.discover(ROOT / exercises.SOURCES)
@@ -692,6 +693,7 @@ def test_a_submission_that_defeats_the_cell_limit_is_stopped_and_scores_zero(gra
     (report,) = json.loads(stdout)
     assert returncode == 1, stderr  # a grading that did not complete
     assert report["total"] == 0 and "limit of 20 s" in report["error"], report
+    assert "The cell running then starts with: import signal, time" in report["error"], report  # which cell
     assert all("limit of 20 s" in q["failures"][0] for q in report["questions"]), report
     # the killed worker's copy of the submission and its kernel's files went with its job folder
     assert sorted(p.name for p in grader_tmp.iterdir()) == []
@@ -778,10 +780,14 @@ def test_grader_check_passes_for_a_student_who_solved_it(graded, built):
 @pytest.mark.parametrize("ex", EXERCISES, ids=IDS)
 def test_every_exercise_names_the_lesson_it_follows(ex):
     intro = nbformat.read(ex.source, as_version=4).cells[0].source
-    found = re.findall(r"Follows lesson (\d+), \[(\d\d_\w+)\]\(\.\./\.\./notebooks/(\d\d_\w+)\.ipynb\)", intro)
+    # the link opens the lesson in Colab: a relative ../../notebooks/ link is dead in a published
+    # handout (course exercises publish copies no lessons) and on Colab
+    found = re.findall(r"Follows lesson (\d+), \[(\d\d_\w+)\]\((\S+)\) \(in a clone of the course: "
+                       r"`notebooks/(\d\d_\w+)\.ipynb`\)", intro)
     assert len(found) == 1, f"{ex.name}: its first cell names no lesson ('Follows lesson N, [NN_topic](...)')"
-    number, name, link = found[0]
-    assert name == link and int(number) == int(name[:2]) and (ROOT / "notebooks" / f"{name}.ipynb").is_file()
+    number, name, link, path = found[0]
+    assert link == colab_url(f"notebooks/{name}.ipynb") and path == name and int(number) == int(name[:2])
+    assert (ROOT / "notebooks" / f"{name}.ipynb").is_file()
 
 
 @pytest.mark.timeout(600)

@@ -15,6 +15,7 @@ loads ``course_lib.exercises.CellTimeLimit`` and the tests import ``course_lib``
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import shutil
 import subprocess
@@ -180,6 +181,24 @@ def build_exercise(ex: Exercise, run_tests: bool = False, quiet: bool = True, wh
             shutil.rmtree(target, ignore_errors=True)
             staged.rename(target)
     return ex.release
+
+
+def zip_package_differences(autograder_zip: Path, package: Path) -> list[str]:
+    """The modules of ``package`` (this clone's course_lib) that the course wheel bundled in
+    ``autograder_zip`` holds otherwise, or lacks (or holds and the clone does not). Local grading
+    imports the installed course_lib; Gradescope installs the bundled one, so an autograder zip
+    built before a change to course_lib grades there with the old grading helpers."""
+    with zipfile.ZipFile(autograder_zip) as outer:
+        wheels = [n for n in outer.namelist() if n.startswith("course_lib-") and n.endswith(".whl")]
+        if not wheels:
+            return []  # no wheel: not a Gradescope zip
+        with zipfile.ZipFile(io.BytesIO(outer.read(wheels[0]))) as wheel:
+            bundled = {n: wheel.read(n) for n in wheel.namelist() if n.startswith("course_lib/") and n.endswith(".py")}
+    root = package.parent
+    changed = [n for n, data in bundled.items() if not (root / n).is_file() or (root / n).read_bytes() != data]
+    added = [n for p in package.rglob("*.py")  # (rglob does not enter _course's links: those are in bundled)
+             if "__pycache__" not in p.parts and (n := p.relative_to(root).as_posix()) not in bundled]
+    return sorted(changed + added)
 
 
 def check_exercise(ex: Exercise) -> list[str]:

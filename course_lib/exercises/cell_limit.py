@@ -5,6 +5,17 @@ from __future__ import annotations
 import os
 
 CELL_TIMEOUT_ENV = "COURSE_GRADING_CELL_TIMEOUT"
+CELL_LOG_ENV = "COURSE_GRADING_CELL_LOG"  # a file the kernel writes each cell's first line to, as it starts
+
+
+def running_cell(environ=os.environ) -> str:
+    """The first line of the submission's cell that was running last (from ``$COURSE_GRADING_CELL_LOG``),
+    or "" when nothing was logged: what a stopped or crashed grading names."""
+    path = environ.get(CELL_LOG_ENV)
+    try:
+        return open(path, encoding="utf-8").read().strip() if path else ""
+    except OSError:
+        return ""
 
 
 class CellTimeLimit:
@@ -22,13 +33,21 @@ class CellTimeLimit:
 
     ARM = '''\
 # course_lib.exercises.CellTimeLimit: no cell may run longer than {seconds} s during grading
+import os as _course_os
 import signal as _course_signal
 
 def _course_cell_timeout(signum, frame):
     raise TimeoutError("this cell ran longer than {seconds} s during grading and was stopped "
                        "(an endless loop, or a process that never finished?)")
 
+def _course_log_cell(first_line):  # which cell runs: a cell that blocks in C code or kills the kernel is named
+    if _course_os.environ.get("{log_env}"):
+        with open(_course_os.environ["{log_env}"], "w", encoding="utf-8") as _course_f:
+            _course_f.write(first_line[:120])
+
 def _course_arm(*args):
+    raw = getattr(args[0], "raw_cell", "") if args else ""
+    _course_log_cell(next((line for line in raw.splitlines() if line.strip()), ""))
     _course_signal.alarm({seconds})
 
 def _course_disarm(*args):
@@ -41,6 +60,7 @@ if hasattr(_course_signal, "SIGALRM"):  # POSIX; elsewhere cells are not bounded
 '''
     DISARM = '''\
 # course_lib.exercises.CellTimeLimit: grading cells from here on are bounded by their own timeouts
+_course_log_cell("(the grader's own cells, after the submission's)")
 if hasattr(_course_signal, "SIGALRM"):
     _course_signal.alarm(0)
     get_ipython().events.unregister("pre_run_cell", _course_arm)
@@ -61,7 +81,8 @@ if hasattr(_course_signal, "SIGALRM"):
 
         if isinstance(submission, str):  # a .py submission: nothing to bound per cell
             return submission
-        submission.cells.insert(0, nbformat.v4.new_code_cell(self.ARM.format(seconds=self.seconds())))
+        arm = self.ARM.format(seconds=self.seconds(), log_env=CELL_LOG_ENV)
+        submission.cells.insert(0, nbformat.v4.new_code_cell(arm))
         submission.cells.append(nbformat.v4.new_code_cell(self.DISARM))
         return submission
 

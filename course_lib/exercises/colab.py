@@ -6,11 +6,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import urllib.request
 from pathlib import Path
 
 from course_lib.exercises.layout import MANIFEST, Exercise
-from course_lib.utils import GITHUB_BRANCH, GITHUB_REPO, INSTALL_SPEC_VAR, PACKAGE_DIR, colab_badge, colab_install_lines
+from course_lib.utils import (GITHUB_BRANCH, GITHUB_REPO, INSTALL_SPEC_VAR, PACKAGE_DIR, colab_badge,
+                              colab_install_lines, colab_url)
 
 
 def exercise_setup_cell(name: str) -> str:
@@ -63,6 +65,16 @@ def colab_badge_line(name: str) -> str:
     return colab_badge(f"exercises/{name}/{name}.ipynb")
 
 
+# "Follows lesson N, [NN_topic](<Colab address of notebooks/NN_topic.ipynb>)": the repository in it
+LESSON_LINK = re.compile(r"https://colab\.research\.google\.com/github/[^/\s]+/[^/\s]+/blob/[^/\s]+/"
+                         r"(notebooks/[^)\s]+)")
+
+
+def _lesson_links(markdown: str) -> str:
+    """``markdown`` with each Colab link to a lesson pointing at this course's repository."""
+    return LESSON_LINK.sub(lambda m: colab_url(m.group(1)), markdown)
+
+
 def _first(nb, cell_type: str):
     return next((c for c in nb.cells if c.cell_type == cell_type), None)
 
@@ -79,6 +91,8 @@ def setup_cell_problems(ex: Exercise) -> list[str]:
     md, code = _first(nb, "markdown"), _first(nb, "code")
     if md is None or md.source.split("\n", 1)[0] != colab_badge_line(ex.name):
         problems.append(f"{ex.source}: the first markdown cell does not start with the Colab badge of {ex.name}; {fix}")
+    elif _lesson_links(md.source) != md.source:
+        problems.append(f"{ex.source}: the first markdown cell links a lesson of another repository; {fix}")
     if code is None or code.source != exercise_setup_cell(ex.name):
         problems.append(f"{ex.source}: the first code cell is not the setup cell of {ex.name}; {fix}")
     return problems
@@ -97,6 +111,7 @@ def sync_setup_cell(ex: Exercise) -> bool:
     first, _, rest = md.source.partition("\n")
     new_md = md.source if first == badge else (
         badge + "\n" + rest if "colab.research.google.com" in first else badge + "\n\n" + md.source)
+    new_md = _lesson_links(new_md)
     if new_md == md.source and code.source == exercise_setup_cell(ex.name):
         return False
     md.source, code.source = new_md, exercise_setup_cell(ex.name)

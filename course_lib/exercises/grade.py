@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -32,7 +33,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from course_lib.exercises.cell_limit import CELL_TIMEOUT_ENV, CellTimeLimit  # noqa: F401 - re-exported
+from course_lib.exercises.cell_limit import (  # noqa: F401 - CELL_TIMEOUT_ENV and CellTimeLimit re-exported
+    CELL_LOG_ENV, CELL_TIMEOUT_ENV, CellTimeLimit, running_cell)
 from course_lib.exercises.draws import seeded, submission_seed
 from course_lib.exercises.layout import quiet as silenced
 from course_lib.exercises.layout import select
@@ -95,7 +97,7 @@ class GradeReport:
             lines.append(f"  {q.name:<{width}}  {points_text(q.score):>5} / {points_text(q.possible)}")
             if verbose:
                 for msg in (q.public if student_safe else q.failures):
-                    lines += ["      " + line for line in msg.strip().splitlines()[-6:]]
+                    lines += ["      " + line for line in brief(msg)]
         if self.error:
             lines.append(f"ERROR: grading did not complete: {self.error}")
         lines.append(f"TOTAL: {points_text(self.total)} / {points_text(self.possible)}")
@@ -179,6 +181,8 @@ def grade(submission: str | os.PathLike, autograder: str | os.PathLike | None = 
                 error = repr(results.catastrophic_error)
         except Exception as e:  # noqa: BLE001 - a broken submission can make otter fail: it scores zero
             error = f"{type(e).__name__}: {e}"
+        if error and running_cell():  # e.g. a cell that killed the kernel: say which
+            error += f" (while running the cell that starts with: {running_cell()})"
     questions = []
     for name, pts in possible.items():
         tf = results.results.get(name) if results is not None and error is None else None
@@ -204,14 +208,29 @@ def assignment_of_zip(autograder_zip: Path) -> str | None:
         return json.loads(zf.read("otter_config.json")).get("assignment_name")
 
 
+# An exception's own line ("RanksTimeoutError: the 2 ranks ..."), not otter's "Error at line 25 in test ..."
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning): ")
+
+
 def _last_error(message: str) -> str:
     """The exception line of a test's traceback (and what follows it), without the source lines."""
     lines = [ln for ln in message.replace("❌ Test case failed", "").strip().splitlines() if ln.strip()]
     for i, line in enumerate(lines):
-        if not line.startswith((" ", "Traceback")) and ("Error" in line.split(":", 1)[0]
-                                                         or "Exception" in line.split(":", 1)[0]):
+        if EXCEPTION_LINE.match(line):
             return "\n".join(lines[i:])
     return lines[-1] if lines else "failed"
+
+
+def brief(message: str, tail: int = 4) -> list[str]:
+    """A failure message in a few lines: its first (the test's name), the exception's own line
+    (the course's diagnosis, e.g. which ranks never joined) and the last ``tail`` lines; a long
+    traceback's middle becomes "...". The whole message stays in the JSON report."""
+    lines = [ln for ln in message.strip().splitlines() if set(ln.strip()) - set("^~")]  # no caret lines
+    if len(lines) <= 2 + tail:
+        return lines
+    first = next((i for i, ln in enumerate(lines) if i and EXCEPTION_LINE.match(ln)), 0)
+    start = max(len(lines) - tail, first + 1)
+    return [lines[0]] + ([lines[first]] if first else []) + (["..."] if start > first + 1 else []) + lines[start:]
 
 
 def _cell_errors(executed_nb) -> list[str]:
@@ -289,9 +308,9 @@ def _grade_in_process(submission: str, autograder: str, time_limit: float, env: 
         t0 = time.monotonic()
         with open(log, "wb") as log_file:
             seed = submission_seed(submission) if seed is None else seed
+            env = {**env, "TMPDIR": str(worker_tmp), CELL_LOG_ENV: str(Path(tmp) / "running_cell.txt")}
             proc = subprocess.Popen(_worker_argv(submission, autograder, out, seed), stdout=log_file,
-                                    stderr=subprocess.STDOUT,
-                                    env={**env, "TMPDIR": str(worker_tmp)}, start_new_session=True)
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
             workers.started(proc)
             try:
                 proc.wait(timeout=time_limit)
@@ -304,9 +323,11 @@ def _grade_in_process(submission: str, autograder: str, time_limit: float, env: 
         seconds = time.monotonic() - t0
         if out.is_file():
             return _report_from_dict(json.loads(out.read_text(encoding="utf-8")))
+        cell = running_cell(env)
         if seconds >= time_limit:
             why = (f"grading was stopped after the submission's limit of {time_limit:g} s (a cell "
-                   "that never ends and ignored its own time limit?); every question scores zero")
+                   "that never ends and ignored its own time limit?"
+                   + (f" The cell running then starts with: {cell}" if cell else "") + "); every question scores zero")
         else:
             said = log.read_text(errors="replace").strip().splitlines()[-3:]
             why = f"the grading process failed (exit code {proc.returncode}): {' / '.join(said)}"

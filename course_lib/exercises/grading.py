@@ -194,13 +194,18 @@ def assert_number(found, expected, what: str, rel: float = 1e-9, abs_tol: float 
                   factors: dict[str, float] | None = None, hint: str = "") -> None:
     """``found`` must be within ``abs_tol + rel * |expected|`` of ``expected``; the message says
     both, and the likely mistake (a named factor, or ``hint``)."""
+    if found is None:
+        raise AssertionError(f"{what}: expected the number {expected!r}, found None (does the function "
+                             "return its result?)")
     if not isinstance(found, (int, float)) or isinstance(found, bool):
         try:
             found = float(found)
         except (TypeError, ValueError):
             raise AssertionError(f"{what}: expected the number {expected!r}, found "
                                  f"{type(found).__name__} {found!r}") from None
-    if abs(found - expected) > abs_tol + rel * abs(expected):
+    if not abs(found - expected) <= abs_tol + rel * abs(expected):  # "not <=": a NaN fails too
+        if found != found:
+            raise AssertionError(f"{what}: expected {expected!r}, found nan (an overflow, or 0/0, on the way?)")
         raise AssertionError(f"{what}: expected {expected!r}, found {found!r}"
                              + (factor_hint(found, expected, factors) or (f" ({hint})" if hint else "")))
 

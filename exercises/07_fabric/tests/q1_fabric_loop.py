@@ -35,5 +35,6 @@ def test_ddp_on_two_ranks_equals_one_process(fabric_train):
         from course_lib.experiments.frameworks_fabric import make_fabric
         return fabric_train(make_fabric('ddp'), make_model, make_optimizer, batches)
     for rank, losses in enumerate(grading.run_ranks(worker, 2)):
+        assert isinstance(losses, list) and len(losses) == len(expected), f'rank {rank}: expected fabric_train to return a list of {len(expected)} losses, one float per step, found {losses!r}'
         grading.assert_close(torch.tensor(losses), torch.tensor(expected), f"rank {rank}'s losses (one process: the whole batch)")
 
