@@ -272,6 +272,10 @@ class ParallelConfig:
         return self.model_parallel_size > 1 or (n_expert > 0 and self.nproc > 1)
 
 
+FP16_ON_GRID = ("float16 needs loss scaling, which the tp/pp/cp pipeline does not do; "
+                "use --dtype=bfloat16 or --dtype=float32")
+
+
 def layout_error(cfg) -> str | None:
     """The first rule that the layout of ``cfg`` (a TrainConfig) sets the model, data and run and
     that they break, or None."""
@@ -290,6 +294,8 @@ def layout_error(cfg) -> str | None:
         return error
     if not cfg.on_grid(cfg.n_expert):
         return None
+    if cfg.dtype == "float16":  # "auto" that resolves to it on a T4: launch.checks.check_layout
+        return FP16_ON_GRID
     if cfg.dropout:
         return (f"dropout={cfg.dropout} with tp/pp/cp is not supported (the tp ranks would need one "
                 "shared random stream); use --dropout=0")

@@ -12,7 +12,8 @@ class Cell:
     """A cell executing in the kernel; pump() reads its output until a condition or the end.
 
     ``stdout``/``stderr``: the streams; ``displays``: the latest text/plain of each display (by
-    display id, updates included); ``error``: the error reply's content, if any."""
+    display id, updates included); ``error``: the error reply's content, if any; ``execution_count``:
+    its prompt number."""
 
     def __init__(self, kc, code: str):
         self.kc, self.msg_id = kc, kc.execute(code)
@@ -20,6 +21,7 @@ class Cell:
         self.displays: dict[str, str] = {}
         self.error = None
         self.done = False
+        self.execution_count = None  # the prompt number the notebook shows, In [n]
 
     @property
     def display_text(self) -> str:
@@ -37,7 +39,9 @@ class Cell:
             if msg["parent_header"].get("msg_id") != self.msg_id:
                 continue
             kind, c = msg["msg_type"], msg["content"]
-            if kind == "stream":
+            if kind == "execute_input":
+                self.execution_count = c["execution_count"]
+            elif kind == "stream":
                 if c["name"] == "stdout":
                     self.stdout += c["text"]
                 else:

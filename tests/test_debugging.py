@@ -61,12 +61,17 @@ def usable(kc) -> None:
 @pytest.mark.timeout(120)
 def test_crashes_are_named_the_rank_restarted_and_lost_variables_stated(kernel):
     _, kc = kernel
-    assert run(kc, "%%ranks\nkeep = [1.0, 2.0]\nmine = RANK").error is None
+    made = run(kc, "%%ranks\nkeep = [1.0, 2.0]\nmine = RANK")
+    assert made.error is None and made.execution_count is not None
     msg, cell = bug(kc, "%%ranks\nimport os\nif RANK == 1:\n    os._exit(3)\nprint('alive', RANK)", "RankDiedError")
     assert "rank 1 DIED (exit code 3) while running the cell" in msg
     assert "rank 0: done (finished the cell)" in msg
-    assert "rank 1 LOST its variables keep (In [" in msg and "mine (In [" in msg  # the cell that made them
+    # the cell that made them, by the prompt the notebook shows (not IPython's count, one ahead while a cell runs)
+    assert f"rank 1 LOST its variables keep (In [{made.execution_count}])" in msg, msg
+    assert f"mine (In [{made.execution_count}])" in msg, msg
     assert "rank 1 · stopped (DIED, exit code 3)" in cell.display_text
+    # the notebook shows the message alone, not a traceback through the magic and the pool
+    assert cell.error["traceback"] == [f"RankDiedError: {msg}"], cell.error["traceback"]
     status = run(kc, "%ranks status").stdout
     assert "rank 0: pid" in status and "rank 1: pid" in status and "DEAD" not in status, status
     assert run(kc, "%%ranks 1\nkeep = [1.0, 2.0]").error is None  # what the message says to do

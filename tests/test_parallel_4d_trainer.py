@@ -17,6 +17,7 @@ import pytest
 from test_parallel_trainer import TINY, losses, numbers, run
 
 from course_lib.gpt.data import prepare
+from course_lib.launch import checks
 from course_lib.launch.checks import check_request
 from course_lib.registry import ConfigError
 from course_lib.trainer.config import check_layout_change, make_config
@@ -100,11 +101,22 @@ def _csv(path):
     ({"nproc": 4, "tp": 2, "pp": 2, "strategy": "fsdp_full"}, r"strategy 'fsdp_full' does not combine with tp/pp/cp"),
     ({"nproc": 2, "tp": 2, "dropout": 0.1}, r"dropout=0.1 with tp/pp/cp is not supported"),
     ({"nproc": 2, "sequence_parallel": True}, r"sequence_parallel .* needs tp > 1"),
+    ({"nproc": 2, "tp": 2, "dtype": "float16"}, r"float16 needs loss scaling, which the tp/pp/cp pipeline does not do"),
+    ({"nproc": 2, "ep": 2, "n_expert": 2, "dtype": "float16"}, r"float16 needs loss scaling"),
 ])
 def test_bad_layouts_are_refused_before_spawning(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message) as e:
         check_request(cfg(tmp_path, "bad", **overrides))
     assert "\n" not in str(e.value)
+
+
+def test_float16_that_auto_picks_on_the_grid_is_refused_before_spawning(tmp_path, monkeypatch):
+    """On a T4, dtype 'auto' is float16, known only once the device is: the launcher refuses it
+    (an explicit float16 is refused by the configuration itself, above). Without either, step 0
+    died in GradScaler with "Attempted unscale_ but _scale is None"."""
+    monkeypatch.setattr(checks, "pick_dtype", lambda profile, dtype: "float16")
+    with pytest.raises(ConfigError, match="float16 needs loss scaling"):
+        check_request(cfg(tmp_path, "t4", nproc=2, tp=2, dtype="auto"))
 
 
 def test_zero3_beside_tp_pp_cp_passes_the_checks(tmp_path):
@@ -122,3 +134,12 @@ def test_resume_with_another_global_batch_is_refused(tmp_path):
         check_layout_change(saved, 1, cfg(tmp_path, "r", nproc=2, batch_size=8), 2)
     with pytest.raises(ConfigError, match="with dropout=0.1 the random streams differ"):
         check_layout_change({**saved, "dropout": 0.1}, 1, cfg(tmp_path, "r", nproc=2, batch_size=4, dropout=0.1), 2)
+    # experts: the router's balancing loss and capacity are per micro-batch (a review measured a resumed
+    # run 1.2e-3 apart in loss after 3 steps when one process's 16 x 1 became 2 ranks' 4 x 2)
+    moe = {**saved, "n_expert": 4, "top_k": 2}
+    assert saved["gradient_accumulation_steps"] == 2
+    check_layout_change(moe, 1, cfg(tmp_path, "r", nproc=2, batch_size=4, n_expert=4, top_k=2), 2)  # 2 x 4, 2 micro
+    with pytest.raises(ConfigError, match=r"mixture of experts in 2 micro-batch\(es\) per step, this layout has 1: "
+                                          r".*keep --gradient_accumulation_steps=2"):
+        check_layout_change(moe, 1, cfg(tmp_path, "r", nproc=2, batch_size=8, gradient_accumulation_steps=1,
+                                        n_expert=4, top_k=2), 2)

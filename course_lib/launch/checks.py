@@ -29,7 +29,7 @@ from course_lib.analysis.memory import ModelShape, micro_batches_in_flight, stag
 from course_lib.gpt import data
 from course_lib.hardware import detect, pick_dtype
 from course_lib.launch.placement import LaunchConfigError, RankPlan
-from course_lib.registry import STRATEGIES
+from course_lib.registry import FP16_ON_GRID, STRATEGIES
 from course_lib.trainer.config import TrainConfig, check_resume
 from course_lib.utils import check_seconds
 
@@ -199,8 +199,7 @@ def check_layout(req: TrainRequest) -> None:
     except ValueError as e:
         raise LaunchConfigError(str(e)) from None
     if pick_dtype(detect(req.device), cfg.dtype) == "float16":
-        raise LaunchConfigError("float16 needs loss scaling, which the tp/pp/cp pipeline does not do; "
-                                "use --dtype=bfloat16 or --dtype=float32")
+        raise LaunchConfigError(FP16_ON_GRID)
     if (cfg.pp > 1 or cfg.cp > 1) and req.device == "cuda" and req.plan and req.plan.backend == "gloo":
         # torch.distributed docs, "Backends": gloo has no send/recv of CUDA tensors
         raise LaunchConfigError(f"pp/cp send activations point to point, which gloo cannot do with CUDA tensors "

@@ -94,6 +94,9 @@ class RankPoolError(RuntimeError):
         super().__init__(message)
         self.failed = failed or {}
 
+    def _render_traceback_(self):  # IPython: the message; each rank's own traceback is in its box above,
+        return [f"{type(self).__name__}: {self}"]  # the course's frames (magic, pool) say nothing new
+
 
 class RankDiedError(RankPoolError):
     """A rank's process died; ``died`` maps a rank to how (exit code or signal). It was started
@@ -477,14 +480,18 @@ class RankPool:
 
 
 def _cell_label(index: int) -> str:
-    """'In [7]' (the notebook's cell number) inside IPython, else '#3' (the pool's own count)."""
+    """'In [7]' (the notebook's prompt of the running cell) inside IPython, else '#3' (the pool's
+    own count). The prompt is the running cell's place in the input history, stored before it
+    runs: ``shell.execution_count`` is already the next prompt while a cell runs (IPython 9)."""
     try:
         from IPython import get_ipython  # only to number cells as the notebook does
 
         shell = get_ipython()
     except ImportError:
         shell = None
-    return f"In [{shell.execution_count}]" if shell is not None else f"#{index + 1}"
+    if shell is None:
+        return f"#{index + 1}"
+    return f"In [{len(shell.history_manager.input_hist_raw) - 1}]"
 
 
 def _lookup(name: str):

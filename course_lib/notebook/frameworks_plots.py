@@ -77,11 +77,12 @@ def plot_fsdp_timeline(events: Sequence[tuple]):
             ax.bar(i, nbytes / 1e3, color=colours.get(what, "gray"), label=what)
         else:
             ax.axvline(i, color="black" if kind == "forward" else "tab:orange", lw=1, ls="--")
-            ax.text(i, 0, f" {kind} {what}", rotation=90, va="bottom", fontsize=7,  # beside its line
+            ax.text(i, 0.02, f" {kind} {what}", rotation=90, va="bottom", fontsize=8,  # beside its line,
+                    transform=ax.get_xaxis_transform(),  # just above the axis (x in data, y in axes units)
                     bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})  # readable over a bar
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles))
-    ax.legend(unique.values(), unique.keys(), fontsize=8, loc="upper left")
+    ax.legend(unique.values(), unique.keys(), fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside
     ax.set(xlabel="event, in order", ylabel="KB per collective", title="one FSDP2 step on rank 0")
     ax.set_xticks([])
     fig.tight_layout()

@@ -110,7 +110,7 @@ def plot_ep_against_dp(rows: Sequence[Mapping]):
     axes[0].scatter(xs, [r["model MB"] for r in rows], marker="_", s=900, color="black", zorder=3,
                     label="analysis.moe_memory")
     axes[0].set(ylabel="MB per rank", title="model states per rank")
-    axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=8, markerscale=0.3)  # the tick at its plotted size would run past the frame
     axes[1].bar(xs, [r["step ms"] for r in rows], color="tab:green")
     axes[1].set(ylabel="ms", title="one training step (median)")
     w = 0.4

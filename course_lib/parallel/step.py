@@ -17,6 +17,13 @@ This is nanoGPT's step (Karpathy, github.com/karpathy/nanoGPT, train.py, 2022-20
 GradScaler rule for fp16 ("Automatic Mixed Precision", torch.amp docs: skip the step on inf/NaN
 gradients and back off the scale, grow it after ``growth_interval`` good steps).
 
+fp16 under data parallelism equals one process while no step overflows, and may skip other steps
+when one does: each of dp ranks averages the loss over its own rows, so its scaled backward
+carries activation gradients dp times larger than one process's, and at the same loss scale it
+overflows (and skips) earlier. One process over the same per-rank micro-batches skips where the
+ranks do; PyTorch's DDP behaves the same. (A review measured this in 2026: 9 strategies, 2
+ranks, initial scale 2^24: the ranks skipped steps 0-4, one process 0-3 and 7.)
+
 Phases: ``phase(name, micro)`` returns a context manager entered around each phase (``micro``: the
 micro-batch index for "forward" and "backward", else None). The trainer times compute with it,
 the profiler labels the phases, a lesson measures memory between them; :func:`forward_backward`

@@ -153,6 +153,11 @@ class TorchDDP(Strategy):
 
     DDP's communication runs inside backward, so the time measured here is only what is left to
     wait for afterwards; finish_grads synchronises the device so that wait is counted.
+
+    Built without ``find_unused_parameters`` (its extra graph walk every step): a model with a
+    parameter that gets no gradient stops here with PyTorch's "Expected to have finished reduction
+    in the prior iteration" error (torch_zero1 is this wrapper too), where the course's own
+    ddp/zero strategies skip it (tests/test_parallel_data.py's corners). The course GPT has none.
     """
 
     name = "torch_ddp"

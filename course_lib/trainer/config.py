@@ -343,12 +343,19 @@ def check_layout_change(saved: dict, saved_world: int, cfg: TrainConfig, world_s
     """A checkpoint resumes under another layout (ranks, tp, pp, cp, strategy, micro-batching)
     when the global batch per step is the same: the full state has one format, the data sampler
     draws the same samples, and the step's gradient is the mean over the same global batch. With
-    dropout the ranks' random streams would differ, so the number of ranks must stay."""
+    dropout the ranks' random streams would differ, so the number of ranks must stay; with experts
+    the micro-batches must stay (the balancing loss and the capacity are per micro-batch)."""
     before, now = _global_batch(saved, saved_world), _global_batch(cfg.to_dict(), world_size)
     if before != now:
         raise ConfigError(f"{path} trained with a global batch of {before} sequences per step, this layout has "
                           f"{now} (batch_size x gradient_accumulation_steps x dp); choose batch_size and "
                           f"gradient_accumulation_steps so that they give {before}")
+    accum = saved.get("gradient_accumulation_steps", 1)
+    if cfg.n_expert and accum != cfg.gradient_accumulation_steps:
+        raise ConfigError(f"{path} trained a mixture of experts in {accum} micro-batch(es) per step, this layout has "
+                          f"{cfg.gradient_accumulation_steps}: the router's balancing loss and the experts' capacity "
+                          "are counted per micro-batch, so the same global batch split otherwise trains differently; "
+                          f"keep --gradient_accumulation_steps={accum} (and batch_size x dp as it was)")
     if saved_world != world_size and cfg.dropout:
         raise ConfigError(f"{path} was written by {saved_world} ranks, this run has {world_size}; with "
                               f"dropout={cfg.dropout} the random streams differ: resume with --nproc={saved_world}")

@@ -12,6 +12,11 @@ Units for FSDP are the same as ours (:func:`course_lib.parallel.zero.units.defau
 root). ``state_dict()`` returns the full state in the unsharded optimizer's format on every rank
 (like ours), so checkpoints move freely between strategies. ``comm_s`` counts only the waiting
 that is visible from outside these wrappers (their collectives run inside backward and step).
+
+A unit that some ranks run and others skip in a step (a data-dependent branch) leaves FSDP2's
+collectives unmatched: on gloo the rank aborts (SIGABRT) rather than naming the branch. A
+parameter that no rank uses is fine under FSDP2 (it stays put and gets no optimizer state); under
+``torch_zero1`` it is DDP's "Expected to have finished reduction" error (see TorchDDP).
 """
 
 from __future__ import annotations
