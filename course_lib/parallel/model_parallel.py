@@ -250,6 +250,10 @@ class ModelParallel(Strategy):
     def load_state_dict(self, state: dict) -> None:
         stage, g = self.module, self.grid
         full_order = [n for grp in self._full_layout()[0] for n in grp]
+        saved = sum(len(grp["params"]) for grp in state["optimizer"]["param_groups"])
+        if saved != len(full_order):  # its states would go to other parameters (a crash in a collective later)
+            raise ValueError(f"the state's optimizer holds {saved} parameters, this model trains {len(full_order)}: "
+                             "was it saved with other parameters frozen (requires_grad=False)? Freeze the same ones")
         v = self.cfg.vocab_size
         model = {k: ep_shard(k, shard_named(k, state["model"][k], g.tp_rank, g.tp_world_size, v), g.ep_rank,
                              g.ep_world_size) for k in stage.state_dict()}
