@@ -41,13 +41,14 @@ GPT_CFG = GPTConfig(block_size=8, vocab_size=29, n_layer=2, n_head=2, n_embd=16,
 class CornerNet(nn.Module):
     """Every corner at once: frozen, never used, sometimes used, tied (x: (B, T) token ids)."""
 
-    def __init__(self, vocab: int = 7, d: int = 12):
+    def __init__(self, vocab: int = 7, d: int = 12, unused: bool = True):
         super().__init__()
         self.wte = nn.Embedding(vocab, d)
         self.frozen = nn.Linear(d, d).requires_grad_(False)
         self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(2))  # ZeRO-3 units
-        self.never = nn.Linear(d, d)   # no gradient on any rank, ever
-        self.rare = nn.Linear(d, d)    # a gradient only where a sequence starts with token 0
+        if unused:  # PyTorch's DDP stops on these (no find_unused_parameters: parallel/strategy.py)
+            self.never = nn.Linear(d, d)   # no gradient on any rank, ever
+            self.rare = nn.Linear(d, d)    # a gradient only where a sequence starts with token 0
         self.ln_f = nn.LayerNorm(d)
         self.lm_head = nn.Linear(d, vocab, bias=False)
         self.lm_head.weight = self.wte.weight  # tied, as in GPT-2
@@ -55,7 +56,7 @@ class CornerNet(nn.Module):
     def forward(self, x, targets=None):
         h = self.frozen(self.wte(x))  # (B, T, d)
         gate = (x[:, :1] == 0).unsqueeze(-1)  # (B, 1, 1)
-        if gate.any():  # a data-dependent branch: some ranks take it, some steps none does
+        if hasattr(self, "rare") and gate.any():  # a data-dependent branch: some ranks take it, some steps none
             h = h + self.rare(h) * gate
         for layer in self.layers:
             h = h + torch.nn.functional.gelu(layer(h))
@@ -67,7 +68,9 @@ class CornerNet(nn.Module):
 
 def make_model(kind: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return ToyMLP() if kind == "toy" else CornerNet() if kind.startswith("corners") else GPT(GPT_CFG)
+    if kind.startswith("corners"):
+        return CornerNet(unused=not kind.startswith("corners-used"))
+    return ToyMLP() if kind == "toy" else GPT(GPT_CFG)
 
 
 def autocast(kind: str):
@@ -210,36 +213,48 @@ def test_ours_equal_single_process_4_ranks():
     check_equivalence(run_ranks(equivalence_worker, 4, OURS, []))
 
 
-def corners_worker(rank: int, world_size: int, names: list[str]) -> dict:
+def corners_worker(rank: int, world_size: int, names: list[str], kinds=("corners", "corners-bf16")) -> dict:
     results = {}
     for name in names:
-        for kind in ("corners", "corners-bf16"):
+        for kind in kinds:
             diffs, state = train_and_compare(name, kind, rank, world_size)
             start = make_model(kind).state_dict()
             untouched = [k for k in start if "never" in k or "frozen" in k]
             diffs["exact: never-used and frozen moved"] = max_diff(
                 {k: state["model"][k] for k in untouched}, {k: start[k] for k in untouched})
             diffs["exact: parameters with optimizer state"] = abs(len(state["optimizer"]["state"])
-                                                                  - CORNER_STATES)
+                                                                  - CORNER_STATES[kind.startswith("corners-used")])
             results[name, kind] = diffs
     return results
 
 
 # AdamW state exists for the trainable parameters that got a gradient at least once: wte (tied
 # with lm_head), rare, 2 layers, ln_f (weight and bias each): not `never`, not the frozen layer.
-CORNER_STATES = 1 + 2 + 2 * 2 + 2
+CORNER_STATES = {False: 1 + 2 + 2 * 2 + 2, True: 1 + 2 * 2 + 2}  # True: without never and rare
 # fp32: summation order only (the loss of 2-3 micro-batch slices against one batch). bf16 autocast
 # rounds every matmul to 8 significant bits (2**-8 = 0.4 %), differently for batches of other
 # sizes, and AdamW carries that over 10 steps: measured up to 1.4e-2 on 3 ranks.
-CORNER_TOL = {"corners": 2e-6, "corners-bf16": 5e-2}
+CORNER_TOL = {"corners": 2e-6, "corners-bf16": 5e-2, "corners-used": 2e-6, "corners-used-bf16": 5e-2}
+
+
+def corner_failures(results: list) -> list[str]:
+    return [f"rank {r} {name}/{kind}: {what} differs by {d:.2e}"
+            for r, res in enumerate(results) for (name, kind), diffs in res.items()
+            for what, d in diffs.items()
+            if not d <= (0.0 if what.startswith("exact") else CORNER_TOL[kind])]
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_corners_equal_single_process(world_size):
-    results = run_ranks(corners_worker, world_size, OURS)
-    bad = [f"rank {r} {name}/{kind}: {what} differs by {d:.2e}"
-           for r, res in enumerate(results) for (name, kind), diffs in res.items()
-           for what, d in diffs.items()
-           if not d <= (0.0 if what.startswith("exact") else CORNER_TOL[kind])]
+    bad = corner_failures(run_ranks(corners_worker, world_size, OURS))
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.timeout(300)
+def test_pytorchs_strategies_in_the_corners_they_take():
+    """PyTorch's wrappers in the corners of a model whose every trainable parameter is used
+    (frozen, tied, accumulation, bf16): DDP without find_unused_parameters refuses unused ones,
+    and FSDP2 aborts a rank on a branch that only some ranks run (parallel/zero/torch_sharded.py)."""
+    bad = corner_failures(run_ranks(corners_worker, 2, TORCH, ("corners-used", "corners-used-bf16")))
     assert not bad, "\n".join(bad)
