@@ -84,6 +84,8 @@ def test_hangs_name_each_ranks_real_state(kernel):
     msg, _ = bug(kc, "%%ranks\nif RANK == 0:\n    dist.all_reduce(torch.ones(2))", "RankHangError")
     assert msg.startswith(f"the cell ran past {LIMIT} s and was stopped"), msg
     assert "rank 0: waiting in all_reduce" in msg and "rank 1: done (finished the cell)" in msg
+    flight = run(kc, "%ranks flight").stdout  # the stopped call, as the flight recorder kept it
+    assert "all_reduce float32[2] · interrupted (cell limit or Ctrl-C)" in flight, flight
     usable(kc)
     msg, _ = bug(kc, "%%ranks\nif RANK == 1:\n    dist.barrier()", "RankHangError")
     assert "rank 1: waiting in barrier" in msg and "rank 0: done" in msg

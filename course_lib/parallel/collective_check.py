@@ -233,8 +233,9 @@ def _checked(fn, name: str):
                 if _STATE.side is not None and name not in ("send", "recv"):
                     _compare(code)
             result = fn(*args, **kwargs)
-        except BaseException as e:
-            entry["state"] = f"failed: {type(e).__name__}"
+        except BaseException as e:  # KeyboardInterrupt: the pool's cell limit (SIGINT) or the student's Ctrl-C
+            entry["state"] = ("interrupted (cell limit or Ctrl-C)" if isinstance(e, KeyboardInterrupt)
+                              else f"failed: {type(e).__name__}")
             raise
         entry["state"] = "done"
         return result
