@@ -155,7 +155,7 @@ def test_memory_model_within_5_percent_of_every_ranks_measured_states(four_ranks
     rows = measured_rows([r[0] for r in four_ranks], TINY, RANK_LAYOUTS)
     assert len(rows) == 4 * len(RANK_LAYOUTS)
     for row in rows:
-        assert row["measured / model"] == pytest.approx(1.0, abs=0.05), row
+        assert abs(row["states vs model %"]) < 5, row
         assert row["max |loss - one process|"] < 1e-5 * 4.2, row  # every layout trains as one process
     by = {(r["layout"], r["rank"]): r["states MB"] for r in rows}
     assert by[("dp4 ep4", 0)] < by[("dp4 ep2", 0)]  # more ep, fewer experts per rank

@@ -146,7 +146,7 @@ def compare_layouts(rank: int, world_size: int, model_kwargs: dict, layouts: Map
 
 def measured_rows(results: Sequence[Mapping], model_kwargs: dict, layouts: Mapping[str, dict] | None = None) -> list[dict]:
     """One row per layout and rank: model states measured and by :func:`rank_states` (fp32 Adam),
-    their ratio, the step time, the bytes each group sent in the last step, the all-to-all's bytes
+    how far apart they are (percent of the model), the step time, the bytes each group sent in the last step, the all-to-all's bytes
     for an even router (:func:`moe_all_to_all_bytes`), and how far the losses are from one process."""
     layouts = LAYOUTS if layouts is None else layouts
     cfg = GPTConfig(**model_kwargs)
@@ -161,7 +161,7 @@ def measured_rows(results: Sequence[Mapping], model_kwargs: dict, layouts: Mappi
             r = res[name]
             even = sum(moe_all_to_all_bytes(r["tokens"], cfg.top_k, cfg.n_embd, ep, 4).values()) * cfg.n_layer
             rows.append({"layout": name, "rank": rank, "states MB": r["states"] / 1e6, "model MB": model / 1e6,
-                         "measured / model": r["states"] / model, "step ms": r["step_ms"],
+                         "states vs model %": 100 * (r["states"] / model - 1), "step ms": r["step_ms"],
                          "all_to_all MB": r["sent"].get("ep", 0.0) / 1e6, "even router MB": even / 1e6,
                          "all_reduce MB": (r["sent"].get("dp", 0.0) + r["sent"].get("edp", 0.0)) / 1e6,
                          "router counts MB": r["sent"].get("router", 0.0) / 1e6,
