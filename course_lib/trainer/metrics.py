@@ -348,7 +348,7 @@ class RunMeter:
                    "ms_per_iter": 1e3 * self.run_s / self.run_steps if self.run_steps else math.nan}
         if self.master:
             self.writer.write({"iter": it, "val_loss": self.last_eval["val"], "eval_train_loss": self.last_eval["train"]})
-            (Path(cfg.out_dir) / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+            atomic_write_bytes(Path(cfg.out_dir) / "summary.json", (json.dumps(summary, indent=1) + "\n").encode())
             print(f"[{cfg.name}] done: iter {cfg.max_iters}, train loss {summary['train_loss']:.4f}, "
                   f"val loss {summary['val_loss']:.4f} (best {best_val:.4f}), {summary['ms_per_iter']:.1f} ms/iter",
                   flush=True)
