@@ -4,9 +4,12 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 NPROC   ?= auto
+# Notebooks run with the environment's commands on PATH (a cell's `!course info`, torchrun): a kernel
+# that .venv/bin/jupyter starts does not put .venv/bin on PATH by itself
+ON_PATH := PATH="$(CURDIR)/$(VENV)/bin:$$PATH"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-.PHONY: demo test test-fast install bytecode images images-check notebooks-clear exercises bench browser-deps slurm-deps mpi-deps slurm-local check-gpu test-gpu book clean
+.PHONY: demo lab test test-fast install bytecode images images-check notebooks-clear exercises bench browser-deps slurm-deps mpi-deps slurm-local check-gpu test-gpu book clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -62,6 +65,10 @@ demo: $(STAMP) bytecode
 	$(VENV)/bin/course data prepare shakespeare_char
 	$(VPY) -m course_lib.notebook.demo --nproc=$(NPROC) --out_dir=runs/demo
 
+# JupyterLab on the lessons (README: "Then open the course")
+lab: $(STAMP)
+	$(ON_PATH) $(VENV)/bin/jupyter lab notebooks/
+
 test: $(STAMP) bytecode browser-deps slurm-deps mpi-deps
 	$(VPY) -m pytest -q --durations=15
 
@@ -99,7 +106,7 @@ exercises: $(STAMP)
 BOOK_ARGS ?=
 book: $(STAMP)
 	$(VENV)/bin/course data prepare shakespeare_char
-	$(VPY) -m course_lib.notebook.book $(BOOK_ARGS)
+	$(ON_PATH) $(VPY) -m course_lib.notebook.book $(BOOK_ARGS)
 
 bench: $(STAMP)
 	$(VPY) benchmarks/train_throughput.py
@@ -111,7 +118,7 @@ check-gpu: $(STAMP)
 # check-gpu plus the tests marked gpu and every lesson in full mode, each timed (~35 min).
 test-gpu: $(STAMP)
 	$(VENV)/bin/course data prepare shakespeare_char
-	$(VPY) benchmarks/gpu_check.py --full
+	$(ON_PATH) $(VPY) benchmarks/gpu_check.py --full
 
 clean:
 	rm -rf runs/ .pytest_cache build *.egg-info

@@ -77,3 +77,22 @@ def test_bucket_model_matches_the_implementation_and_the_cost_model():
     assert t - t1 == pytest.approx((n - 1) * 2 * 7 * 5e-6)  # the extra latencies: 2(p-1) alpha per message
     with pytest.raises(ValueError, match="cap_bytes must be > 0"):
         bucket_sizes(grad_bytes, 0)
+
+
+def test_the_numbers_of_lesson_03s_bucket_table():
+    """Lesson 03, section 7: GPT-2's 148 gradient tensors on a 100 Gb/s network, alpha = 5 us."""
+    import torch
+
+    from course_lib.experiments.data_parallel_check import allreduce_seconds
+    from course_lib.gpt.model import GPT, GPTConfig
+
+    with torch.device("meta"):
+        gpt2 = GPT(GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304, bias=True))
+    grad_bytes = [p.numel() * 4 for p in reversed(list(gpt2.parameters()))]
+    ms = {(n, cap): round(allreduce_seconds(grad_bytes, n, cap_bytes=cap, bandwidth=12.5e9, alpha=5e-6)[1] * 1e3)
+          for n in (8, 64, 512) for cap in (None, 25 * 2**20, float("inf"))}
+    assert len(grad_bytes) == 148
+    assert allreduce_seconds(grad_bytes, 8, cap_bytes=25 * 2**20, bandwidth=12.5e9, alpha=5e-6)[0] == 13
+    assert (ms[512, None], ms[512, float("inf")]) == (836, 85)  # "836 ms against 85 ms"
+    # "within 1 ms of one bucket at 8 ranks, 8 ms at 64, but 61 ms more at 512"
+    assert [ms[n, 25 * 2**20] - ms[n, float("inf")] for n in (8, 64, 512)] == [1, 8, 61]

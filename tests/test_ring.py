@@ -64,3 +64,8 @@ def test_buffer_tables_mark_what_changed():
     page = table._repr_html_()
     assert page.count("background-color:#ffe08a") == 1 and "<caption>step</caption>" in page
     assert '<td style="padding:2px 8px;text-align:right;background-color:#ffe08a;font-weight:bold">6</td>' in page
+    # three collectives on the same data (lesson 02): each marked against the data, not the table before
+    data = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])]
+    summed = steps.show([torch.tensor([4.0, 6.0])] * 2, "all-reduce", against=data)
+    assert summed.changed.values.tolist() == [[True, True], [True, True]]
+    assert steps.show(data, "broadcast", against=data).changed.values.sum() == 0

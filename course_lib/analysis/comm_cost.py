@@ -275,6 +275,20 @@ def fit_alpha_beta(op: str, p: int, sizes, seconds, algorithm: str | None = None
     return float(alpha), float(1.0 / beta)
 
 
+def fit_report(op: str, p: int, sizes, seconds, alpha: float, bandwidth: float, tolerance: float = 0.3) -> str:
+    """One line on how well a fit (:func:`fit_alpha_beta`) explains the measured times: its worst
+    relative miss, and a warning above ``tolerance`` (a busy machine, or sizes that fall out of the
+    caches, give times that no alpha and bandwidth explain; the fit then says little)."""
+    model = [collective_time(op, n, p, bandwidth=bandwidth, alpha=alpha) for n in sizes]
+    misses = [abs(m - t) / t for m, t in zip(model, seconds)]
+    worst = max(range(len(misses)), key=misses.__getitem__)
+    if misses[worst] <= tolerance:
+        return f"the model is within {misses[worst]:.0%} of every measured time"
+    return (f"warning: the model misses the {sizes[worst]:,}-byte time by {misses[worst]:.0%}: these times are "
+            "too noisy (or the large sizes fall out of the caches) to read alpha and the bandwidth from; "
+            "rerun on an idle machine")
+
+
 # nccl-tests, doc/PERFORMANCE.md: busbw = algbw x factor, so busbw compares with the link speed.
 def busbw_factor(op: str, n: int) -> float:
     """The nccl-tests correction factor: all_reduce 2(n-1)/n; reduce_scatter, all_gather,

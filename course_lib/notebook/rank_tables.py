@@ -31,10 +31,13 @@ class BufferSteps:
         rows = [[float(x) for x in (v.reshape(-1).tolist() if hasattr(v, "reshape") else v)] for v in values]
         return pd.DataFrame(rows, index=[f"rank {r}" for r in range(len(rows))])
 
-    def show(self, values, title: str) -> StepTable:
-        """This step's table (Jupyter shows it styled); the plain table is kept in ``history``."""
+    def show(self, values, title: str, against=None) -> StepTable:
+        """This step's table (Jupyter shows it styled); the plain table is kept in ``history``.
+        Changes are marked against ``against`` (values, e.g. each rank's buffer before a
+        collective), by default against the table shown last."""
         frame = self.table(values)
-        before = self.previous if self.previous is not None and self.previous.shape == frame.shape else frame
+        base = self.table(against) if against is not None else self.previous
+        before = base if base is not None and base.shape == frame.shape else frame
         self.previous = frame
         self.history.append((title, frame))
         return StepTable(title, frame, frame.ne(before))
