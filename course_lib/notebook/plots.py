@@ -169,6 +169,7 @@ def plot_scaling(strong: Sequence[dict], s_fit: float, weak: Sequence[dict] | No
                  label=f"Amdahl, serial part written in s = {s_written:.3f}")
     ax1.plot(ps, [r["speedup"] for r in strong], "o", color="C3", label="measured")
     ax1.set_xlabel("processes p")
+    ax1.set_xticks(ps)  # whole processes only (2 cores: 1.2, 1.4, ... otherwise)
     ax1.set_ylabel("speedup T(1) / T(p)")
     ax1.set_title("Strong scaling on this machine")
     ax1.legend(fontsize=8)
