@@ -211,6 +211,10 @@ def test_snapshot_of_an_interactive_explorer_shows_what_it_prints():
     bundle = with_snapshot(explorer)._repr_mimebundle_()
     assert "GPU: <b>t4</b>" in bundle["text/html"] and "params (B): <b>7.00</b>" in bundle["text/html"]
     assert "7 B parameters on t4" in bundle["text/plain"] and "interactive(" not in bundle["text/plain"]
+    # a SelectionSlider still on its first option has the label '': the snapshot shows its value
+    ranks = widgets.interactive(lambda n: print(n), n=widgets.SelectionSlider(options=[1, 2, 4], value=1,
+                                                                             description="DP ranks N_d"))
+    assert "DP ranks N_d: <b>1</b>" in with_snapshot(ranks)._repr_mimebundle_()["text/html"]
 
 
 def test_autocast_dtype_matches_what_the_trainer_holds():

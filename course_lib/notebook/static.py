@@ -58,8 +58,8 @@ def html_text(fragment: str) -> str:
 def _value_text(w) -> str:
     """What a control shows as its value: the chosen label, or the number in its readout format."""
     label = getattr(w, "label", None)
-    if label is not None and hasattr(w, "options"):  # Dropdown, ToggleButtons, SelectionSlider
-        return str(label)
+    if label and hasattr(w, "options"):  # Dropdown, ToggleButtons, SelectionSlider
+        return str(label)  # (a SelectionSlider still on its first option has the label '')
     value = w.value
     fmt = getattr(w, "readout_format", None)
     if isinstance(value, (int, float)) and not isinstance(value, bool) and fmt:

@@ -235,6 +235,7 @@ class RunMeter:
                                 dynamic_ncols=True, file=sys.stdout, disable=not (self.master and progress))
         self.timer = SpanTimer(rt.device_type)
         self.last_eval: dict = {}  # the latest evaluation (for the bar and the summary)
+        self.postfix: dict = {}  # what the bar shows beside it (loss, val, ms)
         self.pending_eval: dict | None = None  # an evaluation not yet in a row
         self.run_steps, self.run_s = 0, 0.0  # every timed step, for the summary's ms/iter
         self._restart()
@@ -305,8 +306,9 @@ class RunMeter:
         if self.master:
             self.writer.write(row)
         self.bar.update(it + 1 - self.bar.n)
-        self.bar.set_postfix(loss=f"{train_loss:.4f}", val=f"{self.last_eval.get('val', math.nan):.4f}",
-                             ms=f"{row['step_ms']:.0f}", refresh=False)  # no eval yet after a mid-interval resume
+        self.postfix = {"loss": f"{train_loss:.4f}", "val": f"{self.last_eval.get('val', math.nan):.4f}",
+                        "ms": f"{row['step_ms']:.0f}"}  # (no eval yet after a mid-interval resume: nan)
+        self.bar.set_postfix(self.postfix, refresh=False)
         self.run_steps, self.run_s, self.pending_eval = self.run_steps + self.steps, self.run_s + elapsed, None
         self._restart()
 
@@ -340,6 +342,8 @@ class RunMeter:
     def finish(self, it: int, best_val: float) -> dict:
         """The last row (the final evaluation), summary.json and the closing line; returns the summary."""
         cfg = self.cfg
+        # the final evaluation's val (no step row follows it to update the bar)
+        self.bar.set_postfix({**self.postfix, "val": f"{self.last_eval['val']:.4f}"}, refresh=False)
         self.bar.update(cfg.max_iters - self.bar.n)
         self.bar.close()
         summary = {"out_dir": str(cfg.out_dir), "iters": cfg.max_iters, "val_loss": self.last_eval["val"],
