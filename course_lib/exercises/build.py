@@ -28,7 +28,7 @@ from pathlib import Path
 from course_lib.exercises.colab import setup_cell_problems
 from course_lib.exercises.layout import MANIFEST, ZIP_NAME, Exercise, sha256
 from course_lib.exercises.layout import quiet as silenced
-from course_lib.utils import repo_root
+from course_lib.utils import PACKAGE_DIR, repo_root
 
 BUILD_FORMAT = 2  # bump when the post-processing below changes, so every release reads as stale
 ZIP_DATE = (1980, 1, 1, 0, 0, 0)  # the earliest date a zip entry can hold: no build time in a release
@@ -183,8 +183,8 @@ def build_exercise(ex: Exercise, run_tests: bool = False, quiet: bool = True, wh
     return ex.release
 
 
-def zip_package_differences(autograder_zip: Path, package: Path) -> list[str]:
-    """The modules of ``package`` (this clone's course_lib) that the course wheel bundled in
+def zip_package_differences(autograder_zip: Path, package: Path = PACKAGE_DIR) -> list[str]:
+    """The modules of ``package`` (this course_lib) that the course wheel bundled in
     ``autograder_zip`` holds otherwise, or lacks (or holds and the clone does not). Local grading
     imports the installed course_lib; Gradescope installs the bundled one, so an autograder zip
     built before a change to course_lib grades there with the old grading helpers."""

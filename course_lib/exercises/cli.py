@@ -103,16 +103,15 @@ def cli(argv: list[str] | None = None) -> int:
         problems = [msg for msgs in stale.values() for msg in msgs]
         for msg in problems:
             print(msg, file=sys.stderr)
-        package = Path(__file__).resolve().parents[1]
         for ex in exercises:  # a note, not a failure: local grading uses the installed course_lib
-            if ex.autograder_zip.is_file() and (differ := zip_package_differences(ex.autograder_zip, package)):
+            if ex.autograder_zip.is_file() and (differ := zip_package_differences(ex.autograder_zip)):
                 print(f"note: {ex.autograder_zip} bundles an older course_lib ({len(differ)} modules differ, e.g. "
                       f"{differ[0]}); rebuild it (`course exercises build {ex.name}`) before uploading it to "
                       "Gradescope", file=sys.stderr)
         print(f"{sum(not m for m in stale.values())}/{len(exercises)} exercises up to date")
         return 1 if problems else 0
 
-    package, todo = Path(__file__).resolve().parents[1], exercises
+    todo = exercises
     for attempt in range(2):
         with tempfile.TemporaryDirectory(prefix="course_wheel_") as tmp:
             wheel = course_wheel(Path(tmp))  # once for all the autograder zips
@@ -125,7 +124,7 @@ def cli(argv: list[str] | None = None) -> int:
                 tqdm.write(f"built {ex.release} (student) and {ex.build} (autograder)")
         # The wheel carries the releases' public tests (course_lib/_course): a release that this
         # build rewrote is newer than the wheel the zips got, so those zips are built once more.
-        todo = [ex for ex in exercises if zip_package_differences(ex.autograder_zip, package)]
+        todo = [ex for ex in exercises if zip_package_differences(ex.autograder_zip)]
         if not todo:
             break
     if not args.verify:

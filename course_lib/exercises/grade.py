@@ -181,8 +181,8 @@ def grade(submission: str | os.PathLike, autograder: str | os.PathLike | None = 
                 error = repr(results.catastrophic_error)
         except Exception as e:  # noqa: BLE001 - a broken submission can make otter fail: it scores zero
             error = f"{type(e).__name__}: {e}"
-        if error and running_cell():  # e.g. a cell that killed the kernel: say which
-            error += f" (while running the cell that starts with: {running_cell()})"
+        if error and (cell := running_cell()):  # e.g. a cell that killed the kernel: say which
+            error += f" (while running the cell that starts with: {cell})"
     questions = []
     for name, pts in possible.items():
         tf = results.results.get(name) if results is not None and error is None else None
