@@ -20,7 +20,7 @@ from course_lib.launch.placement import plan_ranks
 from course_lib.registry import STRATEGIES
 from course_lib.launch.training import cli
 from course_lib.registry import ConfigError
-from course_lib.trainer.config import make_config
+from course_lib.trainer.config import RUN_FILES, make_config
 
 TINY = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32, "batch_size": 4, "max_iters": 4,
         "lr_decay_iters": 4, "warmup_iters": 1, "eval_interval": 2, "eval_iters": 1, "device": "cpu", "threads": 1}
@@ -130,7 +130,7 @@ def test_a_new_run_clears_every_file_of_the_old_one(small_data, tmp_path):
     SIGKILL skip atomic_write's own cleanup, and a checkpoint's is as large as the checkpoint."""
     cfg = tiny(small_data, tmp_path / "run")
     fake_run(tmp_path / "run", cfg)
-    trainer_files = [n for n in training.RUN_FILES if n not in ("last.pt", "config.json")]
+    trainer_files = [n for n in RUN_FILES if n not in ("last.pt", "config.json")]
     debris = [".last.pt.k2j4x9.tmp", ".metrics.csv.a1b2c3.tmp"]
     for name in trainer_files + debris + ["notes.txt"]:
         (tmp_path / "run" / name).write_text("old")

@@ -112,7 +112,7 @@ def cli(argv: list[str] | None = None) -> int:
         return 1 if problems else 0
 
     todo = exercises
-    for attempt in range(2):
+    for _ in range(2):  # (a second pass, when the first rewrote a release the wheel carries)
         with tempfile.TemporaryDirectory(prefix="course_wheel_") as tmp:
             wheel = course_wheel(Path(tmp))  # once for all the autograder zips
             for ex in tqdm(todo, desc="otter assign", unit="exercise", disable=len(todo) < 2):

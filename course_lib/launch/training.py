@@ -41,7 +41,7 @@ from course_lib.launch.checks import TrainRequest, check_request
 from course_lib.launch.placement import LaunchConfigError
 from course_lib.launch.supervise import MetricsProgress
 from course_lib.registry import ConfigError
-from course_lib.trainer.config import CONFIG_FILE, RUN_FILES, TrainConfig, arg_parser, config_from_args
+from course_lib.trainer.config import CONFIG_FILE, TrainConfig, clear_run, arg_parser, config_from_args
 
 TRAIN_MODULE = "course_lib.trainer.loop"
 # LaunchSpec fields a training run sets itself, from its config and its own arguments
@@ -50,19 +50,11 @@ DISPLAYS = ("notebook", "terminal")
 
 
 def prepare_run_dir(req: TrainRequest) -> Path:
-    """Clear an overwritten run, write RUN_DIR/config.json; returns its path.
-
-    Either way, the temporary files of a write that a stopped worker left half done go
-    (``.last.pt.XXXX.tmp``: SIGTERM or SIGKILL skips the writer's own cleanup, and a checkpoint's
-    is as large as the checkpoint)."""
+    """Clear an overwritten run (and, either way, a stopped worker's half-written files:
+    trainer.config.clear_run), write RUN_DIR/config.json; returns its path."""
     cfg, out = req.config, Path(req.config.out_dir)
     try:
-        if cfg.init_from == "scratch" and req.overwrite:
-            for name in RUN_FILES:
-                (out / name).unlink(missing_ok=True)
-        for name in RUN_FILES:
-            for tmp in out.glob(f".{name}.*.tmp"):
-                tmp.unlink(missing_ok=True)
+        clear_run(out, files=cfg.init_from == "scratch" and req.overwrite)
         return cfg.save().resolve()
     except OSError as e:  # a read-only or mistyped path: one line, still before any worker starts
         raise LaunchConfigError(f"cannot write the run directory {out} ({e.strerror or e}); "

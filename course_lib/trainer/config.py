@@ -52,6 +52,18 @@ CONFIG_FILE = "config.json"  # in each run directory: the frozen TrainConfig eve
 # Every file a run writes in its directory (checkpoints, trainer/metrics.py's records, the config):
 # what a new run in the same directory clears
 RUN_FILES = ("last.pt", "best.pt", "metrics.csv", "summary.json", "run.json", "ranks.json", CONFIG_FILE)
+
+
+def clear_run(out_dir: str | os.PathLike, files: bool = True) -> None:
+    """Remove a run's RUN_FILES from ``out_dir`` (with ``files``) and, always, the temporary files of
+    a write that a stopped worker left half done (``.last.pt.XXXX.tmp``: SIGTERM or SIGKILL skips
+    the writer's own cleanup, and a checkpoint's is as large as the checkpoint)."""
+    out = Path(out_dir)
+    for name in RUN_FILES:
+        if files:
+            (out / name).unlink(missing_ok=True)
+        for tmp in out.glob(f".{name}.*.tmp"):
+            tmp.unlink(missing_ok=True)
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 INIT_FROM = ("scratch", "resume")
 # Fields a resumed run may change: where and how it runs, how often it reports, and how long.

@@ -35,7 +35,7 @@ import numpy as np
 
 from course_lib.gpt import checkpoint as ckpt_io
 from course_lib.gpt.data import tokenizer
-from course_lib.trainer.config import RUN_FILES, TrainConfig, check_resumable
+from course_lib.trainer.config import TrainConfig, check_resumable, clear_run
 from course_lib.utils import atomic_write_bytes, check_count
 
 FINETUNE_SOURCE = "fine-tuning text"  # meta.json's source for a folder of prepare_finetune_data
@@ -111,8 +111,7 @@ def finetune_config(pretrained_dir: str | os.PathLike, out_dir: str | os.PathLik
                          "pre-trained model on the new data")
     # checked: now the new run's directory holds only the pre-trained state, as its last
     # checkpoint; "best" restarts on the new data
-    for stale in RUN_FILES:
-        (out / stale).unlink(missing_ok=True)
+    clear_run(out)
     ck["best_val_loss"] = math.inf
     ckpt_io.save_checkpoint(out / ckpt_io.LAST, ck)
     return cfg
