@@ -126,11 +126,18 @@ def test_ranks_take_disjoint_slices_of_one_global_batch():
         assert not torch.equal(parts[0][0], parts[1][0])  # ranks see different data
 
 
-def test_eval_batches_split_evenly_over_ranks():
+def test_eval_set_depends_on_the_global_batch_only():
     tokens = torch.arange(5_000)
-    full, _, w = data.eval_batches(tokens, 4, 8, 5, seed=1, dp_rank=0, dp_world_size=1)
-    parts = [data.eval_batches(tokens, 4, 8, 5, seed=1, dp_rank=r, dp_world_size=2) for r in range(2)]
-    assert [p[0].shape[0] for p in parts] == [3, 3]  # same number of forwards on every rank
-    assert sum(float(p[2].sum()) for p in parts) == 5 == float(w.sum())
-    kept = torch.cat([p[0][p[2] > 0] for p in parts])
-    assert torch.equal(kept, full)  # exactly the 1-rank batches, each once
+    x1, y1 = data.eval_batches(tokens, 4, 8, 5, seed=1, dp_rank=0, dp_world_size=1)
+    parts = [data.eval_batches(tokens, 2, 8, 5, seed=1, dp_rank=r, dp_world_size=2) for r in range(2)]
+    assert x1.shape == (5, 4, 8) and [p[0].shape for p in parts] == [(5, 2, 8)] * 2  # 5 forwards on every rank
+    assert torch.equal(torch.cat([p[0] for p in parts], dim=1), x1)  # batch k: rank 0's rows, then rank 1's
+    assert torch.equal(torch.cat([p[1] for p in parts], dim=1), y1) and torch.equal(y1[..., :-1], x1[..., 1:])
+    # 2 ranks x 2 micro-steps of 1 row: batch k is (micro 0: rank 0, rank 1), (micro 1: rank 0, rank 1)
+    acc = [data.eval_batches(tokens, 1, 8, 5, seed=1, dp_rank=r, dp_world_size=2, grad_accum=2) for r in range(2)]
+    assert [a[0].shape for a in acc] == [(10, 1, 8)] * 2  # 5 x 2 forwards on every rank
+    steps = torch.stack([a[0].reshape(5, 2, 8) for a in acc], dim=2)  # (batch, micro, rank, T)
+    assert torch.equal(steps.reshape(5, 4, 8), x1)
+    again, _ = data.eval_batches(tokens, 4, 8, 5, seed=1, dp_rank=0, dp_world_size=1)
+    other, _ = data.eval_batches(tokens, 4, 8, 5, seed=2, dp_rank=0, dp_world_size=1)
+    assert torch.equal(again, x1) and not torch.equal(other, x1)  # fixed by its seed

@@ -289,3 +289,30 @@ def test_a_kernel_that_ran_ranks_shuts_down_by_itself(tmp_path):
         km.shutdown_kernel()  # graceful: the shutdown request, then jupyter_client's wait
     assert (tmp_path / "atexit").read_text() == "ran", "the kernel was killed, not shut down"
     assert not [p for p in helpers if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_kernel_shutdown_stops_the_tracker_even_when_the_fork_servers_socket_is_gone(monkeypatch):
+    """A kernel's shutdown stops the fork server, then the resource tracker (which would keep the
+    kernel waiting); a socket file removed before the fork server's ``_stop`` unlinks it must
+    not leave the tracker running."""
+    stopped = []
+
+    class Server:
+        _forkserver_pid = None  # nothing to signal
+
+        def _stop(self):
+            stopped.append("server")
+            raise FileNotFoundError(2, "No such file or directory", "/tmp/pymp-x/listener-y")
+
+    class Tracker:
+        def _stop(self):
+            stopped.append("tracker")
+
+    monkeypatch.setitem(sys.modules, "multiprocessing.forkserver", type(sys)("fake_forkserver"))
+    monkeypatch.setitem(sys.modules, "multiprocessing.resource_tracker", type(sys)("fake_tracker"))
+    sys.modules["multiprocessing.forkserver"]._forkserver = Server()
+    sys.modules["multiprocessing.resource_tracker"]._resource_tracker = Tracker()
+    ranks._stop_helpers({"new": False})
+    assert stopped == []  # exit_now set back: nothing to do
+    ranks._stop_helpers({"new": True})
+    assert stopped == ["server", "tracker"]

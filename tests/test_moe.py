@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from test_parallel_trainer import TINY, losses, run
+from test_parallel_trainer import TINY, losses, numbers, run
 
 from course_lib.registry import ConfigError
 from course_lib.trainer.config import make_config
@@ -152,6 +152,13 @@ def test_trainer_with_experts_ep2_equals_one_process_and_logs_the_router(tmp_pat
         assert sorted(got) == list(range(11)), name
         for it in range(10):
             assert float(got[it][0]) == pytest.approx(float(want[it][0]), rel=1e-5), (name, it)
+    # eval: the same rows for every layout of one global batch, dropless (the aux loss is not in it)
+    evals = {name: losses(tmp_path / name) for name in ("single", "ep2", "single-to-ep2", "pp2", "ep2-padded",
+                                                        "single-acc2", "ep2-zero3-acc2")}
+    for name, ref, its in [(n, "single", (0, 5, 10)) for n in ("ep2", "single-to-ep2", "pp2", "ep2-padded")] + [
+            ("single-acc2", "single", (0,)), ("ep2-zero3-acc2", "single-acc2", (0, 5, 10))]:
+        for it in its:
+            assert numbers(evals[name][it][1:]) == pytest.approx(numbers(evals[ref][it][1:]), rel=1e-5), (name, it)
     # with accumulation: each rank's micro-batch a is its share of one process's micro-batch a
     # (gpt/data.py), so the router's counts and the aux loss are those of one process too
     # (and under ZeRO-3: the other parameters sharded over dp, the experts whole on their rank)

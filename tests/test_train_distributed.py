@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import signal
 import subprocess
@@ -62,6 +63,9 @@ def assert_same_training(run_dir, ref_dir, iters=ITERS):
     assert [r["iter"] for r in got_rows] == list(range(iters + 1))
     assert [r["train_loss"] for r in got_rows[:-1]] == pytest.approx([r["train_loss"] for r in ref_rows[:-1]],
                                                                       rel=2e-6)
+    for key in ("val_loss", "eval_train_loss"):  # the same eval rows too (gpt/data.eval_batches), where both evaluated
+        pairs = [(g[key], r[key]) for g, r in zip(got_rows, ref_rows) if not math.isnan(g[key])]
+        assert len(pairs) >= 2 and [g for g, _ in pairs] == pytest.approx([r for _, r in pairs], rel=2e-6), key
     return got
 
 

@@ -138,7 +138,9 @@ def _stop_helpers(change) -> None:
     # The fork server first: it holds the resource tracker's pipe too. SIGTERM ends it at once (left
     # to exit by itself it tears down its imported torch, about 1 s; its ranks, if any, follow it by
     # their parent-death signal). ``_stop`` (Python >= 3.8) closes this process's end of a helper's
-    # pipe and reaps it; attributes a Python lacks are skipped.
+    # pipe and reaps it; attributes a Python lacks are skipped. The fork server's ``_stop`` also
+    # unlinks its socket, which may be gone already (its temporary folder removed): that must not
+    # keep the tracker running, which would bring back the slow shutdown.
     server = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
     if getattr(server, "_forkserver_pid", None):
         signal_quietly(server._forkserver_pid, signal.SIGTERM)
@@ -146,7 +148,10 @@ def _stop_helpers(change) -> None:
     for helper in (server, tracker):
         stop = getattr(helper, "_stop", None)
         if stop is not None:
-            stop()
+            try:
+                stop()
+            except OSError:  # its socket or pipe already gone: stopped, as far as this process can tell
+                pass
 
 
 def _culprit(name: str, obj: Any, dumps, seen: frozenset = frozenset()) -> str:

@@ -176,7 +176,8 @@ class RunConfig:
     log_interval: int = 10
     """One metrics.csv row every this many iterations."""
     eval_iters: int = 20
-    """Batches per split in each evaluation."""
+    """Global batches per split in each evaluation: fixed rows, the same for every layout of one
+    global batch (each rank: eval_iters x gradient_accumulation_steps forwards)."""
     init_from: str = "scratch"
     """'scratch' or 'resume' (continue the run in out_dir)."""
     device: str = "auto"

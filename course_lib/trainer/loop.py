@@ -141,7 +141,7 @@ class Run:
     strategy: Strategy
     strategy_name: str
     batches: TrainBatches
-    eval_sets: dict  # split -> (x, y, weights): this rank's share of the fixed eval batches
+    eval_sets: dict  # split -> (x, y): this dp rank's rows of the fixed eval batches (gpt/data.py)
     precision: Precision
     meta: dict
     start_iter: int = 0
@@ -175,7 +175,7 @@ def setup_run(cfg: TrainConfig, rt: Runtime) -> Run:
     batches = TrainBatches(train_tokens, cfg.batch_size, cfg.block_size, cfg.gradient_accumulation_steps,
                            dp_rank, dp_world_size, cfg.seed, rt.device)
     eval_sets = {split: eval_batches(tokens, cfg.batch_size, cfg.block_size, cfg.eval_iters, cfg.seed + 1 + i,
-                                     dp_rank, dp_world_size, rt.device)
+                                     dp_rank, dp_world_size, cfg.gradient_accumulation_steps, rt.device)
                  for i, (split, tokens) in enumerate((("train", train_tokens), ("val", val_tokens)))}
     torch.manual_seed(cfg.seed + rt.rank)  # per-rank randomness from here on (dropout, as in nanoGPT)
     random.seed(cfg.seed + rt.rank)
@@ -203,21 +203,21 @@ def _resume(run: Run) -> None:
 
 
 @torch.no_grad()
-def evaluate(run: Run, n_batches: int) -> dict:
-    """Mean loss of the fixed eval batches per split; each dp rank does its share, then all-reduce
-    (the tp and pp ranks of a model replica hold its loss, its cp ranks their chunks' means)."""
+def evaluate(run: Run) -> dict:
+    """Mean loss of the fixed eval batches per split: each dp rank its rows, then all-reduce (the
+    tp and pp ranks of a model replica hold its loss, its cp ranks their chunks' means, so the
+    sum over all ranks counts each replica's mean ``model_parallel_size`` times)."""
     model = run.strategy.model
     model.eval()
     out = {}
-    for split, (x, y, weights) in run.eval_sets.items():
+    for split, (x, y) in run.eval_sets.items():
         total = torch.zeros((), device=run.rt.device)
-        for k, w in enumerate(weights.tolist()):
+        for k in range(len(x)):  # eval_iters x gradient_accumulation_steps forwards
             with run.precision.autocast:
-                loss = run.strategy.eval_loss(x[k], y[k])
-            total += w * loss.float()
+                total += run.strategy.eval_loss(x[k], y[k]).float()
         if run.rt.world_size > 1:
             dist.all_reduce(total)  # sum over ranks
-        out[split] = total.item() / n_batches / run.cfg.model_parallel_size
+        out[split] = total.item() / (len(x) * run.rt.world_size)
     model.train()
     return out
 
@@ -293,7 +293,7 @@ def train_loop(run: Run, meter: RunMeter) -> dict:
     x, y = run.batches.next()  # (accum, B, T) each
     for it in range(run.start_iter, cfg.max_iters + 1):
         if it % cfg.eval_interval == 0 or it == cfg.max_iters:
-            losses = evaluate(run, cfg.eval_iters)
+            losses = evaluate(run)
             is_best = losses["val"] < run.best_val
             run.best_val = min(run.best_val, losses["val"])
             if not (it == run.start_iter and cfg.init_from == "resume"):  # that checkpoint is the one we loaded
