@@ -1,18 +1,20 @@
 """The trainer's precision and memory options on a tiny model in one process: --recompute gives
 bit-identical fp32 losses with the activation memory Korthikanti et al. 2022 predict (metrics.csv
 ``act_mb`` against ``act_model_mb``, within 10 %), --dtype=float16 on a CPU logs its loss scale and
-skipped steps (GradScaler's rule: the scale halves once per skipped step), and --grad_comm_dtype is
-refused where it does not apply."""
+skipped steps (GradScaler's rule: the scale halves once per skipped step) and resumes with its
+scale, and --grad_comm_dtype is refused where it does not apply."""
 
 from __future__ import annotations
 
 import math
 
 import pytest
+import torch
 
 from course_lib.gpt.data import prepare
 from course_lib.hardware import cpu_autocast_dtypes
 from course_lib.launch.training import train_in_process
+from course_lib.parallel.step import Precision
 from course_lib.registry import ConfigError
 from course_lib.trainer.config import make_config
 from course_lib.trainer.metrics import read_metrics
@@ -56,6 +58,31 @@ def test_fp16_on_cpu_logs_loss_scale_and_skipped_steps(data_dir, tmp_path):
     for r in rows:  # GradScaler's rule: 2^16 halved once per skipped step (no growth in 2000 steps)
         assert r["loss_scale"] == 2.0**16 * 0.5 ** r["skipped_steps"]
     assert math.isfinite(rows[-1]["train_loss"])
+
+
+@pytest.mark.skipif("float16" not in cpu_autocast_dtypes(), reason="this torch has no fp16 CPU autocast")
+def test_fp16_run_resumes_with_its_loss_scale(data_dir, tmp_path, monkeypatch):
+    """Stopped and resumed: the loss scale, its count of good steps, the skipped
+    steps and the losses go on as in the run that was never stopped (the scaler's state is in
+    last.pt). The scale starts at 2^20 and grows after 2 good steps, so it moves both ways."""
+    for_dtype = Precision.for_dtype.__func__
+
+    def moving_scale(cls, device_type, dtype):
+        precision = for_dtype(cls, device_type, dtype)
+        precision.scaler = torch.amp.GradScaler(device_type, init_scale=2.0**20, growth_interval=2)
+        return precision
+
+    monkeypatch.setattr(Precision, "for_dtype", classmethod(moving_scale))
+    ten = {"dtype": "float16", "max_iters": 10, "lr_decay_iters": 10, "eval_interval": 10}
+    whole = run(data_dir, tmp_path / "whole", **ten)
+    scales = [r["loss_scale"] for r in whole]
+    # stop before a step that grows the scale: its previous step was good, so the run resumes
+    # halfway through a growth interval and grows at once only if the count of good steps was saved
+    stop = next(k for k in range(2, 10) if scales[k] > scales[k - 1] and whole[k - 1]["skipped_steps"] > 0)
+    run(data_dir, tmp_path / "half", **{**ten, "max_iters": stop, "eval_interval": stop})
+    resumed = run(data_dir, tmp_path / "half", **{**ten, "eval_interval": stop}, init_from="resume")
+    keys = ("iter", "train_loss", "loss_scale", "skipped_steps")
+    assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in whole]
 
 
 def test_grad_comm_dtype_only_for_data_parallel():
