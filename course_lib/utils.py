@@ -276,8 +276,9 @@ def check_seconds(name: str, value, allow_none: bool = True, error: type[Excepti
     return float(value)
 
 
-def check_count(name: str, value, error: type[Exception] = ValueError) -> int:
-    """A count (threads, samples, tokens): a whole number >= 1, else ``error`` naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise error(f"{name} must be a whole number >= 1, got {value!r}")
+def check_count(name: str, value, error: type[Exception] = ValueError, minimum: int = 1) -> int:
+    """A count (threads, samples, tokens, a parallel degree): a whole number (an int, not a float
+    or a bool) >= ``minimum``, else ``error`` naming it. The one rule for every count."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise error(f"{name} must be a whole number >= {minimum}, got {value!r}")
     return value

@@ -134,3 +134,30 @@ def test_the_check_sees_a_second_definition(tmp_path):
     assert problem == "gpt/model.py:1 defines GB again without a comment naming its convention"
     (pkg / "gpt" / "model.py").write_text("# convention: the paper's unit, here too\nGB: float = 1e9\n")
     assert second_definitions(pkg, conventions) == []
+
+
+# ------------------------------------------------------------------ the count rule in one place
+
+# Where the rule "a whole number, not a bool" is still written out, and why: an upper bound too
+# (a range, not a count), a message that names the other choice ('auto'), or the PRAM simulator's
+# messages, which the exercises' tests quote.
+OWN_COUNT_RULE = {"utils.py": "check_count itself", "exercises/grading.py": "1 to MAX_RANKS",
+                  "launch/rank_pool.py": "1 to 64 ranks", "launch/placement.py": "a number or 'auto'",
+                  "pram/algorithms.py": "PRAM wording", "pram/allreduce.py": "PRAM wording"}
+
+
+def _spells_out_the_count_rule(node) -> bool:
+    """``isinstance(x, bool) or not isinstance(x, int) ...``: check_count's rule, written again."""
+    if not (isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or)):
+        return False
+    calls = [v.operand if isinstance(v, ast.UnaryOp) else v for v in node.values]
+    kinds = {c.args[1].id for c in calls if isinstance(c, ast.Call) and getattr(c.func, "id", None) == "isinstance"
+             and len(c.args) == 2 and isinstance(c.args[1], ast.Name)}
+    return {"bool", "int"} <= kinds
+
+
+def test_counts_are_checked_by_check_count():
+    spelled = sorted({path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py")
+                      for node in ast.walk(ast.parse(path.read_text())) if _spells_out_the_count_rule(node)})
+    extra = sorted(set(spelled) - set(OWN_COUNT_RULE))
+    assert set(spelled) == set(OWN_COUNT_RULE), f"use course_lib.utils.check_count in {extra}"

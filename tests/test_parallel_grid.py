@@ -119,7 +119,7 @@ def test_run_ranks_refuses_bad_input_before_spawning(monkeypatch):
     def never(rank, world_size):
         raise AssertionError("no worker may start")
 
-    with pytest.raises(ValueError, match="nproc must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="nproc must be a whole number >= 1, got 0"):
         run_ranks(never, 0)
     with pytest.raises(ValueError, match="backend must be 'gloo' .* or 'nccl'"):
         run_ranks(never, 2, backend="mpi")

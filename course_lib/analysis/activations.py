@@ -40,14 +40,15 @@ Recomputation trades these bytes for FLOPs: :func:`recompute_flops_factor` (Sec.
 
 from __future__ import annotations
 
+from course_lib.utils import check_count
+
 RECOMPUTE = ("none", "selective", "full")
 
 
 def _check(s: int, b: int, h: int, a: int, t: int) -> None:
     for name, value in (("seq_len (s)", s), ("batch_size (b)", b), ("n_embd (h)", h),
                         ("n_head (a)", a), ("tp (t)", t)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+        check_count(name, value)
     if h % a:
         raise ValueError(f"n_embd (h={h}) must be divisible by n_head (a={a})")
     if a % t:
@@ -89,11 +90,9 @@ def activation_bytes_outside_layers(s: int, b: int, h: int, v: int, t: int = 1,
                                     bytes_per_value: int = 2, dropout: bool = True) -> float:
     """Embedding dropout mask, final LayerNorm and output-layer inputs and fp32 logits
     (Korthikanti et al. 2022, Section 4.3, no pipeline parallelism): sbh/t (5 + 4v/h)."""
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"vocab_size (v) must be a whole number >= 1, got {v!r}")
+    check_count("vocab_size (v)", v)
     _check(s, b, h, 1, 1)
-    if isinstance(t, bool) or not isinstance(t, int) or t < 1:
-        raise ValueError(f"tp (t) must be a whole number >= 1, got {t!r}")
+    check_count("tp (t)", t)
     e, m = bytes_per_value, (1 if dropout else 0)
     return (s * b * h * (m + 2 * e) + 4 * s * b * v) / t
 
@@ -103,8 +102,7 @@ def activation_bytes(n_layer: int, s: int, b: int, h: int, a: int, v: int, t: in
                      bytes_per_value: int = 2, dropout: bool = True,
                      flash_attention: bool = False) -> float:
     """All activation bytes of a GPT per device: L layers plus the embedding and output layer."""
-    if isinstance(n_layer, bool) or not isinstance(n_layer, int) or n_layer < 1:
-        raise ValueError(f"n_layer (L) must be a whole number >= 1, got {n_layer!r}")
+    check_count("n_layer (L)", n_layer)
     per_layer = activation_bytes_per_layer(s, b, h, a, t, sequence_parallel, recompute,
                                            bytes_per_value, dropout, flash_attention)
     return n_layer * per_layer + activation_bytes_outside_layers(s, b, h, v, t, bytes_per_value,

@@ -53,6 +53,7 @@ import numbers
 import numpy as np
 
 from course_lib.analysis.memory import model_state_bytes
+from course_lib.utils import check_count
 
 COLLECTIVE_ALGORITHMS: dict[str, tuple[str, ...]] = {
     "broadcast": ("binomial", "linear", "scatter_allgather"),
@@ -77,8 +78,7 @@ def _check(op: str, nbytes: float, p: int, bandwidth: float, alpha: float, gamma
     algorithm = algorithm or COLLECTIVE_ALGORITHMS[op][0]
     if algorithm not in COLLECTIVE_ALGORITHMS[op]:
         raise ValueError(f"{op} algorithm must be one of {COLLECTIVE_ALGORITHMS[op]}, got {algorithm!r}")
-    if isinstance(p, bool) or not isinstance(p, int) or p < 1:
-        raise ValueError(f"p (number of ranks) must be a whole number >= 1, got {p!r}")
+    check_count("p (number of ranks)", p)
     if not nbytes >= 0:
         raise ValueError(f"message size must be >= 0, got {nbytes!r}")
     if not bandwidth > 0:
@@ -230,8 +230,7 @@ def moe_all_to_all_bytes(tokens: float, top_k: int, hidden: int, ep: int, bytes_
     for name, v in (("tokens", tokens), ("hidden", hidden), ("bytes_per_value", bytes_per_value)):
         if not v >= 0:
             raise ValueError(f"{name} must be >= 0, got {v!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        raise ValueError(f"top_k must be a whole number >= 1, got {top_k!r}")
+    check_count("top_k", top_k)
     buffer = float(tokens) * top_k * hidden * bytes_per_value  # one all-to-all's send buffer
     one = bytes_per_rank("all_to_all", buffer, ep)
     out = {"dispatch (forward)": one, "combine (forward)": one}
@@ -295,8 +294,7 @@ def busbw_factor(op: str, n: int) -> float:
     all_to_all (n-1)/n; broadcast, reduce 1."""
     if op not in COLLECTIVE_ALGORITHMS:
         raise ValueError(f"collective must be one of {tuple(COLLECTIVE_ALGORITHMS)}, got {op!r}")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"number of ranks must be a whole number >= 1, got {n!r}")
+    check_count("number of ranks", n)
     return {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
             "all_gather": (n - 1) / n, "all_to_all": (n - 1) / n, "broadcast": 1.0, "reduce": 1.0}[op]
 

@@ -39,26 +39,22 @@ from __future__ import annotations
 
 import math
 
+from course_lib.utils import check_count
+
 RULES = ("linear", "sqrt")
 METHODS = ("shard", "seed", "global_slice", "same_seed")
 
 
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
-    return value
-
-
 def global_batch_size(micro_batch: int, grad_accum: int = 1, dp_world_size: int = 1) -> int:
     """Sequences per optimizer step: micro_batch x grad_accum x dp_world_size."""
-    return (_positive_int("micro_batch", micro_batch) * _positive_int("grad_accum", grad_accum)
-            * _positive_int("dp_world_size", dp_world_size))
+    return (check_count("micro_batch", micro_batch) * check_count("grad_accum", grad_accum)
+            * check_count("dp_world_size", dp_world_size))
 
 
 def grad_accum_for(global_batch: int, micro_batch: int, dp_world_size: int) -> int:
     """The accumulation steps that give ``global_batch`` with this micro-batch and rank count."""
-    per_step = _positive_int("micro_batch", micro_batch) * _positive_int("dp_world_size", dp_world_size)
-    _positive_int("global_batch", global_batch)
+    per_step = check_count("micro_batch", micro_batch) * check_count("dp_world_size", dp_world_size)
+    check_count("global_batch", global_batch)
     if global_batch % per_step:
         raise ValueError(f"a global batch of {global_batch} cannot be made of micro-batches of {micro_batch} "
                          f"on {dp_world_size} ranks ({per_step} per accumulation step); pick a micro-batch "
@@ -83,7 +79,7 @@ def scale_lr(base_lr: float, base_batch: int, batch: int, rule: str = "linear") 
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
     if not base_lr > 0:
         raise ValueError(f"base_lr must be > 0, got {base_lr!r}")
-    k = _positive_int("batch", batch) / _positive_int("base_batch", base_batch)
+    k = check_count("batch", batch) / check_count("base_batch", base_batch)
     return base_lr * (k if rule == "linear" else math.sqrt(k))
 
 
@@ -95,8 +91,8 @@ def rank_samples(method: str, n_samples: int, n_draws: int, rank: int, dp_world_
 
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    n_samples, n_draws = _positive_int("n_samples", n_samples), _positive_int("n_draws", n_draws)
-    dp_world_size = _positive_int("dp_world_size", dp_world_size)
+    n_samples, n_draws = check_count("n_samples", n_samples), check_count("n_draws", n_draws)
+    dp_world_size = check_count("dp_world_size", dp_world_size)
     if not 0 <= rank < dp_world_size:
         raise ValueError(f"rank must be in 0..{dp_world_size - 1}, got {rank!r}")
     if method == "shard":
@@ -126,7 +122,7 @@ def duplicate_fraction(reference, other) -> float:
 def expected_overlap(n_samples: int, n_draws: int) -> float:
     """Chance that one uniform draw hits a sample among ``n_draws`` independent uniform draws of
     another rank: 1 - (1 - 1/n)^k."""
-    n_samples, n_draws = _positive_int("n_samples", n_samples), _positive_int("n_draws", n_draws)
+    n_samples, n_draws = check_count("n_samples", n_samples), check_count("n_draws", n_draws)
     return 1.0 - (1.0 - 1.0 / n_samples) ** n_draws
 
 

@@ -48,6 +48,7 @@ from course_lib.analysis.activations import (
     trainer_activation_bytes,
 )
 from course_lib.hardware import GB, PROFILES
+from course_lib.utils import check_count
 
 # dtype name -> (bytes per parameter, bytes per gradient, default K)
 DTYPES: dict[str, tuple[int, int, int]] = {
@@ -80,16 +81,6 @@ class ModelStates:
                 "optimizer": self.optimizer / unit, "total": self.total / unit}
 
 
-def _check_positive_int(name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) and not (
-        isinstance(value, float) and value.is_integer()
-    ):
-        raise ValueError(f"{name} must be a whole number >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
-    return int(value)
-
-
 def dtype_bytes(dtype: str, k: float | None = None) -> tuple[int, int, float]:
     """(bytes per parameter, bytes per gradient, K) for a dtype name; ``k`` overrides K."""
     if dtype not in DTYPES:
@@ -115,8 +106,8 @@ def model_state_bytes(num_params: float, dp: int = 1, stage: int = 0, k: float |
     """
     if isinstance(num_params, bool) or not isinstance(num_params, numbers.Real) or not num_params > 0:
         raise ValueError(f"num_params must be a number > 0 (e.g. 7.5e9), got {num_params!r}")
-    dp = _check_positive_int("dp (data-parallel degree)", dp)
-    tp = _check_positive_int("tp (tensor-parallel degree)", tp)
+    dp = check_count("dp (data-parallel degree)", dp)
+    tp = check_count("tp (tensor-parallel degree)", tp)
     if stage not in STAGES:
         raise ValueError(f"ZeRO stage must be 0 (plain DP), 1, 2 or 3, got {stage!r}")
     p_bytes, g_bytes, k = dtype_bytes(dtype, k)
@@ -144,8 +135,8 @@ def max_params(memory_bytes: float, dp: int = 1, stage: int = 0, k: float | None
 
 def shard_numel(numel: int, world_size: int) -> int:
     """Elements per rank when ``numel`` is padded to a multiple of ``world_size`` (as ZeRO does)."""
-    numel = _check_positive_int("numel", numel, minimum=0)
-    world_size = _check_positive_int("world_size", world_size)
+    numel = check_count("numel", numel, minimum=0)
+    world_size = check_count("world_size", world_size)
     return -(-numel // world_size)
 
 
@@ -306,8 +297,8 @@ def breakdown(num_params: float | None = None, *, preset: str | ModelShape | Non
         if seq_len is not None and seq_len > shape.block_size:
             raise ValueError(f"seq_len {seq_len} exceeds the {shape.name} block size "
                              f"{shape.block_size}; use seq_len <= {shape.block_size}")
-        s = shape.block_size if seq_len is None else _check_positive_int("seq_len", seq_len)  # 0 is refused
-        b = shape.batch_size if batch_size is None else _check_positive_int("batch_size", batch_size)
+        s = shape.block_size if seq_len is None else check_count("seq_len", seq_len)  # 0 is refused
+        b = shape.batch_size if batch_size is None else check_count("batch_size", batch_size)
         drop = (shape.dropout > 0) if dropout is None else dropout
         if dtype == "autocast":
             if tp > 1 or sequence_parallel:
@@ -430,8 +421,7 @@ def step_peak(n_layer: int, n_head: int, n_embd: int, block_size: int, vocab_siz
     for name, value in (("n_layer", n_layer), ("n_head", n_head), ("n_embd", n_embd),
                         ("block_size", block_size), ("vocab_size", vocab_size), ("batch_size", batch_size),
                         ("tp", tp)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+        check_count(name, value)
     s, b, h, v = block_size, batch_size, n_embd, vocab_size
     if num_params is None:
         num_params = ModelShape("", n_layer, n_head, h, s, v, b, bias).num_params()

@@ -39,8 +39,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from course_lib.analysis.memory import ModelStates, _check_positive_int, model_state_bytes
+from course_lib.analysis.memory import ModelStates, model_state_bytes
 from course_lib.hardware import GB
+from course_lib.utils import check_count
 
 
 def gqa_attention_params(n_embd: int, n_head: int, n_kv_head: int | None = None,
@@ -93,7 +94,7 @@ class MoEShape:
 
     def __post_init__(self):
         for f in ("n_layer", "n_embd", "vocab_size", "n_experts", "top_k", "expert_hidden"):
-            _check_positive_int(f, getattr(self, f))
+            check_count(f, getattr(self, f))
         if self.top_k > self.n_experts:
             raise ValueError(f"top_k ({self.top_k}) cannot exceed n_experts ({self.n_experts})")
         if not 0 <= self.n_dense_layers <= self.n_layer:
@@ -195,9 +196,9 @@ def rank_states(shape: MoEShape | dict, *, dp: int = 1, ep: int = 1, tp: int = 1
     non-expert states, sharded over the dp ranks; ``expert_stage`` (default: ``stage``) that of the
     experts' states, sharded over the dp / ep ranks that hold the same experts.
     """
-    dp = _check_positive_int("dp (data-parallel degree)", dp)
-    ep = _check_positive_int("ep (expert-parallel degree)", ep)
-    pp = _check_positive_int("pp (pipeline-parallel degree)", pp)
+    dp = check_count("dp (data-parallel degree)", dp)
+    ep = check_count("ep (expert-parallel degree)", ep)
+    pp = check_count("pp (pipeline-parallel degree)", pp)
     if dp % ep:
         raise ValueError(f"ep ({ep}) must divide dp ({dp}): expert parallelism is carved out of the data ranks")
     parts = shape.params() if isinstance(shape, MoEShape) else dict(shape)

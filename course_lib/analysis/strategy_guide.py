@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from html import escape
 
 from course_lib.analysis.memory import GB, breakdown, get_preset, resolve_gpu
+from course_lib.utils import check_count
 
 # The guide's outcomes -> what to do. Not trainer strategies: ``"tp_pp"`` or ``"does_not_fit"`` name
 # an answer of the diagram, not a :data:`course_lib.registry.STRATEGIES` entry.
@@ -141,11 +142,8 @@ def choose_strategy(model: str | float, n_gpus: int, gpus_per_node: int | None =
 
 def _gpus_per_node(n_gpus: int, gpus_per_node: int | None) -> int:
     """GPUs per node (default: all ``n_gpus`` in one), or a ValueError saying what is wrong."""
-    if isinstance(n_gpus, bool) or not isinstance(n_gpus, int) or n_gpus < 1:
-        raise ValueError(f"n_gpus must be a whole number >= 1, got {n_gpus!r}")
-    per_node = n_gpus if gpus_per_node is None else gpus_per_node
-    if isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1:
-        raise ValueError(f"gpus_per_node must be a whole number >= 1, got {gpus_per_node!r}")
+    check_count("n_gpus", n_gpus)
+    per_node = check_count("gpus_per_node", n_gpus if gpus_per_node is None else gpus_per_node)
     if n_gpus > per_node and n_gpus % per_node:
         raise ValueError(f"n_gpus ({n_gpus}) must be a multiple of gpus_per_node ({per_node}) "
                          "when it spans several nodes")

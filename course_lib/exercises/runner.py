@@ -27,6 +27,8 @@ from queue import Empty
 from jupyter_core.utils import run_sync
 from nbclient import NotebookClient
 
+from course_lib.utils import check_count
+
 POLL_S = 1.0  # the longest wait for a message that has already arrived
 
 
@@ -77,8 +79,7 @@ def every_client_polls_in_slices(kernel_starts: int = 1):
     start at once on 2 cores (0.5-1.7 s, 49 starts in ``course grade``'s test); in the course's CI
     one kernel among a few thousand never did, and its submission lost every point to the grading
     machine."""
-    if isinstance(kernel_starts, bool) or not isinstance(kernel_starts, int) or kernel_starts < 1:
-        raise ValueError(f"kernel_starts must be a whole number >= 1, got {kernel_starts!r}")
+    check_count("kernel_starts", kernel_starts)
     start, start_sync = NotebookClient.async_start_new_kernel_client, NotebookClient.start_new_kernel_client
 
     async def start_polling_in_slices(self):

@@ -33,7 +33,7 @@ import psutil
 from course_lib.analysis.comm_cost import OPS
 from course_lib.experiments.comm_bench_workers import ITEMSIZE, torch_worker
 from course_lib.launch.mpi import find_mpiexec, launcher_options
-from course_lib.utils import atomic_write_bytes, free_port
+from course_lib.utils import atomic_write_bytes, check_count, free_port
 
 BENCH_BACKENDS = ("gloo", "nccl", "mpi")
 _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "M": 2**20, "MB": 2**20, "G": 2**30, "GB": 2**30}
@@ -68,8 +68,7 @@ def _check_config(backend: str, nproc: int, ops, sizes, iters: int, warmup: int)
     """Everything that can be wrong, raised before any process starts."""
     if backend not in BENCH_BACKENDS:
         raise ValueError(f"backend must be one of {BENCH_BACKENDS}, got {backend!r}")
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-        raise ValueError(f"nproc must be a whole number >= 1, got {nproc!r}")
+    check_count("nproc", nproc)
     bad = [op for op in ops if op not in OPS]
     if bad or not ops:
         raise ValueError(f"unknown collective(s) {bad or ops}: choose from {', '.join(OPS)}")

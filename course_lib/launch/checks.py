@@ -31,13 +31,11 @@ from course_lib.hardware import detect, pick_dtype
 from course_lib.launch.placement import LaunchConfigError, RankPlan
 from course_lib.registry import FP16_ON_GRID, STRATEGIES
 from course_lib.trainer.config import TrainConfig, check_resume
-from course_lib.utils import check_seconds
+from course_lib.utils import check_count, check_seconds
 
 
 def check_nnodes(nnodes) -> int:
-    if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
-        raise LaunchConfigError(f"nnodes must be a whole number >= 1, got {nnodes!r}")
-    return nnodes
+    return check_count("nnodes", nnodes, error=LaunchConfigError)
 
 
 def resolve_target(target, module: bool | None = None) -> tuple[str, bool]:

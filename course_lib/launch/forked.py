@@ -32,7 +32,7 @@ from course_lib.hardware import threads_per_rank
 from course_lib.launch.bootstrap import diagnose
 from course_lib.launch.placement import LaunchConfigError
 from course_lib.launch.ranks import RankError, RanksTimeoutError, run_local
-from course_lib.utils import check_seconds
+from course_lib.utils import check_count, check_seconds
 
 
 class NotebookLaunchError(RuntimeError):
@@ -56,8 +56,7 @@ def notebook_launcher(fn, args: tuple = (), nproc: int = 2, *, kwargs: dict | No
     """
     if not callable(fn):
         raise LaunchConfigError(f"fn must be a function, got {type(fn).__name__}")
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-        raise LaunchConfigError(f"nproc must be a whole number >= 1, got {nproc!r}")
+    check_count("nproc", nproc, error=LaunchConfigError)
     if backend != "gloo":
         raise LaunchConfigError(f"notebook_launcher runs on CPU with backend='gloo' (got {backend!r}); "
                                 "use %%torchrun or launch() for NCCL on GPUs")

@@ -27,7 +27,7 @@ from course_lib.launch.api import (
     default_run_dir,
 )
 from course_lib.launch.supervise import Agent, supervise
-from course_lib.utils import check_seconds
+from course_lib.utils import check_count, check_seconds
 
 MPICH, OPEN_MPI = "MPICH", "Open MPI"
 # mpi4py.rc: load the MPI library without starting MPI (MPI_Get_library_version may be called
@@ -151,8 +151,7 @@ def mpirun(target, args: Sequence[str] = (), *, n: int = 2, module: bool | None 
 
     MPI has no collective timeout of its own: ``timeout`` (wall clock) is what ends a hang.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise checks.LaunchConfigError(f"n must be a whole number >= 1 (MPI ranks), got {n!r}")
+    check_count("n (MPI ranks)", n, error=checks.LaunchConfigError)
     timeout = check_seconds("timeout", timeout, error=checks.LaunchConfigError)
     target, is_module = checks.resolve_target(target, module)
     run_id = torchrun.new_run_id()

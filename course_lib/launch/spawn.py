@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from course_lib.launch.ranks import RankError, RanksTimeoutError, SendError, run_local
-from course_lib.utils import check_seconds
+from course_lib.utils import check_count, check_seconds
 
 __all__ = ["TIMEOUT_GRACE_S", "RankError", "RanksTimeoutError", "SendError", "run_ranks"]
 
@@ -51,8 +51,7 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "gl
     "fork" only to measure what it costs (benchmarks/rank_start.py): it inherits this
     process's state. Raises :class:`SendError` when ``fn`` or ``args`` cannot be sent.
     """
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-        raise ValueError(f"nproc must be >= 1, got {nproc!r} (a whole number of ranks)")
+    check_count("nproc", nproc)
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' (CPU) or 'nccl' (one GPU per rank), got {backend!r}")
     timeout = check_seconds("timeout", timeout)

@@ -30,14 +30,14 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from course_lib.parallel.comms import Comms
+from course_lib.utils import check_count
 
 KINDS = ("tp", "cp", "dp", "pp", "dp_cp", "ep", "edp_cp")
 
 
 def check_grid(dp: int, tp: int, pp: int, world_size: int, cp: int = 1) -> None:
     for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+        check_count(name, value)
     if dp * tp * pp * cp != world_size:
         sizes = f"dp x tp x pp = {dp} x {tp} x {pp}" if cp == 1 else f"dp x tp x pp x cp = {dp} x {tp} x {pp} x {cp}"
         raise ValueError(f"{sizes} = {dp * tp * pp * cp} does not equal the "
