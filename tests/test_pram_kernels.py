@@ -59,8 +59,10 @@ def test_verify_catches_a_wrong_cell():
     prog = K.layernorm_forward(1, 2, 4)
     r = pram.run(prog)
     r.memory.cells[r.memory.bases["out"] + 3] += 1e-6
-    assert prog.verify(r) == [f"out[0, 0, 3] is {r['out'][0][0][3]!r}, "
-                              f"expected {prog.reference()['out'][3]!r}"]
+    got, want = r["out"][0][0][3], prog.reference()["out"][3]
+    assert prog.verify(r) == [f"out[0, 0, 3] is {got:.6g}, expected {want:.6g}"]  # 6 digits show the difference
+    r.memory.cells[r.memory.bases["out"] + 3] = want * (1 + 1e-7)  # beyond the tolerance, not 6 digits
+    assert prog.verify(r) == [f"out[0, 0, 3] is {want * (1 + 1e-7)!r}, expected {want!r}"]
 
 
 @pytest.mark.parametrize("name", KERNELS)

@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .shared_memory import value_text
+
 __all__ = [
     "MODELS",
     "MODEL_ORDER",
@@ -76,8 +78,7 @@ class AccessViolation(PRAMError):
             msg = (f"{model}: processors {who} wrote address {address} at step {step} "
                    f"({location}); {model} allows one writer per address per step")
         else:
-            shown = ", ".join(f"{v:.6g}" if isinstance(v, float) else repr(v)
-                              for v in self.values[:4]) + (", ..." if len(self.values) > 4 else "")
+            shown = ", ".join(value_text(v) for v in self.values[:4]) + (", ..." if len(self.values) > 4 else "")
             msg = (f"{model}: processors {who} wrote different values to address {address} "
                    f"at step {step} ({location}: {shown}); the common rule needs all "
                    "writers to agree")

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .shared_memory import Memory, flatten
+from .shared_memory import Memory, flatten, value_text
 from .trace import format_table
 
 __all__ = ["Concurrency", "Program", "Result", "StepStats", "StepTrace", "coords", "phases"]
@@ -100,8 +100,10 @@ class Program:
                 except TypeError:       # e.g. a cell still None
                     close = g == w
                 if not close:
-                    problems.append(f"{mem.location(mem.bases[name] + i)} is {g!r}, "
-                                    f"expected {w!r}")
+                    shown = value_text(g), value_text(w)
+                    if shown[0] == shown[1]:  # they differ beyond 6 digits: every digit then
+                        shown = repr(g), repr(w)
+                    problems.append(f"{mem.location(mem.bases[name] + i)} is {shown[0]}, expected {shown[1]}")
                     break
         return problems
 

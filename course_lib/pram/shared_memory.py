@@ -13,7 +13,12 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Array", "Memory", "filled", "flatten"]
+__all__ = ["Array", "Memory", "filled", "flatten", "value_text"]
+
+
+def value_text(v: Any) -> str:
+    """A cell's value in a message: floats to 6 significant digits, anything else as its repr."""
+    return f"{v:.6g}" if isinstance(v, float) else repr(v)
 
 
 @dataclass(frozen=True)
