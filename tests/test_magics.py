@@ -67,7 +67,8 @@ def test_torchrun_cell_runs_on_two_ranks(kernel):
     assert cell.error is None, cell.error
     assert "[rank0] 0 2 0 [3.0, 3.0]" in cell.stdout and "[rank1] 1 2 1 [3.0, 3.0]" in cell.stdout
     plan = plan_ranks(gpu_count(), 2, recipe="cell.py").line()  # "cpu, cpu · gloo" here; on one GPU both share cuda:0
-    assert cell.stderr.count("[launch] plan: ") == 1 and f"[launch] {plan}\n" in cell.stderr
+    # the plan is news, not an error: with the ranks' lines (stdout), not in red among stderr's
+    assert cell.stdout.count("[launch] plan: ") == 1 and f"[launch] {plan}\n" in cell.stdout and "plan" not in cell.stderr
     check = run(kernel["kc"], "print(torchrun_result.ok, torchrun_result.nproc, torchrun_result.run_dir.name)")
     assert check.stdout.startswith("True 2 ")
     assert _wait_gone(marker, 0) == []

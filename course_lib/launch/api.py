@@ -176,7 +176,9 @@ class LaunchSpec:
     out: object = None
     """Where streamed stdout goes (None: sys.stdout)."""
     err: object = None
-    """Where streamed stderr and the launcher's lines go (None: sys.stderr)."""
+    """Where streamed stderr and the launcher's messages go (None: sys.stderr). The plan line goes
+    here too when given; else, with the "ranks" output of a notebook, to ``out`` with the ranks'
+    lines (it is news, not an error: stderr is drawn red), and with "raw" to sys.stderr."""
 
     def replace(self, **changes) -> LaunchSpec:
         return dataclasses.replace(self, **changes)
@@ -251,7 +253,8 @@ def launch(target, args: Sequence[str] = (), spec: LaunchSpec | None = None, **f
         agents.append(Agent(torchrun.agent_argv(fit(flags), loopback=False) + worker, f"{log_dir}/agent0"))
         print(f"[launch] on every other node run:\n  {' '.join(agents[0].argv)}", file=err or sys.stderr)
 
-    print(f"[launch] {plan.line()}", file=err or sys.stderr)
+    news = err or (sys.stderr if spec.output == "raw" else spec.out or sys.stdout)
+    print(f"[launch] {plan.line()}", file=news)
     outcome = supervise(agents, full_env, log_dir, show=spec.show_ranks, timeout=timeout, grace=grace,
                         collective_timeout=collective_timeout, progress=progress(run_dir) if progress else None,
                         raw=spec.output == "raw", out=spec.out, err=err)
