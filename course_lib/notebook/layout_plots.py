@@ -81,7 +81,9 @@ def plot_layouts(runs: dict[str, str | Path]):
                     fontsize=7, color="gray", transform=ax.get_xaxis_transform())
     for ax in (ax_mem, ax_bytes):
         ax.set_xticks(list(x), names, rotation=30, ha="right", fontsize=8)
-        ax.legend(fontsize=8)
+        ax.set_xlim(-0.6, len(names) - 0.4)  # a slot for every layout, the unrecorded ones too
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.35)  # headroom: the legend sits above the tallest bar
+        ax.legend(fontsize=8, loc="upper left", ncol=2 if ax is ax_mem else len(GROUPS))
     fig.tight_layout()
     return fig
 

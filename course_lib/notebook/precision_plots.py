@@ -65,7 +65,7 @@ def plot_gradient_histogram(magnitudes, scales: Sequence[float] = (1.0,), ax=Non
 def plot_loss_scaling(rows: Sequence[Mapping], ax=None):
     """Relative gradient error and the share of flushed values against the loss scale, one line
     per dtype; overflowing scales are marked with an x on the axis."""
-    fig, ax = _axes(ax, (7, 3.5))
+    fig, ax = _axes(ax, (10, 3.5))
     for dtype in dict.fromkeys(r["dtype"] for r in rows):
         rs = [r for r in rows if r["dtype"] == dtype]
         ok = [r for r in rs if not r["overflow"]]
@@ -78,8 +78,9 @@ def plot_loss_scaling(rows: Sequence[Mapping], ax=None):
             ax.plot(bad, [1.0] * len(bad), "x", color="k", markersize=10, label=f"{dtype}: overflow (step skipped)")
     ax.set_yscale("log")
     ax.set_xlabel("log2 loss scale")
+    ax.set_ylabel("error, or share of values")
     ax.set_title("Loss scaling: too small loses gradients, too large overflows")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes: covers no point
     return fig
 
 
