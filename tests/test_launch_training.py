@@ -109,7 +109,9 @@ def test_resume_and_a_run_already_there(small_data, tmp_path):
     ({"env": ["A=1"]}, ConfigError, "env must be a dict of variable names to values"),
     ({"show_ranks": 0}, ConfigError, "show_ranks must be 'all' or rank numbers"),
     ({"show_ranks": "0"}, ConfigError, "show_ranks must be 'all' or rank numbers"),
-    ({"rdzv": "etcd"}, ConfigError, "rdzv must be one of")], ids=lambda v: str(v)[:24])
+    ({"rdzv": "etcd"}, ConfigError, "rdzv must be one of"),
+    ({"timeout": 0}, ConfigError, "timeout must be a number of seconds > 0"),
+    ({"before_start": print}, TypeError, "sets before_start itself")], ids=lambda v: str(v)[:24])
 def test_a_bad_keyword_leaves_the_run_it_would_overwrite(small_data, tmp_path, kw, error, match):
     """launch_training overwrites by default (a re-run cell starts afresh), so every keyword is checked
     before the old run's files go: a mistyped one once deleted last.pt and best.pt, then was refused."""

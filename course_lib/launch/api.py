@@ -168,6 +168,9 @@ class LaunchSpec:
     """Seconds between SIGTERM and SIGKILL when the ranks are stopped."""
     progress: Callable | None = None
     """A callable(run_dir) -> object with poll() and close(): the training progress bar."""
+    before_start: Callable[[], None] | None = None
+    """Called once every check has passed and before anything is made or started (launch_training
+    writes the run's directory and config.json here: a refused launch leaves the old run as it was)."""
     output: str = "ranks"
     """"ranks" (each line prefixed ``[rankK]``) or "raw" (rank 0's stdout and stderr byte for byte, as a
     terminal would show that process, its progress bar included; other ranks' stderr still prefixed)."""
@@ -211,6 +214,8 @@ def launch(target, args: Sequence[str] = (), spec: LaunchSpec | None = None, **f
         raise TypeError(f"args is a list of strings, such as ['--lr=0.1'], got the string {args!r}")
     spec = (spec or LaunchSpec()).replace(**fields)
     plan, target, is_module, timeout, collective_timeout = checks.check_launch(target, spec)
+    if spec.before_start is not None:
+        spec.before_start()
     nproc, nnodes = plan.nproc, spec.nnodes
     rdzv, rdzv_endpoint, rdzv_id, grace = spec.rdzv, spec.rdzv_endpoint, spec.rdzv_id, spec.grace
     nccl_debug, nccl_debug_subsys, nccl_debug_file = spec.nccl_debug, spec.nccl_debug_subsys, spec.nccl_debug_file

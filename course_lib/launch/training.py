@@ -45,7 +45,7 @@ from course_lib.trainer.config import CONFIG_FILE, TrainConfig, clear_run, arg_p
 
 TRAIN_MODULE = "course_lib.trainer.loop"
 # LaunchSpec fields a training run sets itself, from its config and its own arguments
-SET_HERE = ("module", "device", "collective_timeout", "run_dir", "progress", "output")
+SET_HERE = ("module", "device", "collective_timeout", "run_dir", "progress", "output", "before_start")
 DISPLAYS = ("notebook", "terminal")
 
 
@@ -116,9 +116,8 @@ def run_training(config: TrainConfig, *, display: str = "notebook", nproc=None, 
     spec = LaunchSpec(module=True, nproc=cfg.nproc, nnodes=req.nnodes, device=req.device, backend=req.plan.backend,
                       recipe=req.plan.recipe, timeout=timeout, collective_timeout=cfg.timeout_s, env=env,
                       run_dir=config_file.parent, show_ranks=show_ranks, progress=bar,
-                      output="raw" if display == "terminal" else "ranks", check=check).replace(**launch_kwargs)
-    checks.check_launch(TRAIN_MODULE, spec)  # all of it before the run directory is touched: overwrite clears it
-    prepare_run_dir(req)
+                      output="raw" if display == "terminal" else "ranks", check=check,
+                      before_start=lambda: prepare_run_dir(req)).replace(**launch_kwargs)  # after every check
     return launch(TRAIN_MODULE, args, spec)
 
 
