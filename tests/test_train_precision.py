@@ -113,3 +113,11 @@ def test_bf16_gradient_all_reduce_in_the_trainer_halves_its_bytes(data_dir, tmp_
     for a, b in zip(rows["float32"], rows["bfloat16"]):
         assert b["comm_mb"] * 2 == pytest.approx(a["comm_mb"], rel=1e-6) and a["comm_mb"] > 0
         assert b["train_loss"] == pytest.approx(a["train_loss"], abs=2e-3)
+
+
+def test_a_run_shorter_than_its_warmup_says_so(data_dir, tmp_path, capsys):
+    """The recipes warm up for 100 iterations: a short run of one ends below its learning rate."""
+    run(data_dir, tmp_path / "short", max_iters=2, lr_decay_iters=2, warmup_iters=2, eval_interval=2)
+    assert "note: warmup_iters (2) >= max_iters (2): the run ends inside its warmup" in capsys.readouterr().out
+    run(data_dir, tmp_path / "long", max_iters=2, lr_decay_iters=2, warmup_iters=1, eval_interval=2)
+    assert "warmup_iters" not in capsys.readouterr().out
