@@ -228,6 +228,18 @@ def test_trace_render_and_slider():
         pram.render_step(run(pram.tree_sum(8), trace=False), 0)
 
 
+def test_a_2d_array_is_drawn_row_by_row():
+    """The ring all-reduce's G[p, N]: row r is rank r's gradient, so the step view has p rows of N."""
+    import re
+
+    from course_lib.pram import allreduce
+
+    html = pram.render_step(run(allreduce.ring_allreduce(p=4, N=8)), 0)
+    rows = re.findall(r"<tr>(.*?)</tr>", html)
+    assert [re.search(r"<b>(.*?)</b>", r).group(1) for r in rows] == ["G[0]", "G[1]", "G[2]", "G[3]"]
+    assert [r.count("title=") for r in rows] == [8] * 4 and "title='G[2, 5]" in rows[2]
+
+
 def test_long_processor_lists_are_shortened_in_messages():
     assert (pram.models.format_processors(list(range(64)))
             == "0, 1, 2, 3, 4, ... and 63 (64 processors)")

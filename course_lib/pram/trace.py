@@ -65,23 +65,26 @@ def render_step(result, step: int, arrays: Sequence[str] | None = None) -> str:
         t = result.trace[step]
         cells, reads, writes = t.memory, t.reads, t.writes
         title = f"after step {step + 1} of {len(result.trace)} ({result.model})"  # counted from 1
-    # a long row (ring all-reduce: 32 values) scrolls inside the output instead of being cut off.
+    # a long row (a wide array: one table row per array row) scrolls inside the output instead of being cut off.
     # width 0 and min-width 100%: the box takes its container's width but adds nothing to the
     # container's smallest width, so a widget's flex box cannot grow to the table and clip it
     parts = [f"<div><b>{html.escape(result.program)}</b>: {title}</div>",
              "<div style='overflow-x:auto;width:0;min-width:100%'>",
              "<table style='border-collapse:collapse;font-family:monospace'>"]
     for name in arrays or list(mem):
-        base, size = mem.bases[name], mem.size(name)
-        row = [f"<td style='padding:2px 6px'><b>{html.escape(name)}</b></td>"]
-        for a in range(base, base + size):
-            r, w = reads.get(a, ()), writes.get(a, ())
-            color = _BOTH if r and w else _READ if r else _WRITE if w else "white"
-            tip = "; ".join(x for x in (f"read by {list(r)}" if r else "",
-                                        f"written by {list(w)}" if w else "") if x)
-            row.append(f"<td title='{html.escape(mem.location(a))} {tip}' style='border:1px "
-                       f"solid #999;padding:2px 6px;background:{color}'>{_fmt(cells[a])}</td>")
-        parts.append("<tr>" + "".join(row) + "</tr>")
+        shape = mem.shapes[name]
+        width = shape[-1] if shape else 1  # one table row per row of the array: G[p, N] as p rows
+        for first in range(mem.bases[name], mem.bases[name] + mem.size(name), width):
+            label = name if len(shape) < 2 else mem.location(first).rsplit(",", 1)[0] + "]"  # G[1, 0] -> G[1]
+            row = [f"<td style='padding:2px 6px'><b>{html.escape(label)}</b></td>"]
+            for a in range(first, first + width):
+                r, w = reads.get(a, ()), writes.get(a, ())
+                color = _BOTH if r and w else _READ if r else _WRITE if w else "white"
+                tip = "; ".join(x for x in (f"read by {list(r)}" if r else "",
+                                            f"written by {list(w)}" if w else "") if x)
+                row.append(f"<td title='{html.escape(mem.location(a))} {tip}' style='border:1px "
+                           f"solid #999;padding:2px 6px;background:{color}'>{_fmt(cells[a])}</td>")
+            parts.append("<tr>" + "".join(row) + "</tr>")
     parts.append("</table></div>")
     return "\n".join(parts)
 
