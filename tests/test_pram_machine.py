@@ -238,6 +238,9 @@ def test_a_2d_array_is_drawn_row_by_row():
     rows = re.findall(r"<tr>(.*?)</tr>", html)
     assert [re.search(r"<b>(.*?)</b>", r).group(1) for r in rows] == ["G[0]", "G[1]", "G[2]", "G[3]"]
     assert [r.count("title=") for r in rows] == [8] * 4 and "title='G[2, 5]" in rows[2]
+    empty = pram.render_step(run(pram.Program("empty", lambda pid, step, mem: None, 1, {"A": [1], "E": []}, 1,
+                                              "EREW")), 0)
+    assert "<b>E</b></td></tr>" in empty and "<b>A</b>" in empty  # an empty array keeps its row
 
 
 def test_long_processor_lists_are_shortened_in_messages():

@@ -242,21 +242,21 @@ class TrainBatches:
 
 
 def eval_batches(tokens, batch_size: int, block_size: int, n_batches: int, seed: int, dp_rank: int,
-                 dp_world_size: int, grad_accum: int = 1, device="cpu"):
+                 dp_world_size: int, grad_accum: int = 1):
     """A fixed evaluation set: ``n_batches`` global batches (``grad_accum x dp_world_size x
     batch_size`` rows each, laid out as TrainBatches lays out a step) from ``seed``, the same at
     every eval; this dp rank's rows of each. The set depends on the global batch only, not on how
     it is split: one process with ``batch_size=8`` evaluates the very rows that 2 ranks with
     ``batch_size=2`` and 2 micro-steps share. Each rank runs ``n_batches x grad_accum`` forwards of
     ``batch_size`` rows (nanoGPT's ``eval_iters`` batches when ``grad_accum`` is 1).
-    Returns x, y (n_batches * grad_accum, B, T).
+    Returns x, y (n_batches * grad_accum, B, T) on the CPU: the trainer moves one batch at a time
+    to the device, so a large set (many micro-steps) costs host memory, not device memory.
     """
     import torch  # here: `course data` and the configurations import this module without torch
 
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(tokens.numel() - block_size, (n_batches, grad_accum, dp_world_size, batch_size), generator=g)
-    x, y = _windows(tokens, starts[:, :, dp_rank].flatten(0, 1), block_size)
-    return x.to(device), y.to(device)
+    return _windows(tokens, starts[:, :, dp_rank].flatten(0, 1), block_size)
 
 
 def cli(argv: list[str]) -> int:

@@ -19,7 +19,7 @@ A saved notebook keeps the final plot: the output carries a static copy of the w
 The widget (CSS class ``course-live-loss``) has a *smoothing* slider: an exponential moving
 average of the logged train loss, debiased at the start as TensorBoard does, drawn over the raw
 curve. Logged losses are noisy (one batch each); the average shows the trend, the evaluations
-(val loss over ``eval_iters`` batches) are the numbers to trust.
+(val loss over ``eval_iters`` global batches) are the numbers to trust.
 """
 
 from __future__ import annotations

@@ -175,8 +175,10 @@ def setup_run(cfg: TrainConfig, rt: Runtime) -> Run:
     batches = TrainBatches(train_tokens, cfg.batch_size, cfg.block_size, cfg.gradient_accumulation_steps,
                            dp_rank, dp_world_size, cfg.seed, rt.device)
     eval_sets = {split: eval_batches(tokens, cfg.batch_size, cfg.block_size, cfg.eval_iters, cfg.seed + 1 + i,
-                                     dp_rank, dp_world_size, cfg.gradient_accumulation_steps, rt.device)
+                                     dp_rank, dp_world_size, cfg.gradient_accumulation_steps)
                  for i, (split, tokens) in enumerate((("train", train_tokens), ("val", val_tokens)))}
+    if rt.device_type == "cuda":  # page-locked: each eval batch's copy to the GPU can overlap
+        eval_sets = {split: (x.pin_memory(), y.pin_memory()) for split, (x, y) in eval_sets.items()}
     torch.manual_seed(cfg.seed + rt.rank)  # per-rank randomness from here on (dropout, as in nanoGPT)
     random.seed(cfg.seed + rt.rank)
     run = Run(cfg, rt, model, strategy, strategy_name, batches, eval_sets, Precision.for_dtype(rt.device_type, rt.dtype), meta,
@@ -212,9 +214,10 @@ def evaluate(run: Run) -> dict:
     out = {}
     for split, (x, y) in run.eval_sets.items():
         total = torch.zeros((), device=run.rt.device)
-        for k in range(len(x)):  # eval_iters x gradient_accumulation_steps forwards
+        for k in range(len(x)):  # eval_iters x gradient_accumulation_steps forwards, one batch on the device at a time
+            xk, yk = (t[k].to(run.rt.device, non_blocking=True) for t in (x, y))
             with run.precision.autocast:
-                total += run.strategy.eval_loss(x[k], y[k]).float()
+                total += run.strategy.eval_loss(xk, yk).float()
         if run.rt.world_size > 1:
             dist.all_reduce(total)  # sum over ranks
         out[split] = total.item() / (len(x) * run.rt.world_size)

@@ -188,7 +188,7 @@ def announce_run(cfg, info: dict) -> None:
                      "GFLOP/s per worker (cores x 2.5 GHz x FLOP/cycle)")
     if cfg.init_from == "resume":
         lines.append(f"resumed from {out / 'last.pt'} at iter {info['start_iter']}")
-    if cfg.decay_lr and cfg.warmup_iters >= cfg.max_iters:
+    if cfg.decay_lr and cfg.warmup_iters >= cfg.max_iters > 0:
         lines.append(f"note: warmup_iters ({cfg.warmup_iters}) >= max_iters ({cfg.max_iters}): the run ends inside "
                      f"its warmup, below learning_rate {cfg.learning_rate:g} (lower warmup_iters for a short run)")
     for line in lines:
