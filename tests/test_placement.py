@@ -110,7 +110,13 @@ def test_course_train_on_one_gpu_keeps_the_gpu_recipe_on_the_gpu(one_gpu, monkey
     cpu = checks.detect("cpu")
     monkeypatch.setattr(checks, "detect", lambda device=None: cpu)  # no CUDA here to ask
     launched = {}
-    monkeypatch.setattr(training, "launch", lambda target, args, spec: launched.update(vars(spec)) or _Ok())
+
+    def launch(target, args, spec):  # launch() after its checks: the spec's before_start writes the run directory
+        spec.before_start()
+        launched.update(vars(spec))
+        return _Ok()
+
+    monkeypatch.setattr(training, "launch", launch)
     prepare("shakespeare_char", data_dir=tmp_path / "data", quiet=True)
     code = training.cli(["--config=shakespeare_char", "--nproc=2", "--max_iters=2", "--dtype=float32",
                           f"--out_dir={tmp_path / 'run'}", f"--data_dir={tmp_path / 'data'}"])
