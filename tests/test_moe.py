@@ -20,12 +20,16 @@ import torch
 import torch.nn.functional as F
 from test_parallel_trainer import TINY, losses, numbers, run
 
-from course_lib.registry import ConfigError
-from course_lib.trainer.config import make_config
 from course_lib.gpt.data import prepare
 from course_lib.gpt.model import GPT, GPTConfig, adamw_param_groups
 from course_lib.gpt.moe import MoE, capacity, moe_stats, router_imbalance, upcycle_state_dict
 from course_lib.launch.checks import check_request
+from course_lib.launch.spawn import run_ranks
+from course_lib.parallel.parallelize import parallelize
+from course_lib.parallel.step import Precision, train_step
+from course_lib.registry import ConfigError
+from course_lib.trainer.config import TrainConfig, make_config
+from course_lib.trainer.loop import optimizer_factory
 from course_lib.trainer.metrics import announce_run
 
 SMALL = dict(block_size=16, vocab_size=65, n_layer=2, n_head=4, n_embd=32, bias=True)
@@ -216,11 +220,6 @@ def _moe_corner_batch(step: int, n: int):
 
 
 def _moe_corner_run(strategy_name: str, dtype: str, rank: int = 0, world_size: int = 1):
-    from course_lib.parallel.parallelize import parallelize
-    from course_lib.parallel.step import Precision, train_step
-    from course_lib.trainer.loop import optimizer_factory
-    from course_lib.trainer.config import TrainConfig
-
     strategy = parallelize(_moe_corner_model(), optimizer_factory(TrainConfig(learning_rate=1e-2)), strategy_name,
                            ep=world_size, model_parallel=world_size > 1)
     rows = 4 // world_size  # the global batch: 2 micro-batches of 4 rows
@@ -238,8 +237,6 @@ def _moe_corner_worker(rank: int, world_size: int) -> dict:
 
 @pytest.mark.timeout(240)
 def test_experts_with_frozen_parameters_and_bf16_equal_one_process():
-    from course_lib.launch.spawn import run_ranks
-
     got = run_ranks(_moe_corner_worker, 2)[0]
     start = _moe_corner_model().state_dict()
     for dtype, tol in MOE_CORNER_TOL.items():

@@ -4,12 +4,13 @@ Model definitions: JaJa, An Introduction to Parallel Algorithms (1992), sec. 1.2
 """
 
 import operator
+import re
 
 import numpy as np
 import pytest
 
 from course_lib import pram
-from course_lib.pram import AccessViolation, ProcessorLimitError, run
+from course_lib.pram import AccessViolation, ProcessorLimitError, allreduce, run
 
 
 def _writes_at(step_no, writers, address, value=lambda pid: pid):
@@ -230,10 +231,6 @@ def test_trace_render_and_slider():
 
 def test_a_2d_array_is_drawn_row_by_row():
     """The ring all-reduce's G[p, N]: row r is rank r's gradient, so the step view has p rows of N."""
-    import re
-
-    from course_lib.pram import allreduce
-
     html = pram.render_step(run(allreduce.ring_allreduce(p=4, N=8)), 0)
     rows = re.findall(r"<tr>(.*?)</tr>", html)
     assert [re.search(r"<b>(.*?)</b>", r).group(1) for r in rows] == ["G[0]", "G[1]", "G[2]", "G[3]"]

@@ -18,8 +18,9 @@ def write_csv(reports: list[GradeReport], path: str | os.PathLike) -> Path:
     path, text = Path(path), io.StringIO()
     out = csv.writer(text)
     out.writerow(["student", "assignment", "question", "score", "possible", "seed"])
+    assignments = {z: assignment_of_zip(Path(z)) or "" for z in {r.autograder for r in reports}}  # a zip read once
     for r in reports:
-        assignment = assignment_of_zip(Path(r.autograder)) or ""
+        assignment = assignments[r.autograder]
         seed = "" if r.seed is None else r.seed
         for q in r.questions:
             out.writerow([r.student, assignment, q.name, points_text(q.score), points_text(q.possible), seed])

@@ -146,8 +146,9 @@ def compare_layouts(rank: int, world_size: int, model_kwargs: dict, layouts: Map
 
 def measured_rows(results: Sequence[Mapping], model_kwargs: dict, layouts: Mapping[str, dict] | None = None) -> list[dict]:
     """One row per layout and rank: model states measured and by :func:`rank_states` (fp32 Adam),
-    how far apart they are (percent of the model), the step time, the bytes each group sent in the last step, the all-to-all's bytes
-    for an even router (:func:`moe_all_to_all_bytes`), and how far the losses are from one process."""
+    how far apart they are (percent of the model), the step time, the bytes each group sent in the
+    last step, the all-to-all's bytes for an even router (:func:`moe_all_to_all_bytes`), and how
+    far the losses are from one process."""
     layouts = LAYOUTS if layouts is None else layouts
     cfg = GPTConfig(**model_kwargs)
     shape = MoEShape.of_gpt(cfg)

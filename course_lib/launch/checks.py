@@ -96,9 +96,9 @@ def check_launch(target, spec) -> tuple[placement.RankPlan, str, bool, float | N
         raise LaunchConfigError("rdzv_endpoint needs rdzv_id: the same id on every node")
     if spec.output not in ("ranks", "raw"):
         raise LaunchConfigError(f"output must be 'ranks' or 'raw', got {spec.output!r}")
-    for name in ("progress", "before_start"):
-        if getattr(spec, name) is not None and not callable(getattr(spec, name)):
-            raise LaunchConfigError(f"{name} must be a function or None, got {getattr(spec, name)!r}")
+    for name, hook in (("progress", spec.progress), ("before_start", spec.before_start)):
+        if hook is not None and not callable(hook):
+            raise LaunchConfigError(f"{name} must be a function or None, got {hook!r}")
     placement.check_scheduler(nnodes, plan.gpus_per_node or plan.nproc, plan.device_type)  # in a SLURM/PBS job
     torchrun.nccl_debug_env(spec.nccl_debug, spec.nccl_debug_subsys, spec.nccl_debug_file)  # validates
     return plan, target, is_module, timeout, collective_timeout

@@ -43,6 +43,7 @@ finish, :class:`RankError` carries the failing rank's traceback.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import io
@@ -148,10 +149,8 @@ def _stop_helpers(change) -> None:
     for helper in (server, tracker):
         stop = getattr(helper, "_stop", None)
         if stop is not None:
-            try:
+            with contextlib.suppress(OSError):  # its socket or pipe already gone: stopped, as far as we can tell
                 stop()
-            except OSError:  # its socket or pipe already gone: stopped, as far as this process can tell
-                pass
 
 
 def _culprit(name: str, obj: Any, dumps, seen: frozenset = frozenset()) -> str:

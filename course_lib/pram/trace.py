@@ -72,11 +72,12 @@ def render_step(result, step: int, arrays: Sequence[str] | None = None) -> str:
              "<div style='overflow-x:auto;width:0;min-width:100%'>",
              "<table style='border-collapse:collapse;font-family:monospace'>"]
     for name in arrays or list(mem):
-        shape = mem.shapes[name]
-        width = shape[-1] if shape and shape[-1] else 1  # one table row per row of the array: G[p, N] as p rows
-        if not mem.size(name):  # an empty array: its name alone
+        shape, size = mem.shapes[name], mem.size(name)
+        if not size:  # an empty array: its name alone
             parts.append(f"<tr><td style='padding:2px 6px'><b>{html.escape(name)}</b></td></tr>")
-        for first in range(mem.bases[name], mem.bases[name] + mem.size(name), width):
+            continue
+        width = shape[-1] if shape else 1  # one table row per row of the array: G[p, N] as p rows
+        for first in range(mem.bases[name], mem.bases[name] + size, width):
             label = name if len(shape) < 2 else mem.location(first).rsplit(",", 1)[0] + "]"  # G[1, 0] -> G[1]
             row = [f"<td style='padding:2px 6px'><b>{html.escape(label)}</b></td>"]
             for a in range(first, first + width):

@@ -64,6 +64,8 @@ def clear_run(out_dir: str | os.PathLike, files: bool = True) -> None:
             (out / name).unlink(missing_ok=True)
         for tmp in out.glob(f".{name}.*.tmp"):
             tmp.unlink(missing_ok=True)
+
+
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 INIT_FROM = ("scratch", "resume")
 # Fields a resumed run may change: where and how it runs, how often it reports, and how long.

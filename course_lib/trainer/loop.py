@@ -214,7 +214,7 @@ def evaluate(run: Run) -> dict:
     out = {}
     for split, (x, y) in run.eval_sets.items():
         total = torch.zeros((), device=run.rt.device)
-        for k in range(len(x)):  # eval_iters x gradient_accumulation_steps forwards, one batch on the device at a time
+        for k in range(len(x)):  # eval_iters x accumulation forwards, one batch on the device at a time
             xk, yk = (t[k].to(run.rt.device, non_blocking=True) for t in (x, y))
             with run.precision.autocast:
                 total += run.strategy.eval_loss(xk, yk).float()
