@@ -14,9 +14,10 @@
 #   2. from then on in the background: the test files that touch devices, launching, ranks, MPI,
 #      training and the lessons' code, with CUDA present (pytest -n, one file per worker), and
 #      every lesson in smoke mode;
-#   3. course check-gpu --only $GPU_SESSION_CHECKS (the short checks; the 330 s recipes step is
-#      left to `make check-gpu`);
-#   4. lessons $GPU_SESSION_LESSONS in full mode, each timed.
+#   3. course check-gpu --only $GPU_SESSION_CHECKS (default the short checks; the 330 s recipes step
+#      and the MFU step are left to `make check-gpu` unless named), in the foreground;
+#   4. beside it, in the background: lessons $GPU_SESSION_LESSONS in full mode, one after another,
+#      each timed (the first lesson named starts first: put the one that matters most there).
 # GPU_SESSION_SMOKE ("12 08", default every lesson) picks the smoke runs.
 # GPU_SESSION_BUDGET_S (default 450) is the wall time it plans for; GPU_SESSION_PHASES (default
 # "speed tests check lessons") picks phases. OUT defaults to $OUT (the device tool's) or runs/gpu-session.
@@ -34,7 +35,8 @@ TESTS=${GPU_SESSION_TESTS:-tests/test_placement.py tests/test_hardware.py tests/
   tests/test_train.py tests/test_train_distributed.py tests/test_train_precision.py tests/test_parallel_trainer.py
   tests/test_parallel_4d_trainer.py tests/test_memory_measure.py tests/test_precision.py tests/test_debugging.py
   tests/test_hang.py tests/test_profiling.py tests/test_checkpoint.py tests/test_frameworks.py
-  tests/test_chunked_loss.py tests/test_model.py}
+  tests/test_chunked_loss.py tests/test_model.py
+  tests/test_moe.py tests/test_parallel_expert.py}
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 left() { echo $((BUDGET - SECONDS)); }
@@ -81,6 +83,23 @@ if has tests; then
   SMOKE_PID=$!
 fi
 
+if has lessons; then
+  say "phase 4 (background): lessons $LESSONS in full mode, beside the check"
+  ( for n in $LESSONS; do
+      nb=$(ls notebooks/${n}_*.ipynb 2>/dev/null | head -1)
+      [ -z "$nb" ] && continue
+      [ "$(left)" -lt 60 ] && { say "no time left for lesson $n in full mode"; continue; }
+      say "phase 4: $nb in full mode"
+      t0=$SECONDS
+      mkdir -p "$OUT/full"  # its log travels in runs.tgz: at most 8 files come back
+      timeout $(( $(left) - 20 )) python3 -m course_lib.notebook.book --lesson "$nb" --out "$OUT/full" \
+        >"$OUT/full/$n.log" 2>&1
+      rc=$?  # before any $(...) below resets it
+      say "$(basename "$nb") full mode: exit $rc in $((SECONDS - t0)) s$([ $rc -eq 124 ] && echo ' (stopped by the time limit)')"
+    done ) &
+  LESSONS_PID=$!
+fi
+
 if has check; then
   say "phase 3: course check-gpu --only $CHECKS"
   timeout $(( $(left) - 30 )) python3 -m course_lib.cli check-gpu --only "$CHECKS" --out "$OUT/check" --no-results \
@@ -88,22 +107,10 @@ if has check; then
   rc=$?; say "check-gpu: exit $rc"; grep -E "^\| " "$OUT/check.log" | tee -a "$OUT/session.log"
 fi
 
-if has lessons; then
-  for n in $LESSONS; do
-    nb=$(ls notebooks/${n}_*.ipynb 2>/dev/null | head -1)
-    [ -z "$nb" ] && continue
-    [ "$(left)" -lt 60 ] && { say "no time left for lesson $n in full mode"; continue; }
-    say "phase 4: $nb in full mode"
-    t0=$SECONDS
-    timeout $(( $(left) - 20 )) python3 -m course_lib.notebook.book --lesson "$nb" --out "$OUT/full" \
-      >>"$OUT/lessons.log" 2>&1
-    rc=$?  # before any $(...) below resets it
-    say "$(basename "$nb") full mode: exit $rc in $((SECONDS - t0)) s$([ $rc -eq 124 ] && echo ' (stopped by the time limit)')"
-  done
-fi
 
 [ -n "${TESTS_PID:-}" ] && { wait "$TESTS_PID"; say "tests: $(tail -3 "$OUT/tests.log" | tr '\n' ' ')"; }
 [ -n "${SMOKE_PID:-}" ] && wait "$SMOKE_PID"
+[ -n "${LESSONS_PID:-}" ] && wait "$LESSONS_PID"
 rm -f "$OUT/smoke_err.tmp"
 # at most a few files come back: the logs stay, the folders go into one tarball
 tar -czf "$OUT/runs.tgz" -C "$OUT" $(cd "$OUT" && ls -d check smoke full 2>/dev/null) 2>/dev/null
