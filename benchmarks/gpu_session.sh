@@ -15,7 +15,8 @@
 #      training and the lessons' code, with CUDA present (pytest -n, one file per worker), and
 #      every lesson in smoke mode;
 #   3. course check-gpu --only $GPU_SESSION_CHECKS (default the short checks; the 330 s recipes step
-#      and the MFU step are left to `make check-gpu` unless named), in the foreground;
+#      and the MFU step are left to `make check-gpu` unless named), in the foreground, and, where
+#      GPU_SESSION_CHECKS_BESIDE names steps, a second check-gpu with those beside it;
 #   4. beside it, in the background: lessons $GPU_SESSION_LESSONS in full mode, one after another,
 #      each timed (the first lesson named starts first: put the one that matters most there).
 # GPU_SESSION_SMOKE ("12 08", default every lesson) picks the smoke runs.
@@ -100,6 +101,14 @@ if has lessons; then
   LESSONS_PID=$!
 fi
 
+if has check && [ -n "${GPU_SESSION_CHECKS_BESIDE:-}" ]; then  # more steps, in a second check-gpu beside it
+  say "phase 3 (background): course check-gpu --only $GPU_SESSION_CHECKS_BESIDE"
+  ( timeout $(( $(left) - 30 )) python3 -m course_lib.cli check-gpu --only "$GPU_SESSION_CHECKS_BESIDE" \
+      --out "$OUT/check_beside" --no-results >"$OUT/check_beside.log" 2>&1
+    rc=$?; say "check-gpu beside: exit $rc"; grep -E "^\| " "$OUT/check_beside.log" | tee -a "$OUT/session.log" ) &
+  BESIDE_PID=$!
+fi
+
 if has check; then
   say "phase 3: course check-gpu --only $CHECKS"
   timeout $(( $(left) - 30 )) python3 -m course_lib.cli check-gpu --only "$CHECKS" --out "$OUT/check" --no-results \
@@ -111,8 +120,10 @@ fi
 [ -n "${TESTS_PID:-}" ] && { wait "$TESTS_PID"; say "tests: $(tail -3 "$OUT/tests.log" | tr '\n' ' ')"; }
 [ -n "${SMOKE_PID:-}" ] && wait "$SMOKE_PID"
 [ -n "${LESSONS_PID:-}" ] && wait "$LESSONS_PID"
+[ -n "${BESIDE_PID:-}" ] && wait "$BESIDE_PID"
 rm -f "$OUT/smoke_err.tmp"
 # at most a few files come back: the logs stay, the folders go into one tarball
-tar -czf "$OUT/runs.tgz" -C "$OUT" $(cd "$OUT" && ls -d check smoke full 2>/dev/null) 2>/dev/null
-rm -rf "$OUT/check" "$OUT/smoke" "$OUT/full"
+# (without checkpoints: two recipes' .pt files alone are over the 16 MiB a file may have)
+tar -czf "$OUT/runs.tgz" --exclude="*.pt" -C "$OUT" $(cd "$OUT" && ls -d check* smoke full 2>/dev/null) 2>/dev/null
+find "$OUT" -mindepth 1 -maxdepth 1 -type d -exec rm -rf {} +
 say "done in $SECONDS s"
