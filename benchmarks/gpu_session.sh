@@ -19,6 +19,9 @@
 #      GPU_SESSION_CHECKS_BESIDE names steps, a second check-gpu with those beside it;
 #   4. beside it, in the background: lessons $GPU_SESSION_LESSONS in full mode, one after another,
 #      each timed (the first lesson named starts first: put the one that matters most there).
+#      Phases 2-4 at once are too much for 16 cores. On 2026-11-27 the eight check steps, the test
+#      files and lesson 08 together made gloo's abort 4x slower than the tests allow and doubled the
+#      recipes' time (RESULTS.md). Give each long phase its own call: GPU_SESSION_PHASES.
 # GPU_SESSION_SMOKE ("12 08", default every lesson) picks the smoke runs.
 # GPU_SESSION_BUDGET_S (default 450) is the wall time it plans for; GPU_SESSION_PHASES (default
 # "speed tests check lessons") picks phases. OUT defaults to $OUT (the device tool's) or runs/gpu-session.
