@@ -60,8 +60,9 @@ def plot_strategy_table(table: Sequence[Mapping]):
     axes[2].bar([x - width / 2 for x in xs], [r["peak MB / rank"] for r in ran], width, label="peak (process)")
     axes[2].bar([x + width / 2 for x in xs], [r["model states MB / rank"] for r in ran], width, label="model states")
     axes[2].set_xticks(list(xs), names)
-    axes[2].set(ylabel="MB per rank", title="memory per rank")
-    axes[2].legend(fontsize=8)
+    peak = max(r["peak MB / rank"] for r in ran)
+    axes[2].set(ylabel="MB per rank", title="memory per rank", ylim=(0, peak * 1.3))  # headroom: the legend
+    axes[2].legend(fontsize=8, loc="upper center", ncol=2)
     if refused:
         fig.text(0.5, -0.02, "not run on this machine (refused, or replaced by another strategy): "
                  + ", ".join(refused), ha="center", fontsize=9)
