@@ -24,6 +24,8 @@ import psutil
 import pytest
 from kernel_cells import run, start_kernel
 
+from course_lib.parallel.collective_check import CollectiveMismatchError, without_hidden_tail
+
 LIMIT = 3  # seconds a cell may run; the collective timeout is 2 s more (rank_pool.PG_MARGIN_S)
 NAMED_WITHIN = LIMIT + 5  # the promise: named within the cell limit plus 5 s
 
@@ -140,8 +142,11 @@ MISMATCHES = {  # teaching mode: named on every rank before gloo sees the call
 @pytest.mark.parametrize("code", list(MISMATCHES))
 def test_teaching_mode_names_a_mismatch_before_gloo_aborts(kernel, code):
     _, kc = kernel
-    msg, _ = bug(kc, f"%%ranks\n{code}", "RankPoolError")
+    msg, cell = bug(kc, f"%%ranks\n{code}", "RankPoolError")
     assert msg.startswith("ranks 0, 1: CollectiveMismatchError: ") and MISMATCHES[code] in msg, msg  # on both
+    # each rank's traceback ends at the cell's own line, not in the check that raised
+    assert cell.display_text.count(f"----> 1 {code}") == 2, cell.display_text
+    assert "collective_check.py" not in cell.display_text, cell.display_text
     assert "DIED" not in msg and "the pool is still usable" in msg
     usable(kc)
 
@@ -255,6 +260,37 @@ def test_no_process_is_left_behind(kernel):
     assert run(kc, "%ranks stop").stdout.strip() == "ranks stopped"
     _, alive = psutil.wait_procs(procs, timeout=15)
     assert [p.pid for p in alive] == []
+
+
+def _hidden_raiser():
+    __tracebackhide__ = True
+    raise CollectiveMismatchError("collective #1 does not match", {0: "a", 1: "b"})
+
+
+def _hidden_wrapper():
+    __tracebackhide__ = True
+    _hidden_raiser()
+
+
+def _students_cell():
+    _hidden_wrapper()  # the line a student wrote
+
+
+def test_a_mismatchs_traceback_ends_at_the_students_call():
+    try:
+        _students_cell()
+    except CollectiveMismatchError as e:
+        err = e
+    names = []
+    tb = without_hidden_tail(err.__traceback__)
+    while tb is not None:
+        names.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    assert names == ["test_a_mismatchs_traceback_ends_at_the_students_call", "_students_cell"]
+    text = "".join(err._render_traceback_())  # outside IPython: Python's own format of those frames
+    assert "_hidden_wrapper()  # the line a student wrote" in text and "_hidden_raiser" not in text, text
+    assert text.rstrip().endswith("CollectiveMismatchError: collective #1 does not match"), text
+    assert without_hidden_tail(None) is None
 
 
 # ------------------------------------------------------------------ the trainer's options
