@@ -15,7 +15,8 @@ are the tokens (a vocabulary of the text's most frequent words, as no tokenizer 
 The model is ``transformers.BertForQuestionAnswering`` (Devlin et al. 2019), randomly
 initialised: :data:`BERT_BASE` is bert-base's shape (L=12, H=768, A=12, 110 M parameters, the
 paper's Sec. 3), :data:`BERT_MINI` and :data:`BERT_TINY` the L=4/H=256 and L=2/H=128 shapes of
-Turc et al. 2019 ("Well-Read Students Learn Better", Table 6) for a CPU. Dropout is off, so one
+Turc et al. 2019 ("Well-Read Students Learn Better": two of its 24 compact BERTs, L in 2..12 and H
+in 128..768, released as BERT-Mini and BERT-Tiny) for a CPU. Dropout is off, so one
 rank and two ranks take the same steps (the losses are returned and compared).
 
 Each run reports its training time and the peak memory of each rank: the CUDA allocator's peak

@@ -1,5 +1,5 @@
 """The one bucket-closing rule of data parallelism and ZeRO (Li et al. 2020, "PyTorch Distributed",
-Sec. 3.2.3: DDP's ``bucket_cap_mb``).
+Sec. 3.2, gradient reduction: DDP's buckets and ``bucket_cap_mb``).
 
 Tensors are taken in backward order (the reverse of definition order, since backward visits the
 last layers first) and added to the current bucket; a bucket closes as soon as it holds
