@@ -281,3 +281,45 @@ def test_a_report_keeps_the_diagnosis_of_a_long_failure():
         "q2 - 1: Error at line 3:", "AssertionError: expected 2, found 5"]
     # what a student's feedback shows of a public test starts at the exception, not at otter's header
     assert grade._last_error(message).startswith("RanksTimeoutError: the 2 ranks")
+
+
+def test_the_cell_a_stopped_grading_names_is_skipped_in_the_second(tmp_path):
+    from course_lib.exercises.cell_limit import CELL_LOG_ENV, running_cell, running_cell_source
+    from course_lib.exercises.grade import _skip_cell
+
+    stuck = "\ntotal = sum(range(10**15))  # blocks in C\nprint(total)"
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("x = 1"), nbformat.v4.new_markdown_cell(stuck),
+        nbformat.v4.new_code_cell(stuck, outputs=[nbformat.v4.new_output("stream", text="old")]),
+        nbformat.v4.new_code_cell("y = x + 1")])
+    sub = tmp_path / "sub" / "07_fabric.ipynb"
+    sub.parent.mkdir()
+    nbformat.write(nb, sub)
+    log = tmp_path / "cell.txt"  # as the kernel's pre_run_cell hook writes it (CellTimeLimit.ARM)
+    log.write_text("total = sum(range(10**15))  # blocks in C\n" + stuck, encoding="utf-8")
+    env = {CELL_LOG_ENV: str(log)}
+    assert running_cell(env) == "total = sum(range(10**15))  # blocks in C" and running_cell_source(env) == stuck
+    assert running_cell({}) == running_cell_source({}) == ""
+    copy = _skip_cell(str(sub), running_cell_source(env), 20, tmp_path / "again")
+    assert copy == tmp_path / "again" / "07_fabric.ipynb"
+    cells = nbformat.read(copy, as_version=4).cells
+    assert [c.source for c in cells[:2]] == ["x = 1", stuck] and cells[3].source == "y = x + 1"  # markdown kept
+    assert cells[2].source.startswith("# total = sum(range(10**15))  # blocks in C\nraise TimeoutError(")
+    assert "limit of 20 s" in cells[2].source and cells[2].outputs == []
+    assert _skip_cell(str(sub), "z = 3", 20, tmp_path / "none") is None  # no such cell: nothing to skip
+    assert _skip_cell(str(sub), "", 20, tmp_path / "none") is None  # the grader's own cells
+
+
+def test_a_long_temporary_folder_moves_the_job_folder_where_a_socket_fits(monkeypatch):
+    """A worker's fork-server socket lives under its job folder: under a long $TMPDIR it would be
+    longer than an AF_UNIX path may be, and every question on ranks would fail."""
+    import tempfile
+
+    from course_lib.exercises.grade import AF_UNIX_PATH_MAX, FORKSERVER_SOCKET_TAIL, _job_parent
+
+    monkeypatch.setattr(tempfile, "tempdir", "/tmp")
+    assert _job_parent() is None  # the grader's own temporary folder
+    long = "/scratch/" + "x" * 60
+    monkeypatch.setattr(tempfile, "tempdir", long)
+    assert len(long) + len("/course_grade_job_XXXXXXXX/tmp") + FORKSERVER_SOCKET_TAIL > AF_UNIX_PATH_MAX
+    assert _job_parent() == "/tmp"

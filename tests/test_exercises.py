@@ -489,6 +489,10 @@ print(json.dumps(scores))
                             stderr=subprocess.PIPE, text=True, env=clean, cwd=tmp)
 
 
+STUCK = ("import signal, time\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)  # the cell limit, switched off\n"
+         "while True:\n    try:\n        time.sleep(0.1)  # asleep: no CPU\n    except BaseException:\n        pass")
+
+
 @pytest.fixture(scope="module")
 def graded(built, tmp_path_factory):
     """Grade every solution, blank release, mistaken, hard-coded and unstoppable submission once,
@@ -529,12 +533,23 @@ def graded(built, tmp_path_factory):
     cli = subprocess.Popen([course, "grade", str(cli_sub), "--autograder", str(built[CLI_GRADED].autograder_zip),
                             "--csv", str(tmp / "grades.csv"), "--feedback", str(tmp / "feedback")],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp, env=full_env)
-    stuck = _patched(built["03_zero"].student_notebook, {}, tmp / "stuck", first_cell=(  # asleep: no CPU
-        "import signal, time\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)  # the cell limit, switched off\n"
-        "while True:\n    try:\n        time.sleep(0.1)\n    except BaseException:\n        pass"))
-    stopper_tmp = tmp / "stopper_tmp"  # the grader's temporary folder: the killed session must leave it empty
+    # Cells the cell limit cannot stop (as one that blocks in C code): in the solution, graded again
+    # without it; in the blank release twice over, so the second grading is stopped too.
+    stuck_once = _patched(built["03_zero"].solution_notebook, {}, tmp / "stuck_once", first_cell=STUCK)
+    stuck_twice = _patched(built["03_zero"].student_notebook, {}, tmp / "stuck_twice", first_cell=STUCK)
+    nb = nbformat.read(stuck_twice, as_version=4)
+    nb.cells.append(nbformat.v4.new_code_cell(STUCK.replace("the cell limit", "the limit, again")))
+    nbformat.write(nb, stuck_twice)
+    # the grader's temporary folder: the killed sessions must leave it empty; a long path, as on a
+    # cluster, where a worker's fork-server socket would not fit (the solution's ranks must still run)
+    stopper_tmp = tmp / "stopper_tmp_as_long_as_a_cluster_jobs_scratch_folder"
     stopper_tmp.mkdir()
-    stopper = subprocess.Popen([course, "grade", str(stuck), "--autograder", str(built["03_zero"].autograder_zip),
+    # the solution is graded again within the same limit, beside the batch below: 90 s leaves room
+    skipper = subprocess.Popen([course, "grade", str(stuck_once), "--autograder", str(built["03_zero"].autograder_zip),
+                                "--time-limit", "90", "--json"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp,
+                               env={**full_env, "TMPDIR": str(stopper_tmp)})
+    stopper = subprocess.Popen([course, "grade", str(stuck_twice), "--autograder", str(built["03_zero"].autograder_zip),
                                 "--time-limit", "20", "--json"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp,
                                env={**full_env, "TMPDIR": str(stopper_tmp)})
@@ -550,7 +565,7 @@ def graded(built, tmp_path_factory):
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    procs = (cli, stopper, gradescope, student)
+    procs = (cli, stopper, gradescope, student, skipper)
     try:
         reports = exercises.grade_many([j[1] for j in jobs], [j[2] for j in jobs], jobs=6, time_limit=300)
         outputs = [p.communicate(timeout=600) for p in procs]
@@ -565,6 +580,7 @@ def graded(built, tmp_path_factory):
     return {"reports": {j[0]: r for j, r in zip(jobs, reports)}, "guard_log": guard_log,
             "cli": (Path(cli_sub), cli.returncode, *outputs[0], tmp / "grades.csv", tmp / "feedback"),
             "stopped": (stopper.returncode, *outputs[1], stopper_tmp),
+            "skipped": (skipper.returncode, *outputs[4]),
             "gradescope": (gradescope.returncode, *outputs[2]),
             "student": (student.returncode, outputs[3][1], tmp / "executed.ipynb")}
 
@@ -688,14 +704,24 @@ def test_every_exercise_has_a_hard_coded_submission():
 
 
 @pytest.mark.timeout(900)
-def test_a_submission_that_defeats_the_cell_limit_is_stopped_and_scores_zero(graded):
+def test_a_cell_that_defeats_the_cell_limit_costs_only_what_needs_it(graded):
+    """Stopped at the submission's limit, the grading starts again without the cell that was
+    running: the solution with such a cell scores full marks; stopped again, every question zero."""
+    returncode, stdout, stderr = graded["skipped"]
+    (once,) = json.loads(stdout)
+    assert returncode == 0, stderr
+    assert once["error"] is None and once["total"] == once["possible"] > 0, once
+    assert once["submission"].endswith("stuck_once/03_zero.ipynb") and once["seconds"] >= 90, once
+    (skipped,) = once["cell_errors"]
+    assert skipped.startswith("[# import signal, time] TimeoutError: grading skipped this cell") and "90 s" in skipped
     returncode, stdout, stderr, grader_tmp = graded["stopped"]
-    (report,) = json.loads(stdout)
+    (twice,) = json.loads(stdout)
     assert returncode == 1, stderr  # a grading that did not complete
-    assert report["total"] == 0 and "limit of 20 s" in report["error"], report
-    assert "The cell running then starts with: import signal, time" in report["error"], report  # which cell
-    assert all("limit of 20 s" in q["failures"][0] for q in report["questions"]), report
-    # the killed worker's copy of the submission and its kernel's files went with its job folder
+    assert twice["total"] == 0 and "limit of 20 s" in twice["error"], twice
+    assert "The cell running then starts with: import signal, time" in twice["error"], twice  # which cell
+    assert all("limit of 20 s" in q["failures"][0] for q in twice["questions"]), twice
+    # the killed workers' copies of the submission (the skipping one's too) and their kernels' files
+    # went with their job folders
     assert sorted(p.name for p in grader_tmp.iterdir()) == []
 
 

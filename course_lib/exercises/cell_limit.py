@@ -5,17 +5,29 @@ from __future__ import annotations
 import os
 
 CELL_TIMEOUT_ENV = "COURSE_GRADING_CELL_TIMEOUT"
-CELL_LOG_ENV = "COURSE_GRADING_CELL_LOG"  # a file the kernel writes each cell's first line to, as it starts
+CELL_LOG_ENV = "COURSE_GRADING_CELL_LOG"  # a file the kernel writes each cell to as it starts: its first line, then all of it
+
+
+def _logged(environ) -> tuple[str, str]:
+    path = environ.get(CELL_LOG_ENV)
+    try:
+        text = open(path, encoding="utf-8").read() if path else ""
+    except OSError:
+        return "", ""
+    first, _, source = text.partition("\n")
+    return first.strip(), source
 
 
 def running_cell(environ=os.environ) -> str:
     """The first line of the submission's cell that was running last (from ``$COURSE_GRADING_CELL_LOG``),
     or "" when nothing was logged: what a stopped or crashed grading names."""
-    path = environ.get(CELL_LOG_ENV)
-    try:
-        return open(path, encoding="utf-8").read().strip() if path else ""
-    except OSError:
-        return ""
+    return _logged(environ)[0]
+
+
+def running_cell_source(environ=os.environ) -> str:
+    """The whole source of that cell ("" for the grader's own cells, or when nothing was logged):
+    what a second grading finds and skips in the submission (:mod:`course_lib.exercises.grade`)."""
+    return _logged(environ)[1]
 
 
 class CellTimeLimit:
@@ -40,14 +52,14 @@ def _course_cell_timeout(signum, frame):
     raise TimeoutError("this cell ran longer than {seconds} s during grading and was stopped "
                        "(an endless loop, or a process that never finished?)")
 
-def _course_log_cell(first_line):  # which cell runs: a cell that blocks in C code or kills the kernel is named
+def _course_log_cell(first_line, raw=""):  # which cell runs: a cell that blocks in C code or kills the kernel is named
     if _course_os.environ.get("{log_env}"):
         with open(_course_os.environ["{log_env}"], "w", encoding="utf-8") as _course_f:
-            _course_f.write(first_line[:120])
+            _course_f.write(first_line[:120] + "\\n" + raw)
 
 def _course_arm(*args):
     raw = getattr(args[0], "raw_cell", "") if args else ""
-    _course_log_cell(next((line for line in raw.splitlines() if line.strip()), ""))
+    _course_log_cell(next((line for line in raw.splitlines() if line.strip()), ""), raw)
     _course_signal.alarm({seconds})
 
 def _course_disarm(*args):

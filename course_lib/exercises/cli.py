@@ -171,7 +171,8 @@ def grade_cli(argv: list[str] | None = None) -> int:
     p.add_argument("--cell-timeout", type=float,
                    help=f"seconds any cell may run (default from the exercise; env {CELL_TIMEOUT_ENV})")
     p.add_argument("--time-limit", type=float, default=SUBMISSION_LIMIT_S,
-                   help=f"seconds one submission may take in all, then it is stopped and scores "
+                   help=f"seconds one grading of a submission may take; when a cell runs past it, the "
+                        f"submission is graded once more without that cell, and a second stop scores "
                         f"zero (default {SUBMISSION_LIMIT_S:g})")
     p.add_argument("--csv", type=Path, help="write the gradebook: one row per student and question, plus TOTAL")
     p.add_argument("--feedback", type=Path,

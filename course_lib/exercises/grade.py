@@ -12,7 +12,10 @@ Limits, all enforced from outside the student's code:
 - every cell of the submission gets ``cell_timeout`` seconds (:class:`CellTimeLimit`);
 - the whole submission is graded in a process of its own (this module's ``__main__``) that
   :func:`grade_many` kills, with its kernel and ranks, after ``time_limit`` seconds: whatever
-  happens, ``course grade`` returns and a batch never stalls.
+  happens, ``course grade`` returns and a batch never stalls. A cell that ran past it (one that
+  blocks in C code, where the cell limit's signal cannot stop it) is then replaced by a cell that
+  raises, and the submission is graded once more: that cell costs the questions that need it, not
+  all of them. A second stop scores zero.
 Hidden tests draw their inputs from a seed per submission (:mod:`.draws`), kept in the report.
 """
 
@@ -34,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from course_lib.exercises.cell_limit import (  # noqa: F401 - CELL_TIMEOUT_ENV and CellTimeLimit re-exported
-    CELL_LOG_ENV, CELL_TIMEOUT_ENV, CellTimeLimit, running_cell)
+    CELL_LOG_ENV, CELL_TIMEOUT_ENV, CellTimeLimit, running_cell, running_cell_source)
 from course_lib.exercises.draws import seeded, submission_seed
 from course_lib.exercises.layout import quiet as silenced
 from course_lib.exercises.layout import select
@@ -293,21 +296,81 @@ def _worker_argv(submission: str, autograder: str, report: Path, seed: int) -> l
     return [sys.executable, "-m", "course_lib.exercises.grade", submission, autograder, str(report), str(seed)]
 
 
+SKIPPED_CELL = """# {first}
+raise TimeoutError("grading skipped this cell: it ran past the submission's limit of {limit:g} s, where "
+                   "its own time limit could not stop it (blocked in C code?), so the notebook was "
+                   "graded again without it")
+"""
+
+
+def _skip_cell(submission: str, source: str, limit: float, folder: Path) -> Path | None:
+    """A copy of ``submission`` in ``folder`` (same name) whose code cells with exactly ``source``
+    raise :data:`SKIPPED_CELL` instead; None when no cell has that source."""
+    # nbformat (0.15 s) only where a notebook is rewritten: importing course_lib.exercises stays light
+    import nbformat
+
+    nb = nbformat.read(submission, as_version=4)
+    hits = [c for c in nb.cells if c.cell_type == "code" and c.source == source]
+    if not source.strip() or not hits:
+        return None
+    first = next(line for line in source.splitlines() if line.strip())
+    for cell in hits:
+        cell.source, cell.outputs = SKIPPED_CELL.format(first=first[:120], limit=limit), []
+    folder.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, folder / Path(submission).name)
+    return folder / Path(submission).name
+
+
 def _grade_in_process(submission: str, autograder: str, time_limit: float, env: dict,
                       seed: int | None = None, workers: _Workers | None = None) -> GradeReport:
     """Grade one submission in a worker process of its own session; kill the whole session
-    (worker, kernel, ranks) at ``time_limit``. The session's temporary files (the copy of the
-    submission, multiprocessing's sockets) go in this job's folder, removed here: a killed worker
-    leaves nothing in the grader's temporary folder."""
+    (worker, kernel, ranks) at ``time_limit``. Where a cell of the submission was running then,
+    grade it once more without that cell (:data:`SKIPPED_CELL`), within ``time_limit`` again;
+    the report keeps the submission's own path, and its seconds are both gradings'."""
+    seed = submission_seed(submission) if seed is None else seed
+    report, source = _grade_once(submission, autograder, time_limit, env, seed, workers)
+    if report.error is None or not source:
+        return report
+    with tempfile.TemporaryDirectory(prefix="course_grade_skip_") as tmp:
+        if (skipped := _skip_cell(submission, source, time_limit, Path(tmp))) is None:
+            return report
+        again, _ = _grade_once(str(skipped), autograder, time_limit, env, seed, workers)
+    if again.error is not None:  # stopped again, or failed: the first grading's reason stands
+        return report
+    again.submission, again.seconds = submission, report.seconds + again.seconds
+    return again
+
+
+# A worker's ranks start from multiprocessing's fork server, whose socket lives at
+# $TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX (32 characters more); Linux's AF_UNIX path holds 107.
+# Newer Pythons' multiprocessing falls back to /tmp by itself (util._get_base_temp_dir); 3.11's does not.
+AF_UNIX_PATH_MAX, FORKSERVER_SOCKET_TAIL = 107, 32
+
+
+def _job_parent() -> str | None:
+    """The folder for a worker's job folder: the grader's temporary folder (None), unless the
+    worker's fork-server socket would not fit an AF_UNIX path under it ("AF_UNIX path too long",
+    every question on ranks failing); then /tmp. The job folder is removed either way."""
+    worker_tmp = os.path.join(tempfile.gettempdir(), "course_grade_job_XXXXXXXX", "tmp")
+    if len(worker_tmp) + FORKSERVER_SOCKET_TAIL <= AF_UNIX_PATH_MAX or not os.access("/tmp", os.W_OK):
+        return None
+    return "/tmp"
+
+
+def _grade_once(submission: str, autograder: str, time_limit: float, env: dict, seed: int,
+                workers: _Workers | None = None) -> tuple[GradeReport, str]:
+    """One grading worker, killed at ``time_limit``: its report, and the source of the submission's
+    cell that was running when the limit stopped it ("" otherwise). The session's temporary files
+    (the copy of the submission, multiprocessing's sockets) go in this job's folder, removed here:
+    a killed worker leaves nothing in the grader's temporary folder."""
     workers = workers or _Workers()
-    with tempfile.TemporaryDirectory(prefix="course_grade_job_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="course_grade_job_", dir=_job_parent()) as tmp:
         out = Path(tmp) / "report.json"
         log = Path(tmp) / "worker.log"
         worker_tmp = Path(tmp) / "tmp"
         worker_tmp.mkdir()
         t0 = time.monotonic()
         with open(log, "wb") as log_file:
-            seed = submission_seed(submission) if seed is None else seed
             env = {**env, "TMPDIR": str(worker_tmp), CELL_LOG_ENV: str(Path(tmp) / "running_cell.txt")}
             proc = subprocess.Popen(_worker_argv(submission, autograder, out, seed), stdout=log_file,
                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -322,16 +385,16 @@ def _grade_in_process(submission: str, autograder: str, time_limit: float, env: 
                 workers.finished(proc)
         seconds = time.monotonic() - t0
         if out.is_file():
-            return _report_from_dict(json.loads(out.read_text(encoding="utf-8")))
+            return _report_from_dict(json.loads(out.read_text(encoding="utf-8"))), ""
         cell = running_cell(env)
         if seconds >= time_limit:
             why = (f"grading was stopped after the submission's limit of {time_limit:g} s (a cell "
                    "that never ends and ignored its own time limit?"
                    + (f" The cell running then starts with: {cell}" if cell else "") + "); every question scores zero")
-        else:
-            said = log.read_text(errors="replace").strip().splitlines()[-3:]
-            why = f"the grading process failed (exit code {proc.returncode}): {' / '.join(said)}"
-        return _stopped_report(submission, autograder, why, seconds, seed)
+            return _stopped_report(submission, autograder, why, seconds, seed), running_cell_source(env)
+        said = log.read_text(errors="replace").strip().splitlines()[-3:]
+        why = f"the grading process failed (exit code {proc.returncode}): {' / '.join(said)}"
+        return _stopped_report(submission, autograder, why, seconds, seed), ""
 
 
 def grading_env(base: dict | None = None) -> dict:
@@ -345,7 +408,9 @@ def grade_many(submissions: list, autograders: list | None = None, root: Path | 
                jobs: int = 1, time_limit: float = SUBMISSION_LIMIT_S, seed: int | None = None,
                on_report=None, progress: bool = False) -> list[GradeReport]:
     """Grade several notebooks, ``jobs`` at a time, each in a worker process that is killed after
-    ``time_limit`` s (its questions then score zero, with the reason); ``seed``: see :func:`grade`.
+    ``time_limit`` s; then it is graded once more without the cell that was running, and a second
+    stop scores every question zero, with the reason (:func:`_grade_in_process`); ``seed``: see
+    :func:`grade`.
 
     ``on_report(report, done)`` is called as each submission finishes, with the reports so far in
     submission order (``course grade`` saves them there: a crash or Ctrl-C at the 39th of 40 keeps
