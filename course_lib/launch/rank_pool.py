@@ -239,7 +239,10 @@ class RankPool:
         (``show=False``: only if a rank writes to stderr or fails)."""
         targets = self._targets(ranks)
         limit = self.timeout if timeout is None else check_seconds("timeout", timeout, error=LaunchConfigError)
-        self.history.append((_cell_label(len(self.history)), targets, code))
+        prompt = _prompt()
+        self.history.append((f"In [{prompt}]" if prompt is not None else f"#{len(self.history) + 1}", targets, code))
+        if prompt is not None:  # a rank's traceback then says "Cell In[7]" for the notebook's In [7]
+            self._client[[self._engines[r] for r in targets]].apply_sync(engine.set_execution_count, prompt)
         self._log_from = {r: _log_size(self._log_file(r)) for r in targets}  # this cell's output starts there
         for r in targets:
             self._op_file(r).unlink(missing_ok=True)
@@ -479,19 +482,18 @@ class RankPool:
         return None if parent is None else str(self._dir / f"engine.{parent}.log")
 
 
-def _cell_label(index: int) -> str:
-    """'In [7]' (the notebook's prompt of the running cell) inside IPython, else '#3' (the pool's
-    own count). The prompt is the running cell's place in the input history, stored before it
-    runs: ``shell.execution_count`` is already the next prompt while a cell runs (IPython 9)."""
+def _prompt() -> int | None:
+    """The notebook's prompt number of the running cell (7 for In [7]) inside IPython, else None
+    (the pool then counts its cells itself: '#3'). It is the cell's place in the input history,
+    stored before it runs: ``shell.execution_count`` is already the next prompt while a cell runs
+    (IPython 9)."""
     try:
         from IPython import get_ipython  # only to number cells as the notebook does
 
         shell = get_ipython()
     except ImportError:
         shell = None
-    if shell is None:
-        return f"#{index + 1}"
-    return f"In [{len(shell.history_manager.input_hist_raw) - 1}]"
+    return None if shell is None else len(shell.history_manager.input_hist_raw) - 1
 
 
 def _lookup(name: str):

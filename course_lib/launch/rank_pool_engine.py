@@ -152,6 +152,15 @@ def set_check(check: bool) -> bool:
     return set_collective_check(check)
 
 
+def set_execution_count(prompt: int) -> None:
+    """Number this engine's next cell as the notebook's: its tracebacks say "Cell In[7]" for the
+    notebook's In [7] (an engine counts only the cells it ran)."""
+    # IPython: where this runs, on an engine, it has started already
+    from IPython import get_ipython
+
+    get_ipython().execution_count = prompt
+
+
 def flight() -> list[dict]:
     from course_lib.parallel.collective_check import flight_record  # torch: ranks only
 
