@@ -27,3 +27,17 @@ def test_lesson_is_found_by_path_name_or_number_and_a_bad_one_is_refused(tmp_pat
     err = capsys.readouterr().err
     assert "--lesson 99_nothing: no such notebook; give a path, or one of: " in err and LESSONS[3] in err
     assert not any(tmp_path.iterdir())
+
+
+def test_times_without_an_executed_book_says_what_to_run(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        book.main(["--times", "--smoke", "--out", str(tmp_path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"no lesson executed into {tmp_path / 'executed' / 'smoke'} yet" in err
+    assert "(python -m course_lib.notebook.book --smoke)" in err
+    cache = tmp_path / "executed" / "smoke"
+    cache.mkdir(parents=True)
+    (cache / "times.json").write_text('{"01_setup.ipynb": {"seconds": 90, "when": "2026-11-27 16:00"}}')
+    assert book.main(["--times", "--smoke", "--out", str(tmp_path)]) == 0
+    assert "| `01_setup.ipynb` | 1.5 | 2026-11-27 16:00 |" in capsys.readouterr().out

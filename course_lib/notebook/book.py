@@ -242,8 +242,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"lesson": lesson.stem, "seconds": round(time.perf_counter() - t0, 1)}))
         return 0
     if args.times:
-        out = args.out or repo_root() / "build" / "book"
-        print(times_table(out / "executed" / ("smoke" if args.smoke else "full")))
+        out = args.out or (repo_root() or Path.cwd()) / "build" / "book"
+        cache = out / "executed" / ("smoke" if args.smoke else "full")
+        if not (cache / "times.json").is_file():
+            p.error(f"--times: no lesson executed into {cache} yet; build the book first "
+                    f"(python -m course_lib.notebook.book{' --smoke' if args.smoke else ''})")
+        print(times_table(cache))
         return 0
     html = build_book(args.smoke, args.force, args.out)
     print(f"site: {html / 'index.html'}  (publish the folder {html} as static files)")
