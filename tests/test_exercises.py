@@ -21,6 +21,7 @@ packages through a .pth file, plus the zip's own course_lib wheel) and run with 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -34,6 +35,7 @@ import zipfile
 from pathlib import Path
 
 import nbformat
+import psutil
 import pytest
 
 from course_lib import exercises
@@ -489,8 +491,25 @@ print(json.dumps(scores))
                             stderr=subprocess.PIPE, text=True, env=clean, cwd=tmp)
 
 
+STOPPED_MARK = "COURSE_TEST_STOPPED_GRADING"  # in the environment of every process the stopped grading starts
+
+
+def _left_behind(mark: str, value: str) -> list[int]:
+    """The pids of processes that carry ``mark=value`` and are still alive 15 s on."""
+    procs = []
+    for p in psutil.process_iter(["environ"]):
+        with contextlib.suppress(psutil.Error):
+            if (p.info["environ"] or {}).get(mark) == value:
+                procs.append(p)
+    return [p.pid for p in psutil.wait_procs(procs, timeout=15)[1]]
+
+
 STUCK = ("import signal, time\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)  # the cell limit, switched off\n"
          "while True:\n    try:\n        time.sleep(0.1)  # asleep: no CPU\n    except BaseException:\n        pass")
+# Blocked in C holding the GIL (ctypes.PyDLL keeps it), asleep: an orphaned kernel could not even
+# notice that its grading worker was killed (ipykernel watches its parent from a thread).
+STUCK_IN_C = ("import ctypes, signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)  # the cell limit, switched off\n"
+              "ctypes.PyDLL(None).sleep(3600)  # in C, holding the GIL")
 
 
 @pytest.fixture(scope="module")
@@ -536,9 +555,9 @@ def graded(built, tmp_path_factory):
     # Cells the cell limit cannot stop (as one that blocks in C code): in the solution, graded again
     # without it; in the blank release twice over, so the second grading is stopped too.
     stuck_once = _patched(built["03_zero"].solution_notebook, {}, tmp / "stuck_once", first_cell=STUCK)
-    stuck_twice = _patched(built["03_zero"].student_notebook, {}, tmp / "stuck_twice", first_cell=STUCK)
+    stuck_twice = _patched(built["03_zero"].student_notebook, {}, tmp / "stuck_twice", first_cell=STUCK_IN_C)
     nb = nbformat.read(stuck_twice, as_version=4)
-    nb.cells.append(nbformat.v4.new_code_cell(STUCK.replace("the cell limit", "the limit, again")))
+    nb.cells.append(nbformat.v4.new_code_cell(STUCK))
     nbformat.write(nb, stuck_twice)
     # the grader's temporary folder: the killed sessions must leave it empty; a long path, as on a
     # cluster, where a worker's fork-server socket would not fit (the solution's ranks must still run)
@@ -552,7 +571,7 @@ def graded(built, tmp_path_factory):
     stopper = subprocess.Popen([course, "grade", str(stuck_twice), "--autograder", str(built["03_zero"].autograder_zip),
                                 "--time-limit", "20", "--json"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp,
-                               env={**full_env, "TMPDIR": str(stopper_tmp)})
+                               env={**full_env, "TMPDIR": str(stopper_tmp), STOPPED_MARK: str(tmp)})
     gradescope = _gradescope_run(built[GRADESCOPE].autograder_zip,
                                  {"solution": built[GRADESCOPE].solution_notebook,
                                   "blank": built[GRADESCOPE].student_notebook}, tmp / "gradescope", full_env)
@@ -579,7 +598,7 @@ def graded(built, tmp_path_factory):
                 os.environ[k] = v
     return {"reports": {j[0]: r for j, r in zip(jobs, reports)}, "guard_log": guard_log,
             "cli": (Path(cli_sub), cli.returncode, *outputs[0], tmp / "grades.csv", tmp / "feedback"),
-            "stopped": (stopper.returncode, *outputs[1], stopper_tmp),
+            "stopped": (stopper.returncode, *outputs[1], stopper_tmp, _left_behind(STOPPED_MARK, str(tmp))),
             "skipped": (skipper.returncode, *outputs[4]),
             "gradescope": (gradescope.returncode, *outputs[2]),
             "student": (student.returncode, outputs[3][1], tmp / "executed.ipynb")}
@@ -714,11 +733,12 @@ def test_a_cell_that_defeats_the_cell_limit_costs_only_what_needs_it(graded):
     assert once["submission"].endswith("stuck_once/03_zero.ipynb") and once["seconds"] >= 90, once
     (skipped,) = once["cell_errors"]
     assert skipped.startswith("[# import signal, time] TimeoutError: grading skipped this cell") and "90 s" in skipped
-    returncode, stdout, stderr, grader_tmp = graded["stopped"]
+    returncode, stdout, stderr, grader_tmp, left = graded["stopped"]
     (twice,) = json.loads(stdout)
     assert returncode == 1, stderr  # a grading that did not complete
     assert twice["total"] == 0 and "limit of 20 s" in twice["error"], twice
-    assert "The cell running then starts with: import signal, time" in twice["error"], twice  # which cell
+    assert "The cell running then starts with: import ctypes, signal" in twice["error"], twice  # which cell
+    assert left == []  # no kernel runs on, the one blocked in C included
     assert all("limit of 20 s" in q["failures"][0] for q in twice["questions"]), twice
     # the killed workers' copies of the submission (the skipping one's too) and their kernels' files
     # went with their job folders

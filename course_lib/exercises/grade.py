@@ -21,6 +21,7 @@ Hidden tests draw their inputs from a seed per submission (:mod:`.draws`), kept 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -35,6 +36,8 @@ import zipfile
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import psutil
 
 from course_lib.exercises.cell_limit import (  # noqa: F401 - CELL_TIMEOUT_ENV and CellTimeLimit re-exported
     CELL_LOG_ENV, CELL_TIMEOUT_ENV, CellTimeLimit, running_cell, running_cell_source)
@@ -285,10 +288,21 @@ class _Workers:
 
 
 def _kill_session(proc: subprocess.Popen) -> None:
+    """Kill a grading worker and every process under it. Its session holds the worker, but not
+    its kernel: jupyter_client starts a kernel in a session of its own. An orphaned kernel exits
+    by itself (ipykernel watches its parent from a thread), unless a cell blocks in C code holding
+    the GIL: then that thread never runs, and the kernel would run on, at full CPU for a busy loop."""
     try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the worker, its kernel and any ranks left over
+        family = psutil.Process(proc.pid).children(recursive=True)  # the kernel, and the ranks it started
+    except psutil.NoSuchProcess:
+        family = []
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    for child in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
 
 
 def _worker_argv(submission: str, autograder: str, report: Path, seed: int) -> list[str]:

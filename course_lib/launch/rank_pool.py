@@ -242,7 +242,9 @@ class RankPool:
         prompt = _prompt()
         self.history.append((f"In [{prompt}]" if prompt is not None else f"#{len(self.history) + 1}", targets, code))
         if prompt is not None:  # a rank's traceback then says "Cell In[7]" for the notebook's In [7]
-            self._client[[self._engines[r] for r in targets]].apply_sync(engine.set_execution_count, prompt)
+            # not waited for: each engine runs it before the cell (one queue), and a rank that does
+            # not answer is the cell's time limit's business, below
+            self._client[[self._engines[r] for r in targets]].apply_async(engine.set_execution_count, prompt)
         self._log_from = {r: _log_size(self._log_file(r)) for r in targets}  # this cell's output starts there
         for r in targets:
             self._op_file(r).unlink(missing_ok=True)
