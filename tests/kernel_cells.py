@@ -1,11 +1,15 @@
-"""A cell executing in a real Jupyter kernel, read message by message (tests of the magics)."""
+"""A cell executing in a real Jupyter kernel, read message by message (tests of the magics), and the
+processes a test's kernel left behind."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import sys
 import time
+
+import psutil
 
 
 class Cell:
@@ -71,3 +75,14 @@ def start_kernel(cwd):
 
 def run(kc, code, timeout=120) -> Cell:
     return Cell(kc, code).pump(timeout=timeout)
+
+
+def left_behind(mark: str, value: str, timeout: float = 15.0) -> list[int]:
+    """The pids of the processes whose environment holds ``mark=value`` (every process a test
+    started with it, and their children) still alive ``timeout`` seconds on."""
+    procs = []
+    for p in psutil.process_iter(["environ"]):
+        with contextlib.suppress(psutil.Error):  # another user's process, or one that just ended
+            if (p.info["environ"] or {}).get(mark) == value:
+                procs.append(p)
+    return [p.pid for p in psutil.wait_procs(procs, timeout=timeout)[1]]

@@ -22,7 +22,7 @@ import uuid
 
 import psutil
 import pytest
-from kernel_cells import run, start_kernel
+from kernel_cells import left_behind, run, start_kernel
 
 from course_lib.parallel.collective_check import CollectiveMismatchError, without_hidden_tail
 
@@ -248,8 +248,7 @@ def test_torchrun_cells_name_the_same_bugs(kernel):
                         + "from course_lib.parallel.replicas import check_replicas\n"
                           "check_replicas(model, batch=x, raise_error=True)\n", "LaunchError", start_s)
     assert "read the SAME batch" in msg + cell.stderr
-    left = [p for p in psutil.process_iter(["environ"]) if (p.info["environ"] or {}).get(MARK) == marker]
-    assert psutil.wait_procs(left, timeout=15)[1] == []
+    assert left_behind(MARK, marker) == []
 
 
 @pytest.mark.timeout(120)

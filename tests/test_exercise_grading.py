@@ -284,7 +284,7 @@ def test_a_report_keeps_the_diagnosis_of_a_long_failure():
 
 
 def test_the_cell_a_stopped_grading_names_is_skipped_in_the_second(tmp_path):
-    from course_lib.exercises.cell_limit import CELL_LOG_ENV, running_cell, running_cell_source
+    from course_lib.exercises.cell_limit import CELL_LOG_ENV, running_cell, running_cell_log
     from course_lib.exercises.grade import _skip_cell
 
     stuck = "\ntotal = sum(range(10**15))  # blocks in C\nprint(total)"
@@ -298,9 +298,10 @@ def test_the_cell_a_stopped_grading_names_is_skipped_in_the_second(tmp_path):
     log = tmp_path / "cell.txt"  # as the kernel's pre_run_cell hook writes it (CellTimeLimit.ARM)
     log.write_text("total = sum(range(10**15))  # blocks in C\n" + stuck, encoding="utf-8")
     env = {CELL_LOG_ENV: str(log)}
-    assert running_cell(env) == "total = sum(range(10**15))  # blocks in C" and running_cell_source(env) == stuck
-    assert running_cell({}) == running_cell_source({}) == ""
-    copy = _skip_cell(str(sub), running_cell_source(env), 20, tmp_path / "again")
+    first, source = running_cell_log(env)
+    assert first == running_cell(env) == "total = sum(range(10**15))  # blocks in C" and source == stuck
+    assert running_cell_log({}) == ("", "")
+    copy = _skip_cell(str(sub), source, 20, tmp_path / "again")
     assert copy == tmp_path / "again" / "07_fabric.ipynb"
     cells = nbformat.read(copy, as_version=4).cells
     assert [c.source for c in cells[:2]] == ["x = 1", stuck] and cells[3].source == "y = x + 1"  # markdown kept

@@ -21,7 +21,6 @@ packages through a .pth file, plus the zip's own course_lib wheel) and run with 
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import json
 import os
@@ -35,8 +34,8 @@ import zipfile
 from pathlib import Path
 
 import nbformat
-import psutil
 import pytest
+from kernel_cells import left_behind
 
 from course_lib import exercises
 from course_lib.utils import colab_url
@@ -494,16 +493,6 @@ print(json.dumps(scores))
 STOPPED_MARK = "COURSE_TEST_STOPPED_GRADING"  # in the environment of every process the stopped grading starts
 
 
-def _left_behind(mark: str, value: str) -> list[int]:
-    """The pids of processes that carry ``mark=value`` and are still alive 15 s on."""
-    procs = []
-    for p in psutil.process_iter(["environ"]):
-        with contextlib.suppress(psutil.Error):
-            if (p.info["environ"] or {}).get(mark) == value:
-                procs.append(p)
-    return [p.pid for p in psutil.wait_procs(procs, timeout=15)[1]]
-
-
 STUCK = ("import signal, time\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)  # the cell limit, switched off\n"
          "while True:\n    try:\n        time.sleep(0.1)  # asleep: no CPU\n    except BaseException:\n        pass")
 # Blocked in C holding the GIL (ctypes.PyDLL keeps it), asleep: an orphaned kernel could not even
@@ -598,7 +587,7 @@ def graded(built, tmp_path_factory):
                 os.environ[k] = v
     return {"reports": {j[0]: r for j, r in zip(jobs, reports)}, "guard_log": guard_log,
             "cli": (Path(cli_sub), cli.returncode, *outputs[0], tmp / "grades.csv", tmp / "feedback"),
-            "stopped": (stopper.returncode, *outputs[1], stopper_tmp, _left_behind(STOPPED_MARK, str(tmp))),
+            "stopped": (stopper.returncode, *outputs[1], stopper_tmp, left_behind(STOPPED_MARK, str(tmp))),
             "skipped": (skipper.returncode, *outputs[4]),
             "gradescope": (gradescope.returncode, *outputs[2]),
             "student": (student.returncode, outputs[3][1], tmp / "executed.ipynb")}

@@ -8,7 +8,11 @@ CELL_TIMEOUT_ENV = "COURSE_GRADING_CELL_TIMEOUT"
 CELL_LOG_ENV = "COURSE_GRADING_CELL_LOG"  # a file the kernel writes each cell to as it starts: its first line, then all of it
 
 
-def _logged(environ) -> tuple[str, str]:
+def running_cell_log(environ=os.environ) -> tuple[str, str]:
+    """The submission's cell that was running last (from ``$COURSE_GRADING_CELL_LOG``): its first
+    line, what a stopped or crashed grading names, and its whole source, what a second grading
+    finds and skips (:mod:`course_lib.exercises.grade`). ("", "") when nothing was logged; the
+    source is "" for the grader's own cells."""
     path = environ.get(CELL_LOG_ENV)
     try:
         text = open(path, encoding="utf-8").read() if path else ""
@@ -19,15 +23,8 @@ def _logged(environ) -> tuple[str, str]:
 
 
 def running_cell(environ=os.environ) -> str:
-    """The first line of the submission's cell that was running last (from ``$COURSE_GRADING_CELL_LOG``),
-    or "" when nothing was logged: what a stopped or crashed grading names."""
-    return _logged(environ)[0]
-
-
-def running_cell_source(environ=os.environ) -> str:
-    """The whole source of that cell ("" for the grader's own cells, or when nothing was logged):
-    what a second grading finds and skips in the submission (:mod:`course_lib.exercises.grade`)."""
-    return _logged(environ)[1]
+    """The first line of :func:`running_cell_log`."""
+    return running_cell_log(environ)[0]
 
 
 class CellTimeLimit:

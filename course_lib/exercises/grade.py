@@ -40,7 +40,7 @@ from pathlib import Path
 import psutil
 
 from course_lib.exercises.cell_limit import (  # noqa: F401 - CELL_TIMEOUT_ENV and CellTimeLimit re-exported
-    CELL_LOG_ENV, CELL_TIMEOUT_ENV, CellTimeLimit, running_cell, running_cell_source)
+    CELL_LOG_ENV, CELL_TIMEOUT_ENV, CellTimeLimit, running_cell, running_cell_log)
 from course_lib.exercises.draws import seeded, submission_seed
 from course_lib.exercises.layout import quiet as silenced
 from course_lib.exercises.layout import select
@@ -400,12 +400,12 @@ def _grade_once(submission: str, autograder: str, time_limit: float, env: dict, 
         seconds = time.monotonic() - t0
         if out.is_file():
             return _report_from_dict(json.loads(out.read_text(encoding="utf-8"))), ""
-        cell = running_cell(env)
+        cell, source = running_cell_log(env)
         if seconds >= time_limit:
             why = (f"grading was stopped after the submission's limit of {time_limit:g} s (a cell "
                    "that never ends and ignored its own time limit?"
                    + (f" The cell running then starts with: {cell}" if cell else "") + "); every question scores zero")
-            return _stopped_report(submission, autograder, why, seconds, seed), running_cell_source(env)
+            return _stopped_report(submission, autograder, why, seconds, seed), source
         said = log.read_text(errors="replace").strip().splitlines()[-3:]
         why = f"the grading process failed (exit code {proc.returncode}): {' / '.join(said)}"
         return _stopped_report(submission, autograder, why, seconds, seed), ""
