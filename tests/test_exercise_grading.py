@@ -316,7 +316,8 @@ def test_a_long_temporary_folder_moves_the_job_folder_where_a_socket_fits(monkey
     longer than an AF_UNIX path may be, and every question on ranks would fail."""
     import tempfile
 
-    from course_lib.exercises.grade import AF_UNIX_PATH_MAX, FORKSERVER_SOCKET_TAIL, _job_parent
+    from course_lib.exercises.grade import _job_parent
+    from course_lib.launch.ranks import AF_UNIX_PATH_MAX, FORKSERVER_SOCKET_TAIL
 
     monkeypatch.setattr(tempfile, "tempdir", "/tmp")
     assert _job_parent() is None  # the grader's own temporary folder

@@ -316,3 +316,22 @@ def test_kernel_shutdown_stops_the_tracker_even_when_the_fork_servers_socket_is_
     assert stopped == []  # exit_now set back: nothing to do
     ranks._stop_helpers({"new": True})
     assert stopped == ["server", "tracker"]
+
+
+def test_ranks_start_under_a_temporary_folder_too_long_for_a_socket(tmp_path):
+    """A cluster job's $TMPDIR can be longer than a fork-server socket path may be (107 characters
+    with the 32 that multiprocessing adds): the fork server then failed to start ("AF_UNIX path too
+    long") on Pythons that do not fall back to /tmp themselves, and no rank ran. The ranks start,
+    and still see the job's $TMPDIR as theirs."""
+    import subprocess
+
+    long = tmp_path / ("scratch_of_a_cluster_job_" + "x" * 60)
+    long.mkdir()
+    assert len(str(long)) + ranks.FORKSERVER_SOCKET_TAIL > ranks.AF_UNIX_PATH_MAX
+    script = ("import tempfile\nfrom course_lib.launch.spawn import run_ranks\n"
+              "def f(rank, world_size):\n    return tempfile.gettempdir()\n"
+              "if __name__ == '__main__':\n    print(run_ranks(f, 2, timeout=60))\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "TMPDIR": str(long)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == str([str(long)] * 2)

@@ -44,6 +44,7 @@ from course_lib.exercises.cell_limit import (  # noqa: F401 - CELL_TIMEOUT_ENV a
 from course_lib.exercises.draws import seeded, submission_seed
 from course_lib.exercises.layout import quiet as silenced
 from course_lib.exercises.layout import select
+from course_lib.launch.ranks import AF_UNIX_PATH_MAX, FORKSERVER_SOCKET_TAIL
 from course_lib.utils import progress_bar
 
 GRADING_TIMEOUT_S = 10.0  # seconds per checked call while grading (COURSE_GRADING_TIMEOUT)
@@ -355,16 +356,11 @@ def _grade_in_process(submission: str, autograder: str, time_limit: float, env: 
     return again
 
 
-# A worker's ranks start from multiprocessing's fork server, whose socket lives at
-# $TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX (32 characters more); Linux's AF_UNIX path holds 107.
-# Newer Pythons' multiprocessing falls back to /tmp by itself (util._get_base_temp_dir); 3.11's does not.
-AF_UNIX_PATH_MAX, FORKSERVER_SOCKET_TAIL = 107, 32
-
-
 def _job_parent() -> str | None:
     """The folder for a worker's job folder: the grader's temporary folder (None), unless the
-    worker's fork-server socket would not fit an AF_UNIX path under it ("AF_UNIX path too long",
-    every question on ranks failing); then /tmp. The job folder is removed either way."""
+    worker's fork-server socket would not fit an AF_UNIX path under it; then /tmp. The ranks would
+    still start (``launch.ranks`` then makes multiprocessing's folder in /tmp), but that folder
+    would outlive a worker killed at the time limit: in the job folder, it is removed with it."""
     worker_tmp = os.path.join(tempfile.gettempdir(), "course_grade_job_XXXXXXXX", "tmp")
     if len(worker_tmp) + FORKSERVER_SOCKET_TAIL <= AF_UNIX_PATH_MAX or not os.access("/tmp", os.W_OK):
         return None

@@ -48,6 +48,7 @@ import importlib
 import inspect
 import io
 import multiprocessing as mp
+import multiprocessing.util
 import os
 import pickle
 import signal
@@ -111,8 +112,36 @@ def _context(method: str):
         # Takes effect when this process starts its fork server (the first run); a server that
         # something else started already keeps its own list: ranks then import torch themselves.
         ctx.set_forkserver_preload(PRELOAD + [m for m in PRELOAD_IF_IMPORTED if m in sys.modules])
+        _short_socket_folder()
         _stop_helpers_with_the_kernel()
     return ctx
+
+
+# The fork server listens on $TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX (32 characters more than
+# $TMPDIR); Linux's AF_UNIX path holds 107 (sun_path's 108 bytes, less the final NUL).
+AF_UNIX_PATH_MAX, FORKSERVER_SOCKET_TAIL = 107, 32
+
+
+def _short_socket_folder() -> None:
+    """Put multiprocessing's socket folder in /tmp when $TMPDIR is too long for a socket path.
+
+    A cluster job's scratch folder often is (``/scratch/<user>/slurm-<job>/...``): on such a node the
+    fork server would not start ("OSError: AF_UNIX path too long") and no rank would run. Newer
+    Pythons fall back to /tmp by themselves (``multiprocessing.util._get_base_temp_dir``); for the
+    others, multiprocessing's folder is made here, once, with ``tempfile.tempdir`` pointed at /tmp
+    for that one call. multiprocessing removes the folder at exit, as it would its own.
+    """
+    util = multiprocessing.util
+    if hasattr(util, "_get_base_temp_dir"):  # this Python chooses a short folder itself
+        return
+    base = tempfile.gettempdir()
+    if len(base) + FORKSERVER_SOCKET_TAIL <= AF_UNIX_PATH_MAX or not os.access("/tmp", os.W_OK):
+        return
+    saved, tempfile.tempdir = tempfile.tempdir, "/tmp"
+    try:
+        util.get_temp_dir()  # made now under /tmp, and kept for this process (a folder made before stays)
+    finally:
+        tempfile.tempdir = saved
 
 
 def _stop_helpers_with_the_kernel() -> None:
