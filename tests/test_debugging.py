@@ -165,12 +165,14 @@ def test_a_send_to_a_rank_that_does_not_exist_is_refused_at_once(kernel):
 def test_without_teaching_mode_gloo_kills_the_rank_and_the_pool_survives(kernel):
     _, kc = kernel
     assert "teaching mode off" in run(kc, "%ranks teaching off").stdout
-    msg, _ = bug(kc, "%%ranks\nkept = RANK\ndist.all_reduce(torch.ones(4 + RANK))", "RankDiedError")
+    try:
+        msg, _ = bug(kc, "%%ranks\nkept = RANK\ndist.all_reduce(torch.ones(4 + RANK))", "RankDiedError")
+    finally:  # the kernel is shared: a failure here must not leave the later tests without teaching mode
+        run(kc, "%ranks teaching on")
+        run(kc, "%%ranks\nkeep = [1.0, 2.0]")
     assert "DIED (signal SIGABRT)" in msg and "gloo::EnforceNotMet" in msg, msg  # gloo's abort, its last output
     assert "started again; the process group was made anew" in msg
     assert "LOST its variables" in msg and "keep (In [" in msg
-    run(kc, "%ranks teaching on")
-    run(kc, "%%ranks\nkeep = [1.0, 2.0]")
     usable(kc)
 
 
