@@ -1,6 +1,6 @@
 """Small helpers shared across course_lib: free ports, paths to shipped data, atomic writes, the one
 call of ``init_process_group``, the one rule for a timeout in seconds and for a count, progress bars (the trainer's
-and the launcher's), and where the course is published (the pip spec a Colab setup cell installs,
+and the launcher's), the traceback a notebook shows for the course's errors, and where the course is published (the pip spec a Colab setup cell installs,
 Colab links and badges), which lessons and exercises share."""
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import re
 import socket
 import sys
 import tempfile
+import traceback
+import types
 import warnings
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
@@ -29,6 +31,36 @@ INSTALL_SPEC_VAR = "COURSE_INSTALL_SPEC"  # overrides install_spec() in every se
 # `python tools/notebooks.py sync` to rewrite the badges and setup cells of the notebooks.
 GITHUB_REPO = "course-org/parallel-dl-course"
 GITHUB_BRANCH = "main"
+
+
+def without_hidden_tail(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """``tb`` without the frames at its end whose code says ``__tracebackhide__ = True`` (the
+    course's own functions that raised); it keeps its first frame. The earlier hidden frames stay:
+    IPython skips those itself."""
+    entries = []
+    while tb is not None:
+        entries.append(tb)
+        tb = tb.tb_next
+    while len(entries) > 1 and entries[-1].tb_frame.f_locals.get("__tracebackhide__"):
+        entries.pop()
+    rebuilt = None
+    for entry in reversed(entries):  # a traceback is a linked list from the outermost call
+        rebuilt = types.TracebackType(rebuilt, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    return rebuilt
+
+
+def traceback_to_caller(exc: BaseException) -> list[str]:
+    """IPython's ``_render_traceback_`` for the course's errors: the traceback ends at the
+    student's call, not in the course's frames that raised (marked ``__tracebackhide__``).
+    IPython itself leaves out such frames except the last one, where the error was raised, which
+    is the course's own. Set it as a class attribute: ``_render_traceback_ = traceback_to_caller``."""
+    # IPython is the caller: it is imported wherever this runs
+    from IPython import get_ipython
+
+    shell, tb = get_ipython(), without_hidden_tail(exc.__traceback__)
+    if shell is None:  # not called by IPython after all: Python's own format, the same frames
+        return traceback.format_exception(type(exc), exc, tb)
+    return shell.InteractiveTB.structured_traceback(type(exc), exc, tb)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -24,7 +24,8 @@ import psutil
 import pytest
 from kernel_cells import left_behind, run, start_kernel
 
-from course_lib.parallel.collective_check import CollectiveMismatchError, without_hidden_tail
+from course_lib.parallel.collective_check import CollectiveMismatchError
+from course_lib.utils import without_hidden_tail
 
 LIMIT = 3  # seconds a cell may run; the collective timeout is 2 s more (rank_pool.PG_MARGIN_S)
 NAMED_WITHIN = LIMIT + 5  # the promise: named within the cell limit plus 5 s

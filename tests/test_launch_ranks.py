@@ -335,3 +335,57 @@ def test_ranks_start_under_a_temporary_folder_too_long_for_a_socket(tmp_path):
                           env={**os.environ, "TMPDIR": str(long)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == str([str(long)] * 2)
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def test_a_ranks_traceback_names_the_notebook_cells_and_the_notebooks_ends_at_the_call(tmp_path):
+    """cloudpickle names the file of the code it sends by value "<dynamic-code>": a failing rank
+    said ``File "<dynamic-code>", line 3, in helper`` and showed no line. It now names the cell and
+    shows the line, as the notebook does; and the notebook's own traceback ends at the student's
+    call, without the runner's frames (spawn.py, ranks.py, grading.py, forked.py)."""
+    pytest.importorskip("jupyter_client")
+    from kernel_cells import run, start_kernel
+
+    km, kc = start_kernel(tmp_path)
+    try:
+        helper = run(kc, "import torch\ndef helper(x):\n    return x[5]\n")
+        cell = run(kc, "class Worker:\n    def m(self, r):\n        return helper([r])\n\n"
+                       "def show(rank, world_size):\n    return Worker().m(rank)\n")
+        fronts = {"run_ranks": "from course_lib.launch.spawn import run_ranks\nrun_ranks(show, 2)",
+                  "grading": "from course_lib.exercises.grading import run_ranks\nrun_ranks(show, 2)",
+                  "notebook_launcher": "from course_lib.launch import notebook_launcher\n"
+                                       "notebook_launcher(show, args=(0, 1), nproc=1)"}
+        for front, code in fronts.items():
+            failed = run(kc, code)
+            assert failed.error is not None, (front, failed.stdout, failed.stderr)
+            rank_tb = failed.error["evalue"] + failed.stderr  # notebook_launcher prints it to stderr
+            for frame, line in ((f"Cell In[{helper.execution_count}]\", line 3, in helper", "return x[5]"),
+                                (f"Cell In[{cell.execution_count}]\", line 3, in m", "return helper([r])"),
+                                (f"Cell In[{cell.execution_count}]\", line 6, in show", "return Worker().m(rank)")):
+                assert f'File "{frame}\n    {line}\n' in rank_tb, (front, rank_tb)
+            assert "<dynamic-code>" not in rank_tb, (front, rank_tb)
+            shown = ANSI.sub("", "\n".join(failed.error["traceback"]))
+            assert f"Cell In[{failed.execution_count}], line 2" in shown, (front, shown)
+            for own in ("spawn.py", "ranks.py", "grading.py", "forked.py"):
+                assert own not in shown, (front, own, shown)
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def test_a_ranks_traceback_names_the_script_it_came_from(tmp_path):
+    """A script's functions travel by value too (they belong to ``__main__``): the rank's traceback
+    names the script's file and shows its lines."""
+    import subprocess
+
+    script = tmp_path / "train_toy.py"
+    script.write_text("from course_lib.launch.spawn import run_ranks\n\n"
+                      "def helper(x):\n    return x[5]\n\n"
+                      "def show(rank, world_size):\n    return helper([rank])\n\n"
+                      "if __name__ == '__main__':\n    run_ranks(show, 2)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 1
+    assert f'File "{script}", line 7, in show\n    return helper([rank])\n' in proc.stderr, proc.stderr
+    assert f'File "{script}", line 4, in helper\n    return x[5]\n' in proc.stderr, proc.stderr

@@ -77,6 +77,7 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float | N
     call gets timeout + 5 s of wall clock. Raises :class:`RanksTimeoutError` when ranks hang,
     :class:`RankError` when a rank raises or dies.
     """
+    __tracebackhide__ = True  # the runner's own frame: a notebook's traceback ends at the caller
     if not callable(fn):
         raise TypeError(f"run_ranks needs a function fn(rank, world_size, ...), got {fn!r}")
     if isinstance(nproc, bool) or not isinstance(nproc, int) or not 1 <= nproc <= MAX_RANKS:

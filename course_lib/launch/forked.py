@@ -32,13 +32,17 @@ from course_lib.hardware import threads_per_rank
 from course_lib.launch.bootstrap import diagnose
 from course_lib.launch.placement import LaunchConfigError
 from course_lib.launch.ranks import RankError, RanksTimeoutError, run_local
-from course_lib.utils import check_count, check_seconds
+from course_lib.utils import check_count, check_seconds, traceback_to_caller
 
 
 class NotebookLaunchError(RuntimeError):
+    """A rank failed or the ranks ran out of time; the failing rank's traceback was printed above."""
+
     def __init__(self, message: str, rank: int | None = None, traceback_text: str | None = None):
         super().__init__(message)
         self.rank, self.traceback = rank, traceback_text
+
+    _render_traceback_ = traceback_to_caller  # ends at the notebook's call, not in notebook_launcher
 
 
 CUDA_HINT = ("notebook_launcher's ranks are CPU processes (gloo); for GPU ranks put the code in a "
@@ -54,6 +58,7 @@ def notebook_launcher(fn, args: tuple = (), nproc: int = 2, *, kwargs: dict | No
     run, from the moment every rank has joined the group (None: none). threads: torch threads
     per process (default: cores // nproc).
     """
+    __tracebackhide__ = True  # the runner's own frame: a notebook's traceback ends at the caller
     if not callable(fn):
         raise LaunchConfigError(f"fn must be a function, got {type(fn).__name__}")
     check_count("nproc", nproc, error=LaunchConfigError)

@@ -7,10 +7,21 @@ Every message to the parent goes through one pipe, as plain pickles of small tup
     ("ready", rank)                  set up (and, with a group, past the barrier): the run starts
     ("ok", rank, data)               the function's value, cloudpickled (tensors by value)
     ("error", rank, what, text, s)   "KeyError: 'x'", the traceback, seconds since "ready"
+
+A function of a notebook cell (or of the script run as ``__main__``) travels by value. Recent
+cloudpickle names the file of every code object it sends that way ``<dynamic-code>``
+(cloudpipe/cloudpickle#560, 2025), and older versions keep a cell's temporary file name, which
+a rank cannot read: either way a rank's traceback said ``File "<dynamic-code>", line 7, in
+show`` and showed no line. The parent therefore sends, beside the function, the names and lines of the cells it
+came from (:func:`course_lib.launch.ranks.cell_code`); the rank gives its copies of those code
+objects their cell's name back (:func:`name_cells`), so that its traceback reads ``File "Cell
+In[3]", line 7, in show`` with the line, as the notebook's own would.
 """
 
 from __future__ import annotations
 
+import functools
+import linecache
 import os
 import pickle
 import signal
@@ -18,6 +29,8 @@ import sys
 import threading
 import time
 import traceback
+import types
+from collections.abc import Callable, Iterator
 
 import cloudpickle
 
@@ -59,6 +72,71 @@ class _Lines:
         return False
 
 
+def functions_sent(roots, of_interest: Callable[[types.CodeType], bool]) -> Iterator[types.FunctionType]:
+    """The functions reachable from ``roots`` whose code is ``of_interest``: the roots themselves
+    (functions, partials, methods, classes), then the globals, closures and defaults those
+    functions use, and the methods of classes among them; other functions are not followed (a
+    library's functions travel by reference, with their files)."""
+    seen, stack = set(), list(roots)
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, functools.partial):
+            stack += [obj.func, *obj.args, *obj.keywords.values()]
+        elif isinstance(obj, (staticmethod, classmethod, types.MethodType)):
+            stack.append(obj.__func__)
+        elif isinstance(obj, property):
+            stack += [obj.fget, obj.fset, obj.fdel]
+        elif isinstance(obj, type):
+            stack += list(vars(obj).values())
+        elif isinstance(obj, types.FunctionType) and of_interest(obj.__code__):
+            yield obj
+            names = {n for code in code_objects(obj.__code__) for n in code.co_names}
+            stack += [obj.__globals__[n] for n in names if n in obj.__globals__]
+            stack += [c.cell_contents for c in obj.__closure__ or () if _filled(c)]
+            stack += [*(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()]
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
+
+
+def code_objects(code: types.CodeType) -> Iterator[types.CodeType]:
+    """``code`` and the code nested in it (inner functions, lambdas, comprehensions, classes)."""
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from code_objects(const)
+
+
+def code_key(code: types.CodeType) -> tuple:
+    """What identifies a code object on both sides of the pipe (its file name does not travel)."""
+    return code.co_name, code.co_firstlineno, code.co_code
+
+
+def name_cells(roots, cells: dict) -> None:
+    """Give the code sent by value from notebook cells (or a script) its cell's name back, and the
+    cells' lines to ``linecache`` (``cells``: {"names": {code_key: name}, "lines": {name: [...]}})."""
+    names = cells["names"]
+    if not names:
+        return
+    for name, lines in cells["lines"].items():
+        linecache.cache[name] = (sum(map(len, lines)), None, lines, name)  # mtime None: never checked on disk
+
+    def renamed(code: types.CodeType) -> types.CodeType:
+        consts = tuple(renamed(c) if isinstance(c, types.CodeType) else c for c in code.co_consts)
+        return code.replace(co_filename=names.get(code_key(code), code.co_filename), co_consts=consts)
+
+    for fn in list(functions_sent(roots, lambda code: code_key(code) in names)):
+        fn.__code__ = renamed(fn.__code__)
+
+
 def _join_group(rank: int, s: dict) -> None:
     # torch in the rank only: the parent imports this module (launch.ranks) without it
     import torch
@@ -78,7 +156,7 @@ def _join_group(rank: int, s: dict) -> None:
 
 def rank_main(payload: bytes, rank: int, s: dict, conn) -> None:
     """The target of each rank's process. ``s``: world_size, backend (None: no group), store,
-    timeout, threads, env, prefix, pass_rank, method."""
+    timeout, threads, env, prefix, pass_rank, method, cells (:func:`name_cells`)."""
     set_parent_death_signal(signal.SIGKILL)  # the parent (or the fork server) died: nobody to report to
     if s["method"] == "fork":  # only a fork copies the locks that the parent's threads held
         reset_locks_after_fork()
@@ -97,6 +175,7 @@ def rank_main(payload: bytes, rank: int, s: dict, conn) -> None:
 
         torch.set_num_threads(s["threads"])
         fn, args, kwargs = pickle.loads(payload)  # cloudpickle's output is read by plain pickle
+        name_cells([fn, *args, *kwargs.values()], s["cells"])
         if s["backend"] is not None:
             _join_group(rank, s)
             joined = True

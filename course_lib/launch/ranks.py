@@ -47,6 +47,7 @@ import contextlib
 import importlib
 import inspect
 import io
+import linecache
 import multiprocessing as mp
 import multiprocessing.util
 import os
@@ -64,8 +65,8 @@ from typing import Any
 import cloudpickle
 
 from course_lib.launch.procs import signal_quietly
-from course_lib.launch.rank_child import rank_main
-from course_lib.utils import check_count
+from course_lib.launch.rank_child import code_key, code_objects, functions_sent, rank_main
+from course_lib.utils import check_count, traceback_to_caller
 
 START_LIMIT_S = 120.0  # the fork server's first start imports torch: seconds on a busy machine
 # What the fork server imports once, so that no rank does: torch, its distributed package, the
@@ -77,8 +78,12 @@ PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "cloudpickle", "course
 PRELOAD_IF_IMPORTED = ("lightning", "transformers")
 
 
+# The runner's errors: in a notebook, the traceback ends at the student's call (run_ranks(...)), not
+# in the runner's frames (each marked __tracebackhide__); a RankError's message holds the rank's own.
 class SendError(TypeError):
     """The function or an argument cannot be sent to the ranks (it cannot be pickled)."""
+
+    _render_traceback_ = traceback_to_caller
 
 
 class RankError(RuntimeError):
@@ -92,6 +97,8 @@ class RankError(RuntimeError):
         self.rank, self.what, self.traceback = rank, what, traceback_text
         self.waiting, self.elapsed = waiting or [], elapsed
 
+    _render_traceback_ = traceback_to_caller
+
 
 class RanksTimeoutError(TimeoutError):
     """Some ranks did not finish (``phase`` "run") or start ("start") in time; ``stuck`` lists them."""
@@ -99,6 +106,8 @@ class RanksTimeoutError(TimeoutError):
     def __init__(self, message: str, stuck: list[int], phase: str = "run"):
         super().__init__(message)
         self.stuck, self.phase = stuck, phase
+
+    _render_traceback_ = traceback_to_caller
 
 
 def start_method() -> str:
@@ -220,8 +229,36 @@ def _dumps(obj: Any) -> bytes:
     return buf.getvalue()
 
 
+def cell_code(fn: Callable, args: tuple, kwargs: dict) -> dict:
+    """The names of the notebook cells (or the script) that the code sent to the ranks by value
+    comes from, and the cells' lines, for :func:`course_lib.launch.rank_child.name_cells`:
+    {"names": {code_key: "Cell In[3]"}, "lines": {"Cell In[3]": [...]}}. A cell is named as
+    IPython's tracebacks name it (``format_code_name``, since IPython 8.0); the script that runs as
+    ``__main__`` by its path, which the ranks read themselves. Other code keeps cloudpickle's name:
+    the grader's tests among it, whose lines a student's report must not show."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    cell_name = getattr(getattr(shell, "compile", None), "format_code_name", None)
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
+
+    def name_of(code) -> str | None:
+        if code.co_filename == script:
+            return script
+        cell = cell_name(code.co_filename) if cell_name is not None else None
+        return " ".join(cell) if cell else None  # ("Cell", "In[3]")
+
+    names, lines = {}, {}
+    for f in functions_sent([fn, *args, *kwargs.values()], lambda code: name_of(code) is not None):
+        name = name_of(f.__code__)
+        if name != script:
+            lines.setdefault(name, linecache.getlines(f.__code__.co_filename))
+        names.update((code_key(code), name) for code in code_objects(f.__code__))
+    return {"names": names, "lines": lines}
+
+
 def pack(fn: Callable, args: tuple, kwargs: dict) -> bytes:
     """``(fn, args, kwargs)`` as bytes for the ranks, or :class:`SendError` saying what cannot go."""
+    __tracebackhide__ = True  # the runner's own frame (see SendError)
     try:
         return _dumps((fn, tuple(args), dict(kwargs)))
     except Exception as e:  # noqa: BLE001 - find the part that failed, for the message
@@ -256,6 +293,7 @@ class _Run:
         return [r for r in range(len(self.procs)) if r not in self.results and r != but]
 
     def handle(self, rank: int) -> None:
+        __tracebackhide__ = True  # the runner's own frame: a notebook's traceback ends at the caller
         try:
             msg = pickle.loads(self.conns[rank].recv_bytes())
         except (EOFError, OSError):  # closed: the rank exited (its exit code says how)
@@ -277,6 +315,7 @@ class _Run:
                             self.waiting(but=rank), elapsed)
 
     def check_clocks(self) -> None:
+        __tracebackhide__ = True  # the runner's own frame: a notebook's traceback ends at the caller
         now = time.monotonic()
         if self.run_start is None and now - self.started > self.start_limit:
             stuck = [r for r in range(len(self.procs)) if r not in self.ready]
@@ -288,6 +327,7 @@ class _Run:
                                     "did not finish", stuck)
 
     def check_deaths(self) -> None:
+        __tracebackhide__ = True  # the runner's own frame: a notebook's traceback ends at the caller
         for rank, p in enumerate(self.procs):
             if p.exitcode is None or rank in self.results:
                 continue
@@ -301,6 +341,7 @@ class _Run:
                                 self.waiting(but=rank), self.elapsed())
 
     def loop(self) -> list:
+        __tracebackhide__ = True  # the runner's own frame: a notebook's traceback ends at the caller
         n = len(self.procs)
         while len(self.results) < n:
             self.check_clocks()
@@ -367,6 +408,7 @@ def run_local(fn: Callable[..., Any], nproc: int, args: tuple = (), kwargs: dict
     checked here, before anything starts (:func:`check_call`), and :class:`SendError` raised for
     what cannot be sent.
     """
+    __tracebackhide__ = True  # the runner's own frame: a notebook's traceback ends at the caller
     check_call(fn, args, kwargs, pass_rank, threads, method)
     payload = pack(fn, args, kwargs or {})
     method = method or start_method()
@@ -374,7 +416,8 @@ def run_local(fn: Callable[..., Any], nproc: int, args: tuple = (), kwargs: dict
     with tempfile.TemporaryDirectory(prefix="course_ranks_") as tmp:
         settings = {"world_size": nproc, "backend": backend, "store": f"file://{Path(tmp) / 'store'}",
                     "timeout": timeout, "threads": threads, "env": dict(os.environ),
-                    "prefix": prefix, "pass_rank": pass_rank, "method": method}
+                    "prefix": prefix, "pass_rank": pass_rank, "method": method,
+                    "cells": cell_code(fn, args, kwargs or {})}
 
         procs, conns = [], []
         try:

@@ -51,6 +51,7 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "gl
     "fork" only to measure what it costs (benchmarks/rank_start.py): it inherits this
     process's state. Raises :class:`SendError` when ``fn`` or ``args`` cannot be sent.
     """
+    __tracebackhide__ = True  # the runner's own frame: a notebook's traceback ends at the caller
     check_count("nproc", nproc)
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' (CPU) or 'nccl' (one GPU per rank), got {backend!r}")

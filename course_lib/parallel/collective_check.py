@@ -36,13 +36,13 @@ from __future__ import annotations
 import collections
 import functools
 import time
-import traceback
-import types
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+
+from course_lib.utils import traceback_to_caller
 
 RECORD = 16  # calls kept by the flight recorder
 _WIDTH = 16  # int64 slots of one descriptor
@@ -64,34 +64,9 @@ class CollectiveMismatchError(RuntimeError):
         super().__init__(message)
         self.calls = calls or {}
 
-    def _render_traceback_(self) -> list[str]:
-        """IPython's hook for an exception that formats its own traceback (a rank's cell in a
-        notebook). IPython leaves out each frame marked ``__tracebackhide__`` except the last one,
-        where the error was raised: here the check's own. The traceback shown ends at the
-        student's call (``dist.all_reduce(x)``) instead."""
-        # IPython is the caller: it is imported wherever this runs
-        from IPython import get_ipython
-
-        shell, tb = get_ipython(), without_hidden_tail(self.__traceback__)
-        if shell is None:  # not called by IPython after all: Python's own format, the same frames
-            return traceback.format_exception(type(self), self, tb)
-        return shell.InteractiveTB.structured_traceback(type(self), self, tb)
-
-
-def without_hidden_tail(tb: types.TracebackType | None) -> types.TracebackType | None:
-    """``tb`` without the frames at its end whose code says ``__tracebackhide__ = True`` (the
-    check's wrappers that raised); it keeps its first frame. The earlier hidden frames stay:
-    IPython skips those itself."""
-    entries = []
-    while tb is not None:
-        entries.append(tb)
-        tb = tb.tb_next
-    while len(entries) > 1 and entries[-1].tb_frame.f_locals.get("__tracebackhide__"):
-        entries.pop()
-    rebuilt = None
-    for entry in reversed(entries):  # a traceback is a linked list from the outermost call
-        rebuilt = types.TracebackType(rebuilt, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
-    return rebuilt
+    # IPython leaves out each frame marked ``__tracebackhide__`` except the last one, where the error
+    # was raised: here the check's own. The traceback shown ends at the student's call instead.
+    _render_traceback_ = traceback_to_caller
 
 
 class _STATE:
