@@ -318,23 +318,31 @@ def test_kernel_shutdown_stops_the_tracker_even_when_the_fork_servers_socket_is_
     assert stopped == ["server", "tracker"]
 
 
-def test_ranks_start_under_a_temporary_folder_too_long_for_a_socket(tmp_path):
-    """A cluster job's $TMPDIR can be longer than a fork-server socket path may be (107 characters
-    with the 32 that multiprocessing adds): the fork server then failed to start ("AF_UNIX path too
-    long") on Pythons that do not fall back to /tmp themselves, and no rank ran. The ranks start,
-    and still see the job's $TMPDIR as theirs."""
+def test_a_script_on_a_cluster_node_starts_its_ranks_and_a_failing_rank_names_its_lines(tmp_path):
+    """A script's ranks, as on a cluster node: the job's $TMPDIR can be longer than a fork-server
+    socket path may be (107 characters with the 32 that multiprocessing adds), and the fork server
+    then failed to start ("AF_UNIX path too long") on Pythons that do not fall back to /tmp
+    themselves; the ranks start, and still see the job's $TMPDIR as theirs. The script's functions
+    travel by value (they belong to ``__main__``): a failing rank's traceback names the script's
+    file and shows its lines, not cloudpickle's "<dynamic-code>"."""
     import subprocess
 
     long = tmp_path / ("scratch_of_a_cluster_job_" + "x" * 60)
     long.mkdir()
     assert len(str(long)) + ranks.FORKSERVER_SOCKET_TAIL > ranks.AF_UNIX_PATH_MAX
-    script = ("import tempfile\nfrom course_lib.launch.spawn import run_ranks\n"
-              "def f(rank, world_size):\n    return tempfile.gettempdir()\n"
-              "if __name__ == '__main__':\n    print(run_ranks(f, 2, timeout=60))\n")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "TMPDIR": str(long)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1] == str([str(long)] * 2)
+    script = tmp_path / "train_toy.py"
+    script.write_text("import tempfile\nfrom course_lib.launch.spawn import run_ranks\n\n"
+                      "def helper(x):\n    return x[5]\n\n"
+                      "def show(rank, world_size):\n    return helper([rank])\n\n"
+                      "def where(rank, world_size):\n    return tempfile.gettempdir()\n\n"
+                      "if __name__ == '__main__':\n    print(run_ranks(where, 2, timeout=60))\n"
+                      "    run_ranks(show, 2)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180,
+                          cwd=tmp_path, env={**os.environ, "TMPDIR": str(long)})
+    assert proc.stdout.strip().splitlines()[0] == str([str(long)] * 2), proc.stdout + proc.stderr[-3000:]
+    assert proc.returncode == 1 and "IndexError" in proc.stderr, proc.stderr[-3000:]
+    assert f'File "{script}", line 8, in show\n    return helper([rank])\n' in proc.stderr, proc.stderr
+    assert f'File "{script}", line 5, in helper\n    return x[5]\n' in proc.stderr, proc.stderr
 
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -373,19 +381,3 @@ def test_a_ranks_traceback_names_the_notebook_cells_and_the_notebooks_ends_at_th
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
-
-
-def test_a_ranks_traceback_names_the_script_it_came_from(tmp_path):
-    """A script's functions travel by value too (they belong to ``__main__``): the rank's traceback
-    names the script's file and shows its lines."""
-    import subprocess
-
-    script = tmp_path / "train_toy.py"
-    script.write_text("from course_lib.launch.spawn import run_ranks\n\n"
-                      "def helper(x):\n    return x[5]\n\n"
-                      "def show(rank, world_size):\n    return helper([rank])\n\n"
-                      "if __name__ == '__main__':\n    run_ranks(show, 2)\n")
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert proc.returncode == 1
-    assert f'File "{script}", line 7, in show\n    return helper([rank])\n' in proc.stderr, proc.stderr
-    assert f'File "{script}", line 4, in helper\n    return x[5]\n' in proc.stderr, proc.stderr
