@@ -133,8 +133,11 @@ def name_cells(roots, cells: dict) -> None:
         consts = tuple(renamed(c) if isinstance(c, types.CodeType) else c for c in code.co_consts)
         return code.replace(co_filename=names.get(code_key(code), code.co_filename), co_consts=consts)
 
-    for fn in list(functions_sent(roots, lambda code: code_key(code) in names)):
-        fn.__code__ = renamed(fn.__code__)
+    try:
+        for fn in list(functions_sent(roots, lambda code: code_key(code) in names)):
+            fn.__code__ = renamed(fn.__code__)
+    except Exception:  # noqa: BLE001, S110 - names only help to read a traceback: the function runs anyway
+        pass
 
 
 def _join_group(rank: int, s: dict) -> None:

@@ -248,11 +248,14 @@ def cell_code(fn: Callable, args: tuple, kwargs: dict) -> dict:
         return " ".join(cell) if cell else None  # ("Cell", "In[3]")
 
     names, lines = {}, {}
-    for f in functions_sent([fn, *args, *kwargs.values()], lambda code: name_of(code) is not None):
-        name = name_of(f.__code__)
-        if name != script:
-            lines.setdefault(name, linecache.getlines(f.__code__.co_filename))
-        names.update((code_key(code), name) for code in code_objects(f.__code__))
+    try:
+        for f in functions_sent([fn, *args, *kwargs.values()], lambda code: name_of(code) is not None):
+            name = name_of(f.__code__)
+            if name != script:
+                lines.setdefault(name, linecache.getlines(f.__code__.co_filename))
+            names.update((code_key(code), name) for code in code_objects(f.__code__))
+    except Exception:  # noqa: BLE001 - names only help to read a traceback: never a reason not to run
+        return {"names": {}, "lines": {}}
     return {"names": names, "lines": lines}
 
 
