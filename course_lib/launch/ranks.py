@@ -135,9 +135,9 @@ def _short_socket_folder() -> None:
     """Put multiprocessing's socket folder in /tmp when $TMPDIR is too long for a socket path.
 
     A cluster job's scratch folder often is (``/scratch/<user>/slurm-<job>/...``): on such a node the
-    fork server would not start ("OSError: AF_UNIX path too long") and no rank would run. Newer
-    Pythons fall back to /tmp by themselves (``multiprocessing.util._get_base_temp_dir``); for the
-    others, multiprocessing's folder is made here, once, with ``tempfile.tempdir`` pointed at /tmp
+    fork server would not start ("OSError: AF_UNIX path too long") and no rank would run. A
+    Python whose multiprocessing has ``util._get_base_temp_dir`` falls back to /tmp by itself
+    (none of 3.6 to 3.13.0 has it); for the others, multiprocessing's folder is made here, once, with ``tempfile.tempdir`` pointed at /tmp
     for that one call. multiprocessing removes the folder at exit, as it would its own.
     """
     util = multiprocessing.util
