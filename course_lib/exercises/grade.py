@@ -44,7 +44,7 @@ from course_lib.exercises.cell_limit import (  # noqa: F401 - CELL_TIMEOUT_ENV a
 from course_lib.exercises.draws import seeded, submission_seed
 from course_lib.exercises.layout import quiet as silenced
 from course_lib.exercises.layout import select
-from course_lib.launch.ranks import AF_UNIX_PATH_MAX, FORKSERVER_SOCKET_TAIL
+from course_lib.launch.ranks import socket_needs_tmp
 from course_lib.utils import progress_bar
 
 GRADING_TIMEOUT_S = 10.0  # seconds per checked call while grading (COURSE_GRADING_TIMEOUT)
@@ -362,9 +362,7 @@ def _job_parent() -> str | None:
     still start (``launch.ranks`` then makes multiprocessing's folder in /tmp), but that folder
     would outlive a worker killed at the time limit: in the job folder, it is removed with it."""
     worker_tmp = os.path.join(tempfile.gettempdir(), "course_grade_job_XXXXXXXX", "tmp")
-    if len(worker_tmp) + FORKSERVER_SOCKET_TAIL <= AF_UNIX_PATH_MAX or not os.access("/tmp", os.W_OK):
-        return None
-    return "/tmp"
+    return "/tmp" if socket_needs_tmp(worker_tmp) else None
 
 
 def _grade_once(submission: str, autograder: str, time_limit: float, env: dict, seed: int,

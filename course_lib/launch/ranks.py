@@ -131,6 +131,12 @@ def _context(method: str):
 AF_UNIX_PATH_MAX, FORKSERVER_SOCKET_TAIL = 107, 32
 
 
+def socket_needs_tmp(folder: str) -> bool:
+    """Whether the fork server's socket under ``folder`` (a $TMPDIR) would be too long for an
+    AF_UNIX path, and /tmp is there to take it instead."""
+    return len(folder) + FORKSERVER_SOCKET_TAIL > AF_UNIX_PATH_MAX and os.access("/tmp", os.W_OK)
+
+
 def _short_socket_folder() -> None:
     """Put multiprocessing's socket folder in /tmp when $TMPDIR is too long for a socket path.
 
@@ -143,8 +149,7 @@ def _short_socket_folder() -> None:
     util = multiprocessing.util
     if hasattr(util, "_get_base_temp_dir"):  # this Python chooses a short folder itself
         return
-    base = tempfile.gettempdir()
-    if len(base) + FORKSERVER_SOCKET_TAIL <= AF_UNIX_PATH_MAX or not os.access("/tmp", os.W_OK):
+    if not socket_needs_tmp(tempfile.gettempdir()):
         return
     saved, tempfile.tempdir = tempfile.tempdir, "/tmp"
     try:
