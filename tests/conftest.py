@@ -4,18 +4,25 @@ Chromium for the session (tests/browser_lab.py).
 
 Test order: the notebook executions (tests/test_colab_wheel.py) run before the tests that reuse
 their executed copies (test_browser_saved.py's reopened notebooks, test_book.py's website), so one
-`make test` executes each notebook once.
+`make test` executes each notebook once. test_exercises.py runs last: its grading batch
+(tests/grading_batch.py) starts with the session's first test and runs beside the others, which
+come first; the notebooks, busy on both cores, come after them.
 """
 
 from __future__ import annotations
 
 import pytest
 
+NOTEBOOKS = "test_colab_wheel.py"  # the lessons, three at a time: busy on both cores
 LAST = ("test_browser.py", "test_browser_saved.py", "test_book.py")
+BATCHED = "test_exercises.py"  # the module whose grading batch runs beside the others
 
 
 def pytest_collection_modifyitems(session, config, items):
-    items.sort(key=lambda item: item.path.name in LAST)  # stable: the order within each group stays
+    # Stable: the order within each group stays. The notebooks run after the other modules, which
+    # mostly leave a core idle for the grading batch: beside the notebooks it would take their CPU.
+    groups = ((NOTEBOOKS,), LAST, (BATCHED,))
+    items.sort(key=lambda item: next((i for i, g in enumerate(groups, 1) if item.path.name in g), 0))
     # The one rule for the tests marked gpu (pyproject.toml's markers): skipped, with the reason,
     # where no CUDA device is visible; `make test-gpu` runs them on a GPU (pytest -m gpu).
     gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
@@ -26,6 +33,24 @@ def pytest_collection_modifyitems(session, config, items):
             skip = pytest.mark.skip(reason="marked gpu: needs a CUDA GPU, and this machine has none")
             for item in gpu_tests:
                 item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def grading_batch(request, tmp_path_factory):
+    """test_exercises.py's build and grading batch (tests/grading_batch.py), started with the
+    session's first test when a selected test needs it (the build alone when no test needs the
+    gradings), so that it runs beside the others; None when none does."""
+    needs = {name for item in request.session.items if item.path.name == BATCHED for name in item.fixturenames}
+    if not {"built_and_wheel", "graded"} & needs:
+        yield None
+        return
+    from grading_batch import GradingBatch
+
+    batch = GradingBatch(tmp_path_factory.mktemp("exercises"), grade="graded" in needs).start()
+    try:
+        yield batch
+    finally:
+        batch.stop()
 
 
 @pytest.fixture(scope="session")

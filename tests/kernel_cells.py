@@ -1,5 +1,5 @@
-"""A cell executing in a real Jupyter kernel, read message by message (tests of the magics), and the
-processes a test's kernel left behind."""
+"""A cell executing in a real Jupyter kernel, read message by message (tests of the magics), the
+processes a test's kernel left behind, and the processes a test started."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import sys
 import time
 
 import psutil
+
+BACKGROUND_MARK = "COURSE_TEST_BACKGROUND"  # in the environment of every process of tests/grading_batch.py
 
 
 class Cell:
@@ -86,3 +88,15 @@ def left_behind(mark: str, value: str, timeout: float = 15.0) -> list[int]:
             if (p.info["environ"] or {}).get(mark) == value:
                 procs.append(p)
     return [p.pid for p in psutil.wait_procs(procs, timeout=timeout)[1]]
+
+
+def spawned_here() -> set[int]:
+    """The pids of this process's descendants, without those of the grading batch that runs beside
+    the tests (tests/grading_batch.py marks each of its processes in its environment)."""
+    pids = set()
+    for p in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # one that just ended
+            if BACKGROUND_MARK not in p.environ():
+                pids.add(p.pid)
+    return pids
+

@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
+from kernel_cells import spawned_here
 
 from course_lib.gpt import checkpoint as ckpt_io
 from course_lib.gpt.data import DataError, prepare
@@ -49,11 +49,11 @@ def fake_run(out_dir, cfg, world_size: int = 1) -> None:
 
 def refused(cfg, error, match, **kw) -> str:
     """launch_training refuses ``cfg`` with one line, spawning nothing and writing nothing."""
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    before = spawned_here()
     files = sorted(p.name for p in Path(cfg.out_dir).glob("*"))
     with pytest.raises(error, match=match) as e:
         launch_training(cfg, overwrite=False, **kw)
-    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before, "a refused run started processes"
+    assert spawned_here() <= before, "a refused run started processes"
     assert sorted(p.name for p in Path(cfg.out_dir).glob("*")) == files, "it wrote files"
     assert "\n" not in str(e.value), f"not one line: {e.value}"
     return str(e.value)
@@ -118,11 +118,11 @@ def test_a_bad_keyword_leaves_the_run_it_would_overwrite(small_data, tmp_path, k
     cfg = tiny(small_data, tmp_path / "run")
     fake_run(tmp_path / "run", cfg)
     files = sorted(p.name for p in (tmp_path / "run").iterdir())
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    before = spawned_here()
     with pytest.raises(error, match=match):
         launch_training(cfg, **kw)
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == files
-    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+    assert spawned_here() <= before
 
 
 def test_a_new_run_clears_every_file_of_the_old_one(small_data, tmp_path):

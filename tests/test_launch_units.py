@@ -16,6 +16,7 @@ import uuid
 
 import psutil
 import pytest
+from kernel_cells import spawned_here
 
 from course_lib.launch import checks, procs, supervise, torchrun
 from course_lib.launch.api import LaunchSpec, launch
@@ -149,10 +150,10 @@ def test_nccl_debug_switches():
 
 @pytest.fixture
 def nothing_spawned(tmp_path):
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    before = spawned_here()
     run_dir = tmp_path / "run"
     yield run_dir
-    after = {p.pid for p in psutil.Process().children(recursive=True)}
+    after = spawned_here()
     assert after <= before, "a refused launch started processes"
     assert not run_dir.exists(), "a refused launch created its run directory"
 

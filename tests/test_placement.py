@@ -8,8 +8,8 @@ must start no process and create no run directory. The real launches at the end 
 import io
 import json
 
-import psutil
 import pytest
+from kernel_cells import spawned_here
 
 from course_lib.hardware import BACKEND_ENV, RANK_DEVICES_ENV, gpu_count, planned_device, planned_gpu_share
 from course_lib.launch import checks, placement, training
@@ -86,9 +86,9 @@ def one_gpu(monkeypatch):
 
 @pytest.fixture
 def nothing_spawned(tmp_path):
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    before = spawned_here()
     yield tmp_path / "run"
-    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before, "a refused launch started processes"
+    assert spawned_here() <= before, "a refused launch started processes"
     assert not (tmp_path / "run").exists(), "a refused launch created its run directory"
 
 

@@ -86,6 +86,12 @@ class GradeReport:
     def to_dict(self) -> dict:
         return {**asdict(self), "total": self.total, "possible": self.possible}
 
+    @classmethod
+    def from_dict(cls, d: dict) -> GradeReport:
+        """The report that :meth:`to_dict` wrote (a worker's file, ``course grade --json``)."""
+        return cls(d["submission"], d["autograder"], [QuestionScore(**q) for q in d["questions"]],
+                   d.get("error"), d.get("cell_errors", []), d.get("seconds", 0.0), d.get("seed"))
+
     @property
     def student(self) -> str:
         """Who handed it in, as far as we know: the file's name without .ipynb."""
@@ -252,11 +258,6 @@ def _cell_errors(executed_nb) -> list[str]:
     return errors
 
 
-def _report_from_dict(d: dict) -> GradeReport:
-    return GradeReport(d["submission"], d["autograder"], [QuestionScore(**q) for q in d["questions"]],
-                       d.get("error"), d.get("cell_errors", []), d.get("seconds", 0.0), d.get("seed"))
-
-
 def _stopped_report(submission: str, autograder: str, why: str, seconds: float, seed=None) -> GradeReport:
     """Every question zero, with the reason: what a killed or crashed grading worker leaves."""
     questions = [QuestionScore(n, 0.0, p, [why], [why]) for n, p in questions_in(Path(autograder)).items()]
@@ -393,7 +394,7 @@ def _grade_once(submission: str, autograder: str, time_limit: float, env: dict, 
                 workers.finished(proc)
         seconds = time.monotonic() - t0
         if out.is_file():
-            return _report_from_dict(json.loads(out.read_text(encoding="utf-8"))), ""
+            return GradeReport.from_dict(json.loads(out.read_text(encoding="utf-8"))), ""
         cell, source = running_cell_log(env)
         if seconds >= time_limit:
             why = (f"grading was stopped after the submission's limit of {time_limit:g} s (a cell "
