@@ -18,8 +18,9 @@ twenty-odd processes took half the CPU from the three lessons running at once: 3
 batch the tests with ranks still ran two to three times slower (comm_bench's two gloo ranks 11-16 s
 against 4.9 s alone), at either priority, though two CPU-bound loops at either priority beside them
 cost nothing (4.4 s): what slows them is not the batch's share of the CPU but something else it
-does (it starts processes and imports torch without end; not pinned down further). The batch
-still saves about 100 s.
+does (it starts processes and imports torch without end; not pinned down further). Three
+gradings at once (``JOBS``) instead of six slow them less: 755 s. A fresh clone took 799 s
+(six at once).
 
 Its limits are wider than a grader would set (``GRADING_TIMEOUT``, ``CELL_TIMEOUT``, the time
 limits below): a grading waits while the other tests keep both cores busy (at most 12 s at a time
@@ -41,6 +42,7 @@ import subprocess
 import sys
 import sysconfig
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nbformat
@@ -62,6 +64,8 @@ CELL_TIMEOUT = "180"
 BATCH_TIME_LIMIT = 900  # s, one grading of one submission of the batch
 SKIPPED_LIMIT = 300  # s, `course grade --time-limit` of the submission whose stuck cell is skipped
 STOPPED_LIMIT = 120  # s, and of the one stopped twice: room to reach its stuck cell when starved
+WAIT_S = 1800  # s, the most any process of the batch may take (it took 330-370 s beside the suite)
+JOBS = 3  # gradings at once: the suite took 755 s with 3, 792 s with 6 (both beside the same tests)
 
 # The cell of the TAMPERED submission: it replaces the grading helpers before the answers run.
 TAMPER = ("import course_lib.exercises.grading as _g\n"
@@ -267,11 +271,20 @@ class GradingBatch:
             self._procs.append(p)
             return p
 
+    def _wait(self, p: subprocess.Popen) -> tuple[str, str]:
+        """(stdout, stderr) of ``p``; killed, with a line saying so, if it runs past ``WAIT_S``."""
+        try:
+            return p.communicate(timeout=WAIT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, err = p.communicate()
+            return out, f"{err}\n[grading_batch: killed after {WAIT_S} s]"
+
     def _run(self) -> None:
         try:
             build = self._popen([sys.executable, "-c", BUILD, str(self.tmp / "built"),
                                  *(str(ex.source) for ex in EXERCISES)], dict(os.environ))
-            _, err = build.communicate()
+            _, err = self._wait(build)
             if build.returncode != 0:
                 raise RuntimeError(f"building the exercises failed:\n{err[-3000:]}")
             self._built.set()
@@ -313,7 +326,7 @@ class GradingBatch:
         course = str(Path(sys.executable).with_name("course"))
         root = str(self.tmp / "built" / exercises.SOURCES)  # where `course grade` finds each autograder
         # The batch: the console script, as an instructor runs it on a folder of submissions.
-        batch = self._popen([course, "grade", *(str(j[1]) for j in jobs), "--root", root, "--jobs", "6",
+        batch = self._popen([course, "grade", *(str(j[1]) for j in jobs), "--root", root, "--jobs", str(JOBS),
                              "--time-limit", str(BATCH_TIME_LIMIT), "--json"], env, cwd=tmp)
         # Again, on a file named anything, with a gradebook and feedback; and on a cell that defeats
         # the cell limit, stopped by --time-limit.
@@ -352,9 +365,12 @@ class GradingBatch:
         shutil.copy2(built[STUDENT_RUN].solution_notebook, solved)
         student = self._popen([sys.executable, "-c", EXECUTE, str(solved), str(tmp / "executed.ipynb")], env)
 
-        out = {name: p.communicate() for name, p in (("batch", batch), ("cli", cli), ("stopper", stopper),
-                                                     ("gradescope", gradescope), ("student", student),
-                                                     ("skipper", skipper))}
+        # each waited for in a thread of its own: one that ends is reaped at once (a test that reads
+        # this process's children would find it a zombie until then)
+        procs = {"batch": batch, "cli": cli, "stopper": stopper, "gradescope": gradescope, "student": student,
+                 "skipper": skipper}
+        with ThreadPoolExecutor(len(procs)) as pool:
+            out = dict(zip(procs, pool.map(self._wait, procs.values())))
         stdout, stderr = out["batch"]
         if not stdout.strip():
             raise RuntimeError(f"`course grade` of the batch printed no reports (exit {batch.returncode}):\n"

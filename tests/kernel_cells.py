@@ -95,8 +95,12 @@ def spawned_here() -> set[int]:
     the tests (tests/grading_batch.py marks each of its processes in its environment)."""
     pids = set()
     for p in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):  # one that just ended
+        try:
             if BACKGROUND_MARK not in p.environ():
                 pids.add(p.pid)
+        except psutil.ZombieProcess:  # ended, not yet reaped: still a process that was started
+            pids.add(p.pid)
+        except psutil.Error:  # gone
+            pass
     return pids
 

@@ -369,7 +369,7 @@ def test_solution_notebook_keeps_solutions_and_zip_is_gradescope_ready(ex, built
 @pytest.fixture(scope="module")
 def graded(grading_batch):
     """Every solution, blank release, mistaken, hard-coded and unstoppable submission graded once,
-    six at a time through `course grade`, with the console script on one file and the Gradescope
+    three at a time through `course grade`, with the console script on one file and the Gradescope
     runner alongside: the grading batch (tests/grading_batch.py), run beside the rest of the suite."""
     return grading_batch.graded()
 
