@@ -44,7 +44,7 @@ def grading_batch(request, tmp_path_factory):
     if not {"built_and_wheel", "graded"} & needs:
         yield None
         return
-    from grading_batch import GradingBatch
+    from grading_batch import GradingBatch  # only when needed: on import it reads every exercise's source
 
     batch = GradingBatch(tmp_path_factory.mktemp("exercises"), grade="graded" in needs).start()
     try:

@@ -19,8 +19,8 @@ batch the tests with ranks still ran two to three times slower (comm_bench's two
 against 4.9 s alone), at either priority, though two CPU-bound loops at either priority beside them
 cost nothing (4.4 s): what slows them is not the batch's share of the CPU but something else it
 does (it starts processes and imports torch without end; not pinned down further). Three
-gradings at once (``JOBS``) instead of six slow them less: 755 s. A fresh clone took 799 s
-(six at once).
+gradings at once (``JOBS``) instead of six slow them less: fresh clones took 799 s with six and
+755 s with three.
 
 Its limits are wider than a grader would set (``GRADING_TIMEOUT``, ``CELL_TIMEOUT``, the time
 limits below): a grading waits while the other tests keep both cores busy (at most 12 s at a time
