@@ -1,6 +1,7 @@
-"""Shared by the tests: the one rule that skips the tests marked gpu on a machine without one; for
-the browser tests, the lessons executed once in smoke mode, one JupyterLab server and one
-Chromium for the session (tests/browser_lab.py).
+"""Shared by the tests: the one rule that skips the tests marked gpu on a machine without one; the
+grading batch of test_exercises.py; the check that a refused launch started nothing; for the
+browser tests, the lessons executed once in smoke mode, one JupyterLab server and one Chromium for
+the session (tests/browser_lab.py).
 
 Test order: the notebook executions (tests/test_colab_wheel.py) run before the tests that reuse
 their executed copies (test_browser_saved.py's reopened notebooks, test_book.py's website), so one
@@ -12,6 +13,7 @@ come first; the notebooks, busy on both cores, come after them.
 from __future__ import annotations
 
 import pytest
+from kernel_cells import spawned_here
 
 NOTEBOOKS = "test_colab_wheel.py"  # the lessons, three at a time: busy on both cores
 LAST = ("test_browser.py", "test_browser_saved.py", "test_book.py")
@@ -51,6 +53,16 @@ def grading_batch(request, tmp_path_factory):
         yield batch
     finally:
         batch.stop()
+
+
+@pytest.fixture
+def nothing_spawned(tmp_path):
+    """The run directory of a launch the test expects refused: the launch must start no process
+    and create no directory."""
+    before = spawned_here()
+    yield tmp_path / "run"
+    assert spawned_here() <= before, "a refused launch started processes"
+    assert not (tmp_path / "run").exists(), "a refused launch created its run directory"
 
 
 @pytest.fixture(scope="session")
