@@ -47,6 +47,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from test_notebook_grader import shown
 from wheel_env import build_wheel, clean_env, site_packages, venv_with_wheel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -323,5 +324,9 @@ def test_student_release_runs_from_the_wheel(executions, path):
     assert checks, "no grader.check cell"
     for cell in checks:
         assert _errors(cell) == [], f"{cell.source}: {_errors(cell)}"
-        assert any(o.get("output_type") == "execute_result" for o in cell.outputs), f"{cell.source}: no report"
+        (report,) = [o for o in cell.outputs if o.get("output_type") == "execute_result"] or [None]
+        assert report is not None, f"{cell.source}: no report"
+        # the report as HTML shows every character of the text report (course_lib.exercises.notebook_grader)
+        html, text = report["data"]["text/html"], report["data"]["text/plain"]
+        assert shown(html).text == text, (cell.source, html, text)
     assert not [e for c in code for e in _errors(c) if e.startswith("NameError: name 'grader'")]

@@ -381,3 +381,32 @@ def test_a_ranks_traceback_names_the_notebook_cells_and_the_notebooks_ends_at_th
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+def test_a_graders_test_that_calls_a_cells_function_names_the_cell_in_the_ranks_traceback(tmp_path):
+    """otter runs an exercise's test as code compiled from the test's file, and hands it the
+    student's function: the test's own function, sent by value, calls the cell's. The rank's
+    traceback names the student's cell and shows its line (it said ``File "<dynamic-code>"``
+    there too), while the grader's code keeps cloudpickle's name and shows no line."""
+    pytest.importorskip("jupyter_client")
+    from kernel_cells import run, start_kernel
+
+    km, kc = start_kernel(tmp_path)
+    try:
+        answer = run(kc, "def ring(x):\n    return sorted([x], key=lambda v: [v][3])\n")
+        test = ("def test(ring):\n"
+                "    def worker(rank, world_size):\n"
+                "        return ring(rank)\n"
+                "    return run_ranks(worker, 2)\n")
+        failed = run(kc, "from course_lib.exercises.grading import run_ranks\n"
+                         f"env = {{'run_ranks': run_ranks}}\nexec(compile({test!r}, 'tests/q1.py', 'exec'), env)\n"
+                         "env['test'](ring)")
+        assert failed.error is not None, (failed.stdout, failed.stderr)
+        rank_tb = failed.error["evalue"]
+        assert 'File "<dynamic-code>", line 3, in worker\n  File' in rank_tb, rank_tb  # the grader's: no line
+        for frame in ("line 2, in ring", "line 2, in <lambda>"):
+            assert (f'File "Cell In[{answer.execution_count}]", {frame}\n'
+                    f"    return sorted([x], key=lambda v: [v][3])\n") in rank_tb, rank_tb
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)

@@ -25,12 +25,14 @@ answer runs in a killable child (:mod:`course_lib.exercises.grading`), and the
 Gradescope (its environment installs CPU torch and this package's wheel).
 
 Modules: :mod:`.layout` (where exercises live), :mod:`.colab` (badge and setup cell, public tests
-on Colab), :mod:`.build` (otter assign, manifest, staleness, Gradescope files), :mod:`.grade`
+on Colab), :mod:`.notebook_grader` (the ``grader`` the setup cell makes: otter's Notebook, its
+reports' HTML escaped), :mod:`.build` (otter assign, manifest, staleness, Gradescope files), :mod:`.grade`
 (grading and its limits), :mod:`.draws` (hidden tests' inputs, seeded per submission),
 :mod:`.gradebook` (CSV, feedback files), :mod:`.publish` (the student tree, a new exercise from a
 template), :mod:`.cli` (the commands), :mod:`.grading` (what the tests use), :mod:`.p2p` (point-to-point only, bytes counted), :mod:`.cell_limit` (the
 CellTimeLimit plugin), :mod:`.runner` (notebooks run by nbclient, for grading and the course website,
-without waiting out a lost wake-up). Importing the package imports neither otter nor torch.
+without waiting out a lost wake-up). Importing the package imports neither otter nor torch (``notebook_grader``, imported on its own,
+imports otter).
 """
 
 from course_lib.exercises.build import (

@@ -24,8 +24,8 @@ def exercise_setup_cell(name: str) -> str:
         f"# A fork or a mirror of the course: edit the spec below, or set {INSTALL_SPEC_VAR}.\n"
         + colab_install_lines(then=("from course_lib.exercises import fetch_student_tests",
                                     f'fetch_student_tests("{name}")'))
-        + "\nimport otter\n"
-        f'grader = otter.Notebook("{name}.ipynb")'
+        + "\nfrom course_lib.exercises.notebook_grader import NotebookGrader  # otter.Notebook, reports escaped\n"
+        f'grader = NotebookGrader("{name}.ipynb")'
     )
 
 

@@ -174,7 +174,7 @@ def grade(submission: str | os.PathLike, autograder: str | os.PathLike | None = 
     t0 = time.perf_counter()
     error, results = None, None
     with tempfile.TemporaryDirectory(prefix="course_grade_") as tmp:
-        # Under the name the notebook itself uses (otter.Notebook("NN_topic.ipynb")), whatever
+        # Under the name the notebook itself uses (NotebookGrader("NN_topic.ipynb")), whatever
         # the student called the file.
         canonical = Path(tmp) / f"{assignment or submission.stem}.ipynb"
         shutil.copy2(submission, canonical)

@@ -72,11 +72,21 @@ class _Lines:
         return False
 
 
+def _by_value(fn: types.FunctionType) -> bool:
+    """Whether cloudpickle sends ``fn`` by value because it cannot import it by name: a function
+    of ``__main__`` (a notebook cell, a script), of no module or of one the process has not
+    imported (code a grader compiled and ran), or one defined inside another function."""
+    module = getattr(fn, "__module__", None)
+    return module is None or module == "__main__" or module not in sys.modules or "<locals>" in fn.__qualname__
+
+
 def functions_sent(roots, of_interest: Callable[[types.CodeType], bool]) -> Iterator[types.FunctionType]:
     """The functions reachable from ``roots`` whose code is ``of_interest``: the roots themselves
     (functions, partials, methods, classes), then the globals, closures and defaults those
-    functions use, and the methods of classes among them; other functions are not followed (a
-    library's functions travel by reference, with their files)."""
+    functions use, and the methods of classes among them. A function that is not of interest is
+    followed only when it travels by value too (:func:`_by_value`): a grader's test function that
+    calls the student's function of a cell leads to that function, while a library's functions
+    travel by reference, with their files, and are not followed."""
     seen, stack = set(), list(roots)
     while stack:
         obj = stack.pop()
@@ -91,8 +101,9 @@ def functions_sent(roots, of_interest: Callable[[types.CodeType], bool]) -> Iter
             stack += [obj.fget, obj.fset, obj.fdel]
         elif isinstance(obj, type):
             stack += list(vars(obj).values())
-        elif isinstance(obj, types.FunctionType) and of_interest(obj.__code__):
-            yield obj
+        elif isinstance(obj, types.FunctionType) and ((wanted := of_interest(obj.__code__)) or _by_value(obj)):
+            if wanted:
+                yield obj
             names = {n for code in code_objects(obj.__code__) for n in code.co_names}
             stack += [obj.__globals__[n] for n in names if n in obj.__globals__]
             stack += [c.cell_contents for c in obj.__closure__ or () if _filled(c)]
