@@ -85,6 +85,8 @@ def test_a_pass_is_green_and_check_reads_the_callers_globals(exercise):
     assert report.passed_all is True
     assert shown(report._repr_html_()).text == repr(report) == "q1 results: All test cases passed!"
     assert "#1a7f37" in report._repr_html_()
+    exec("results = grader.check_all()", scope)  # otter's, calling check: its totals still add up
+    assert (scope["results"].total, scope["results"].possible) == (1, 1)
 
 
 @pytest.mark.timeout(180)
