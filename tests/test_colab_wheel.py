@@ -329,4 +329,8 @@ def test_student_release_runs_from_the_wheel(executions, path):
         # the report as HTML shows every character of the text report (course_lib.exercises.notebook_grader)
         html, text = report["data"]["text/html"], report["data"]["text/plain"]
         assert shown(html).text == text, (cell.source, html, text)
+        # a blank answer fails a check that says what it expected, not the test's own code on None
+        # (grading.returned: "dispatch(...) returned None (does the function return its result?)")
+        last = text.strip().splitlines()[-1].strip()
+        assert "All test cases passed" in text or last.startswith("AssertionError: "), (cell.source, text)
     assert not [e for c in code for e in _errors(c) if e.startswith("NameError: name 'grader'")]

@@ -7,6 +7,7 @@ forbidden, messages say expected vs found and the likely factor, the cell limit.
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 import time
 
@@ -31,6 +32,17 @@ def _boom(rank, world_size):
     if rank == 1:
         raise ValueError("boom on rank 1")
     return rank
+
+
+def _blank(rank, world_size):
+    ...  # an answer whose body is still the release's ``...``: it returns None
+
+
+def _checks_a_blank_answer(rank, world_size):
+    from course_lib.exercises.grading import returned
+
+    received, plan = returned(_blank(rank, world_size), f"dispatch(x, idx, {rank})")  # the test's line
+    return received
 
 
 def _p2p(rank, world_size):
@@ -65,6 +77,13 @@ def test_run_ranks_bounds_hangs_and_reports_failures():
         run_ranks(_deadlock, 2, timeout=2)
     with pytest.raises(RankError, match="boom on rank 1"):
         run_ranks(_boom, 2, timeout=30)
+    # a check that fails on a rank: the rank's traceback ends at the test's line, not in grading.py
+    with pytest.raises(RankError, match=r"rank (\d) failed: AssertionError: dispatch\(x, idx, \1\) returned None") as e:
+        run_ranks(_checks_a_blank_answer, 2, timeout=30)  # whichever rank fails first
+    rank_tb = str(e.value)
+    assert re.search(r"AssertionError: dispatch\(x, idx, \d\) returned None \(does the function return its result\?\)$",
+                     rank_tb.rstrip()), rank_tb
+    assert "in _checks_a_blank_answer" in rank_tb and "exercises/grading.py" not in rank_tb, rank_tb
     (b0, refused0, total0), (b1, _, total1) = run_ranks(_p2p, 2, timeout=30)
     assert (b0, b1) == (40, 0) and "not allowed" in refused0 and total0 == total1 == 2.0
 
@@ -146,7 +165,7 @@ def test_stand_ins_grade_a_question_on_its_own_in_the_child_only():
 def test_messages_say_expected_found_and_the_factor():
     import torch
 
-    from course_lib.exercises.grading import assert_close, assert_number, fresh_copy
+    from course_lib.exercises.grading import assert_close, assert_number, fresh_copy, returned
 
     with pytest.raises(AssertionError, match=r"expected 1, found 3.*a factor of the world size too many"):
         assert_close([torch.ones(3) * 3], [torch.ones(3)], "grads", factors={"the world size": 3})
@@ -164,6 +183,9 @@ def test_messages_say_expected_found_and_the_factor():
         assert_number(None, 0.16, "ring")
     with pytest.raises(AssertionError, match=r"expected 0.16, found inf"):
         assert_number(float("inf"), 0.16, "ring")
+    assert returned(0, "f(0)") == 0 and returned([], "f()") == []  # falsy values are answers too
+    with pytest.raises(AssertionError, match=r"^dispatch\(x\) returned None \(does the function return its result\?\)$"):
+        returned(None, "dispatch(x)")
     # a fresh copy does not see a patch of the imported module
     import course_lib.exercises.grading as imported
 

@@ -4,6 +4,7 @@ hang, compare with a reference and say what is wrong.
     from course_lib.exercises.grading import run_ranks, assert_close, isolated, p2p_only
     results = run_ranks(fn, 2)              # fn(rank, world_size) on 2 ranks -> [value of rank 0, 1]
     value = isolated(check, timeout=10)     # check() in a process of its own, killed after 10 s
+    out = returned(f(x), "f(x)")            # f's value, or the failure "f(x) returned None (...)"
 
 Students call :func:`run_ranks` in the exercise notebooks to try their multi-rank code; the
 exercises' tests call it too (it is :func:`course_lib.launch.spawn.run_ranks`, with the
@@ -191,10 +192,21 @@ def factor_hint(found: float, expected: float, factors: dict[str, float] | None)
     return ""
 
 
+def returned(value, call: str):
+    """``value``, what the answer's ``call`` (its text, e.g. ``"dispatch(x, idx, 4)"``) returned, when
+    it is not None; else the failure a student can act on, instead of the TypeError that the test's
+    next line would raise on None (a body still ``...``, or no ``return``)."""
+    __tracebackhide__ = True  # a failed check, not a fault of this frame: tracebacks end at the test's line
+    if value is None:
+        raise AssertionError(f"{call} returned None (does the function return its result?)")
+    return value
+
+
 def assert_number(found, expected, what: str, rel: float = 1e-9, abs_tol: float = 1e-12,
                   factors: dict[str, float] | None = None, hint: str = "") -> None:
     """``found`` must be within ``abs_tol + rel * |expected|`` of ``expected``; the message says
     both, and the likely mistake (a named factor, or ``hint``)."""
+    __tracebackhide__ = True  # a failed check, not a fault of this frame: tracebacks end at the test's line
     if found is None:
         raise AssertionError(f"{what}: expected the number {expected!r}, found None (does the function "
                              "return its result?)")
@@ -216,6 +228,7 @@ def assert_close(actual, expected, what: str = "result", atol: float = 1e-6, rto
     """Assert two tensors (or equally long lists of tensors) match; the message gives the first
     element that differs (expected and found) and, with ``factors`` ({"the world size": 3}),
     the factor by which the whole result is off."""
+    __tracebackhide__ = True  # a failed check, not a fault of this frame: tracebacks end at the test's line
     # torch only to compare tensors: importing the grading helpers loads no torch
     import torch
 

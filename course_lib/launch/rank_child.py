@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 import cloudpickle
 
 from course_lib.launch.procs import reset_locks_after_fork, set_parent_death_signal
-from course_lib.utils import init_process_group
+from course_lib.utils import init_process_group, without_hidden_tail
 
 
 class _Sender:
@@ -204,7 +204,8 @@ def rank_main(payload: bytes, rank: int, s: dict, conn) -> None:
         sender.send(("ok", rank, data))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises
         code, joined = 1, False  # after an error, leave without a goodbye to the peers
-        tb = e.__traceback__.tb_next if e.__traceback__ else None  # not this frame
+        # not this frame, nor the course's checks that raised (__tracebackhide__, as in the notebook)
+        tb = without_hidden_tail(e.__traceback__.tb_next) if e.__traceback__ else None
         text = "".join(traceback.format_exception(type(e), e, tb))
         try:
             elapsed = 0.0 if ready_at is None else time.monotonic() - ready_at

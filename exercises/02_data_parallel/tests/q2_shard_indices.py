@@ -14,7 +14,7 @@ def test_ten_examples(shard_indices):
 
     def check():
         for world in (2, 3):
-            shards = [list(shard_indices(10, r, world)) for r in range(world)]
+            shards = [list(grading.returned(shard_indices(10, r, world), f'shard_indices(10, {r}, {world})')) for r in range(world)]
             assert sorted((i for s in shards for i in s)) == list(range(10)), f'{world} ranks: expected shards that cover range(10) once, found {shards}'
             sizes = [len(s) for s in shards]
             assert max(sizes) - min(sizes) <= 1, f'{world} ranks: expected sizes that differ by at most one, found {sizes}'

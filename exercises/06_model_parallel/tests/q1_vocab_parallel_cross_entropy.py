@@ -19,7 +19,8 @@ def test_two_ranks(vocab_parallel_cross_entropy):
     expected = F.cross_entropy(logits, targets).item()
 
     def worker(rank, world_size):
-        return float(vocab_parallel_cross_entropy(logits[:, 6 * rank:6 * (rank + 1)].clone(), targets, 6 * rank))
+        loss = vocab_parallel_cross_entropy(logits[:, 6 * rank:6 * (rank + 1)].clone(), targets, 6 * rank)
+        return float(grading.returned(loss, f'vocab_parallel_cross_entropy(logits shard, targets, {6 * rank})'))
     for rank, found in enumerate(grading.run_ranks(worker, 2)):
         grading.assert_number(found, expected, f"rank {rank}'s loss (F.cross_entropy of the full logits, 2 ranks)", rel=1e-09, factors={'the world size': 2})
 

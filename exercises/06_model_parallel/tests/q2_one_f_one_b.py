@@ -15,7 +15,7 @@ def test_three_stages(one_f_one_b, max_in_flight):
 
     def check():
         expected = [('F', 0), ('F', 1), ('F', 2), ('B', 0), ('F', 3), ('B', 1), ('B', 2), ('B', 3)]
-        found = list(one_f_one_b(4, 0, 3))
+        found = list(grading.returned(one_f_one_b(4, 0, 3), 'one_f_one_b(4, 0, 3)'))
         assert found == expected, f'one_f_one_b(4, 0, 3): expected {expected}, found {found}'
         grading.assert_number(max_in_flight(expected), 3, 'max_in_flight of stage 0 of 3, 4 micro-batches')
     grading.isolated(check, forbid=[schedule_ops])

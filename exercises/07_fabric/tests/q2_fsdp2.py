@@ -32,7 +32,7 @@ def test_fsdp2_on_two_ranks_equals_one_process(parallelize):
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh('cpu', (world_size, 1), mesh_dim_names=('data_parallel', 'tensor_parallel'))
         from torch.distributed.fsdp import FSDPModule
-        model = parallelize(make_model(), mesh)
+        model = grading.returned(parallelize(make_model(), mesh), 'parallelize(model, mesh)')
         units = [type(m).__name__.replace('FSDP', '', 1) for m in model.modules() if isinstance(m, FSDPModule)]
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
         losses = []

@@ -14,7 +14,7 @@ def test_two_ranks_swap(exchange):
     _spec.loader.exec_module(grading)
 
     def worker(rank, world_size):
-        return exchange(torch.full((3,), float(rank + 1)), peer=1 - rank).tolist()
+        return grading.returned(exchange(torch.full((3,), float(rank + 1)), peer=1 - rank), f'exchange(tensor, peer={1 - rank})').tolist()
     got = grading.run_ranks(worker, 2, timeout=5)
     assert got == [[2.0, 2.0, 2.0], [1.0, 1.0, 1.0]], f'2 ranks swapping: expected [[2, 2, 2], [1, 1, 1]], found {got}'
 

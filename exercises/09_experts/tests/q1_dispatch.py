@@ -17,7 +17,7 @@ def test_two_ranks_four_experts(dispatch):
     xs = [torch.tensor([[10.0 * r + t, r + 0.5, -t] for t in range(len(idx[r]))]) for r in range(2)]
 
     def worker(rank, world_size):
-        received, local_expert, plan = dispatch(xs[rank], idx[rank], E)
+        received, local_expert, plan = grading.returned(dispatch(xs[rank], idx[rank], E), 'dispatch(x, idx, n_experts)')
         return (received, local_expert, plan.order, list(plan.send_counts), list(plan.recv_counts))
 
     def check(results, xs, idx, n_experts, what):
