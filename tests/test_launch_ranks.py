@@ -387,23 +387,28 @@ def test_a_graders_test_that_calls_a_cells_function_names_the_cell_in_the_ranks_
     """otter runs an exercise's test as code compiled from the test's file, and hands it the
     student's function: the test's own function, sent by value, calls the cell's. The rank's
     traceback names the student's cell and shows its line (it said ``File "<dynamic-code>"``
-    there too), while the grader's code keeps cloudpickle's name and shows no line."""
+    there too), and names the test's file, without its line (a hidden test's lines must not reach
+    a student), where it said "<dynamic-code>"."""
     pytest.importorskip("jupyter_client")
     from kernel_cells import run, start_kernel
 
+    test = ("def test(ring):\n"
+            "    def worker(rank, world_size):\n"
+            "        return ring(rank)  # the grader's line\n"
+            "    return run_ranks(worker, 2)\n")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "q1_ring.py").write_text(test)  # readable, and still not shown
     km, kc = start_kernel(tmp_path)
     try:
         answer = run(kc, "def ring(x):\n    return sorted([x], key=lambda v: [v][3])\n")
-        test = ("def test(ring):\n"
-                "    def worker(rank, world_size):\n"
-                "        return ring(rank)\n"
-                "    return run_ranks(worker, 2)\n")
         failed = run(kc, "from course_lib.exercises.grading import run_ranks\n"
-                         f"env = {{'run_ranks': run_ranks}}\nexec(compile({test!r}, 'tests/q1.py', 'exec'), env)\n"
+                         "env = {'run_ranks': run_ranks}\n"
+                         "exec(compile(open('tests/q1_ring.py').read(), 'tests/q1_ring.py', 'exec'), env)\n"
                          "env['test'](ring)")
         assert failed.error is not None, (failed.stdout, failed.stderr)
         rank_tb = failed.error["evalue"]
-        assert 'File "<dynamic-code>", line 3, in worker\n  File' in rank_tb, rank_tb  # the grader's: no line
+        assert 'File "q1_ring.py", line 3, in worker\n  File' in rank_tb, rank_tb  # the grader's: no line
+        assert "the grader's line" not in rank_tb and "<dynamic-code>" not in rank_tb, rank_tb
         for frame in ("line 2, in ring", "line 2, in <lambda>"):
             assert (f'File "Cell In[{answer.execution_count}]", {frame}\n'
                     f"    return sorted([x], key=lambda v: [v][3])\n") in rank_tb, rank_tb

@@ -6,8 +6,9 @@ character of their messages.
 
 otter's own HTML report (otter-grader 7.0, ``TestFile._repr_html_``) puts a failure message into a
 ``<pre>`` element without escaping it, so whatever looks like a tag vanishes from the notebook: a
-traceback's ``File "<dynamic-code>", line 23, in worker`` shows as ``File "", line 23, in worker``,
-and ``in <lambda>``, ``<listcomp>`` or ``<class 'list'>`` lose their names the same way. A
+traceback's ``File "Cell In[3]", line 2, in <lambda>`` shows as ``File "Cell In[3]", line 2, in``,
+and ``<listcomp>``, ``<module>``, cloudpickle's ``<dynamic-code>`` or a message's ``<class 'list'>``
+vanish the same way. A
 :class:`CheckReport` shows otter's text report (``repr``, what a terminal prints) as HTML instead,
 escaped, its first line in green when every test case passed and in red otherwise. Everything else
 about the grader is otter's: grading, logging, ``check_all``, ``export``.

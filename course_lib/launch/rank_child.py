@@ -15,7 +15,8 @@ a rank cannot read: either way a rank's traceback said ``File "<dynamic-code>", 
 show`` and showed no line. The parent therefore sends, beside the function, the names and lines of the cells it
 came from (:func:`course_lib.launch.ranks.cell_code`); the rank gives its copies of those code
 objects their cell's name back (:func:`name_cells`), so that its traceback reads ``File "Cell
-In[3]", line 7, in show`` with the line, as the notebook's own would.
+In[3]", line 7, in show`` with the line, as the notebook's own would. Code that a grader compiled
+from a test file and sent by value gets the file's name back, without its lines.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class _Lines:
         return False
 
 
-def _by_value(fn: types.FunctionType) -> bool:
+def by_value(fn: types.FunctionType) -> bool:
     """Whether cloudpickle sends ``fn`` by value because it cannot import it by name: a function
     of ``__main__`` (a notebook cell, a script), of no module or of one the process has not
     imported (code a grader compiled and ran), or one defined inside another function."""
@@ -80,11 +81,11 @@ def _by_value(fn: types.FunctionType) -> bool:
     return module is None or module == "__main__" or module not in sys.modules or "<locals>" in fn.__qualname__
 
 
-def functions_sent(roots, of_interest: Callable[[types.CodeType], bool]) -> Iterator[types.FunctionType]:
-    """The functions reachable from ``roots`` whose code is ``of_interest``: the roots themselves
+def functions_sent(roots, of_interest: Callable[[types.FunctionType], bool]) -> Iterator[types.FunctionType]:
+    """The functions reachable from ``roots`` that are ``of_interest``: the roots themselves
     (functions, partials, methods, classes), then the globals, closures and defaults those
     functions use, and the methods of classes among them. A function that is not of interest is
-    followed only when it travels by value too (:func:`_by_value`): a grader's test function that
+    followed only when it travels by value too (:func:`by_value`): a grader's test function that
     calls the student's function of a cell leads to that function, while a library's functions
     travel by reference, with their files, and are not followed."""
     seen, stack = set(), list(roots)
@@ -101,7 +102,7 @@ def functions_sent(roots, of_interest: Callable[[types.CodeType], bool]) -> Iter
             stack += [obj.fget, obj.fset, obj.fdel]
         elif isinstance(obj, type):
             stack += list(vars(obj).values())
-        elif isinstance(obj, types.FunctionType) and ((wanted := of_interest(obj.__code__)) or _by_value(obj)):
+        elif isinstance(obj, types.FunctionType) and ((wanted := of_interest(obj)) or by_value(obj)):
             if wanted:
                 yield obj
             names = {n for code in code_objects(obj.__code__) for n in code.co_names}
@@ -132,8 +133,9 @@ def code_key(code: types.CodeType) -> tuple:
 
 
 def name_cells(roots, cells: dict) -> None:
-    """Give the code sent by value from notebook cells (or a script) its cell's name back, and the
-    cells' lines to ``linecache`` (``cells``: {"names": {code_key: name}, "lines": {name: [...]}})."""
+    """Give the code sent by value from notebook cells (or a script, or a grader's test file) its
+    name back, and the cells' lines to ``linecache`` (``cells``: {"names": {code_key: name},
+    "lines": {name: [...]}}; a test file's lines are [], so that none is shown)."""
     names = cells["names"]
     if not names:
         return
@@ -145,7 +147,7 @@ def name_cells(roots, cells: dict) -> None:
         return code.replace(co_filename=names.get(code_key(code), code.co_filename), co_consts=consts)
 
     try:
-        for fn in list(functions_sent(roots, lambda code: code_key(code) in names)):
+        for fn in list(functions_sent(roots, lambda f: code_key(f.__code__) in names)):
             fn.__code__ = renamed(fn.__code__)
     except Exception:  # noqa: BLE001, S110 - names only help to read a traceback: the function runs anyway
         pass

@@ -65,7 +65,7 @@ from typing import Any
 import cloudpickle
 
 from course_lib.launch.procs import signal_quietly
-from course_lib.launch.rank_child import code_key, code_objects, functions_sent, rank_main
+from course_lib.launch.rank_child import by_value, code_key, code_objects, functions_sent, rank_main
 from course_lib.utils import check_count, traceback_to_caller
 
 START_LIMIT_S = 120.0  # the fork server's first start imports torch: seconds on a busy machine
@@ -239,25 +239,30 @@ def cell_code(fn: Callable, args: tuple, kwargs: dict) -> dict:
     comes from, and the cells' lines, for :func:`course_lib.launch.rank_child.name_cells`:
     {"names": {code_key: "Cell In[3]"}, "lines": {"Cell In[3]": [...]}}. A cell is named as
     IPython's tracebacks name it (``format_code_name``, since IPython 8.0); the script that runs as
-    ``__main__`` by its path, which the ranks read themselves. Other code keeps cloudpickle's name:
-    the grader's tests among it, whose lines a student's report must not show."""
+    ``__main__`` by its path, which the ranks read themselves. Code sent by value from another
+    file (a grader's test, which otter compiles from its file: ``q1_dispatch.py``) by the file's
+    name, with no lines: a hidden test's lines must not reach a student's report. Other code keeps
+    cloudpickle's name."""
     ipython = sys.modules.get("IPython")
     shell = ipython.get_ipython() if ipython is not None else None
     cell_name = getattr(getattr(shell, "compile", None), "format_code_name", None)
     script = getattr(sys.modules.get("__main__"), "__file__", None)
 
-    def name_of(code) -> str | None:
-        if code.co_filename == script:
+    def name_of(f) -> str | None:
+        path = f.__code__.co_filename
+        if path == script:
             return script
-        cell = cell_name(code.co_filename) if cell_name is not None else None
-        return " ".join(cell) if cell else None  # ("Cell", "In[3]")
+        cell = cell_name(path) if cell_name is not None else None
+        if cell:
+            return " ".join(cell)  # ("Cell", "In[3]")
+        return os.path.basename(path) if by_value(f) and os.path.isfile(path) else None
 
     names, lines = {}, {}
     try:
-        for f in functions_sent([fn, *args, *kwargs.values()], lambda code: name_of(code) is not None):
-            name = name_of(f.__code__)
-            if name != script:
-                lines.setdefault(name, linecache.getlines(f.__code__.co_filename))
+        for f in functions_sent([fn, *args, *kwargs.values()], lambda f: name_of(f) is not None):
+            name, path = name_of(f), f.__code__.co_filename
+            if name != script:  # a cell's lines; none of a test file's
+                lines.setdefault(name, [] if name == os.path.basename(path) else linecache.getlines(path))
             names.update((code_key(code), name) for code in code_objects(f.__code__))
     except Exception:  # noqa: BLE001 - names only help to read a traceback: never a reason not to run
         return {"names": {}, "lines": {}}
