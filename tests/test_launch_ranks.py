@@ -396,14 +396,13 @@ def test_a_graders_test_that_calls_a_cells_function_names_the_cell_in_the_ranks_
             "    def worker(rank, world_size):\n"
             "        return ring(rank)  # the grader's line\n"
             "    return run_ranks(worker, 2)\n")
-    (tmp_path / "tests").mkdir()
-    (tmp_path / "tests" / "q1_ring.py").write_text(test)  # readable, and still not shown
+    (tmp_path / "q1_ring.py").write_text(test)  # readable by the ranks under the name they print, and still not shown
     km, kc = start_kernel(tmp_path)
     try:
         answer = run(kc, "def ring(x):\n    return sorted([x], key=lambda v: [v][3])\n")
         failed = run(kc, "from course_lib.exercises.grading import run_ranks\n"
                          "env = {'run_ranks': run_ranks}\n"
-                         "exec(compile(open('tests/q1_ring.py').read(), 'tests/q1_ring.py', 'exec'), env)\n"
+                         "exec(compile(open('q1_ring.py').read(), 'q1_ring.py', 'exec'), env)\n"
                          "env['test'](ring)")
         assert failed.error is not None, (failed.stdout, failed.stderr)
         rank_tb = failed.error["evalue"]
