@@ -607,6 +607,15 @@ def test_every_exercise_names_the_lesson_it_follows(ex):
     assert (ROOT / "notebooks" / f"{name}.ipynb").is_file()
 
 
+def test_the_students_readme_lists_the_lesson_each_exercise_follows():
+    text = " ".join((ROOT / "exercises" / "README.md").read_text(encoding="utf-8").split())
+    (listed,) = re.findall(r"names the lesson it follows in its first cell \((01 after lesson .*?)\)\.", text)
+    pairs = dict(re.findall(r"(\d\d) after (?:lesson )?(\d+)", listed))
+    follows = {ex.name[:2]: re.search(r"Follows lesson (\d+),", nbformat.read(ex.source, as_version=4).cells[0].source)[1]
+               for ex in EXERCISES}
+    assert pairs == follows, (pairs, follows)
+
+
 @pytest.mark.timeout(600)
 def test_an_instructor_authors_builds_publishes_and_grades_a_private_exercise(tmp_path, capsys):
     """The README's path for private exercises, in a folder of their own (their private
