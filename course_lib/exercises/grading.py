@@ -192,13 +192,16 @@ def factor_hint(found: float, expected: float, factors: dict[str, float] | None)
     return ""
 
 
+NONE_HINT = "does the function return its result?"  # what a None found instead of an answer usually means
+
+
 def returned(value, call: str):
     """``value``, what the answer's ``call`` (its text, e.g. ``"dispatch(x, idx, 4)"``) returned, when
     it is not None; else the failure a student can act on, instead of the TypeError that the test's
     next line would raise on None (a body still ``...``, or no ``return``)."""
     __tracebackhide__ = True  # a failed check, not a fault of this frame: tracebacks end at the test's line
     if value is None:
-        raise AssertionError(f"{call} returned None (does the function return its result?)")
+        raise AssertionError(f"{call} returned None ({NONE_HINT})")
     return value
 
 
@@ -208,8 +211,7 @@ def assert_number(found, expected, what: str, rel: float = 1e-9, abs_tol: float 
     both, and the likely mistake (a named factor, or ``hint``)."""
     __tracebackhide__ = True  # a failed check, not a fault of this frame: tracebacks end at the test's line
     if found is None:
-        raise AssertionError(f"{what}: expected the number {expected!r}, found None (does the function "
-                             "return its result?)")
+        raise AssertionError(f"{what}: expected the number {expected!r}, found None ({NONE_HINT})")
     if not isinstance(found, (int, float)) or isinstance(found, bool):
         try:
             found = float(found)

@@ -248,21 +248,24 @@ def cell_code(fn: Callable, args: tuple, kwargs: dict) -> dict:
     cell_name = getattr(getattr(shell, "compile", None), "format_code_name", None)
     script = getattr(sys.modules.get("__main__"), "__file__", None)
 
-    def name_of(f) -> str | None:
+    def name_of(f) -> tuple[str, str] | None:
+        """(name, "script" | "cell" | "file"), or None for code that keeps cloudpickle's name."""
         path = f.__code__.co_filename
         if path == script:
-            return script
+            return script, "script"
         cell = cell_name(path) if cell_name is not None else None
         if cell:
-            return " ".join(cell)  # ("Cell", "In[3]")
-        return os.path.basename(path) if by_value(f) and os.path.isfile(path) else None
+            return " ".join(cell), "cell"  # ("Cell", "In[3]")
+        return (os.path.basename(path), "file") if by_value(f) and os.path.isfile(path) else None
 
     names, lines = {}, {}
     try:
         for f in functions_sent([fn, *args, *kwargs.values()], lambda f: name_of(f) is not None):
-            name, path = name_of(f), f.__code__.co_filename
-            if name != script:  # a cell's lines; none of a test file's
-                lines.setdefault(name, [] if name == os.path.basename(path) else linecache.getlines(path))
+            name, kind = name_of(f)
+            if kind == "cell":
+                lines.setdefault(name, linecache.getlines(f.__code__.co_filename))
+            elif kind == "file":  # a test's lines never travel (the script's the ranks read themselves)
+                lines.setdefault(name, [])
             names.update((code_key(code), name) for code in code_objects(f.__code__))
     except Exception:  # noqa: BLE001 - names only help to read a traceback: never a reason not to run
         return {"names": {}, "lines": {}}
