@@ -174,6 +174,30 @@ def test_build_refuses_a_source_with_outputs(tmp_path):
     assert not ex.release.exists() and not ex.build.exists()
 
 
+def test_build_refuses_a_test_that_python_3_12_would_write_back_unreadable_for_3_11(tmp_path):
+    """otter writes tests back with ast.unparse; from Python 3.12 it reuses an f-string's quotes for
+    a string inside its braces (f'{r['A']}'), a SyntaxError on 3.10/3.11. Such a test is refused,
+    with its cell and line, on any Python: a release built on 3.12+ must load on a student's 3.11."""
+    src = EXERCISES[0]
+    (tmp_path / src.name).mkdir()
+    nb = nbformat.read(src.source, as_version=4)
+    begin = next(i for i, c in enumerate(nb.cells) if c.cell_type == "raw" and c.source.strip() == "# BEGIN TESTS")
+    test = nb.cells[begin + 1]
+    test.source += ('\n\ndef test_extra(r):\n    x = 1.5\n    assert x, f"{x:.3f} {x!r:>8} {len(r)}"\n'
+                    '    assert r, f"found {r[\'A\']}"\n')
+    nbformat.write(nb, tmp_path / src.name / src.source.name)
+    ex = exercises.discover(tmp_path)[0]
+    problems = exercises.source_problems(ex)
+    line = test.source.splitlines().index("    assert r, f\"found {r['A']}\"") + 1
+    assert problems == [f"{ex.source}: cell {begin + 1}, line {line}: a string inside an f-string's braces, "
+                        "{r['A']}: otter writes the test back with ast.unparse, which on Python 3.12+ puts "
+                        "the f-string's own quotes there, and Python 3.10 and 3.11 cannot read that; bind the "
+                        "value to a name before the f-string"], problems  # format specs and !r are fine
+    with pytest.raises(ValueError, match="a string inside an f-string's braces"):
+        exercises.build_exercise(ex)
+    assert not ex.release.exists() and not ex.build.exists()
+
+
 def _solution_lines(source: Path) -> set[str]:
     """Distinctive lines of the instructor solutions: inside '# BEGIN/END SOLUTION' markers or
     ending in '# SOLUTION', that appear nowhere else in the source."""

@@ -14,6 +14,7 @@ loads ``course_lib.exercises.CellTimeLimit`` and the tests import ``course_lib``
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import io
 import json
@@ -49,7 +50,40 @@ def source_problems(ex: Exercise) -> list[str]:
         if cell.cell_type == "code" and (cell.get("outputs") or cell.get("execution_count")):
             problems.append(f"{ex.source}: cell {i} has outputs; clear them before committing "
                             "(Jupyter: Edit > Clear Outputs of All Cells)")
+    in_tests = False
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "raw" and cell.source.strip() in ("# BEGIN TESTS", "# END TESTS"):
+            in_tests = cell.source.strip() == "# BEGIN TESTS"
+        elif in_tests and cell.cell_type == "code":
+            problems += [f"{ex.source}: cell {i}, line {line}: {why}" for line, why in _unportable_test_code(cell.source)]
     return problems
+
+
+def _unportable_test_code(source: str) -> list[tuple[int, str]]:
+    """Where a test cell would not survive otter's round trip on every Python the course supports.
+
+    otter assign writes each test back with ``ast.unparse``. From Python 3.12 (PEP 701) that puts a
+    string inside an f-string's braces in the f-string's own quotes, ``f'found {r['A']}'``, which
+    Python 3.10 and 3.11 cannot read: a release built on 3.12+ would then fail to load its tests on
+    a student's 3.11, and it differs byte for byte from one built on 3.11. The answer: bind the value
+    to a name before the f-string.
+    """
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []  # otter reports it, with its own context
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FormattedValue):
+            for inner in ast.walk(node.value):
+                if isinstance(inner, ast.JoinedStr) or (isinstance(inner, ast.Constant)
+                                                        and isinstance(inner.value, (str, bytes))):
+                    found.append((node.lineno, f"a string inside an f-string's braces, {{{ast.unparse(node.value)}}}: "
+                                               "otter writes the test back with ast.unparse, which on Python 3.12+ "
+                                               "puts the f-string's own quotes there, and Python 3.10 and 3.11 "
+                                               "cannot read that; bind the value to a name before the f-string"))
+                    break
+    return sorted(set(found))
 
 
 def _normalise_notebook(path: Path, name: str) -> None:

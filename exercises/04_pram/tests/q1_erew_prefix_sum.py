@@ -20,6 +20,7 @@ def test_small_inputs(erew_prefix_sum):
             assert isinstance(prog, pram.Program), f'expected a pram.Program, found {type(prog).__name__}'
             r = pram.run(prog, 'EREW')
             want = list(itertools.accumulate(values))
-            assert r['A'] == want, f"for {values}: expected A = {want}, found {r['A']}"
+            found = r['A']
+            assert found == want, f'for {values}: expected A = {want}, found {found}'
     grading.isolated(check)
 
