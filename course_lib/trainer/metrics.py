@@ -30,7 +30,6 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Self
 
 import torch
 import torch.distributed as dist
@@ -407,7 +406,7 @@ class SavedTensorMeter:
             out[dtype] = out.get(dtype, 0) + n
         return out
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> SavedTensorMeter:
         self._hooks.__enter__()
         return self
 
