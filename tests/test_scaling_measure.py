@@ -1,6 +1,7 @@
 """The measured scaling workload: even split, deterministic work, strong and weak scaling rows
 consistent with the laws of :mod:`course_lib.analysis.scaling_laws`, the figure and the command."""
 
+import threading
 import time
 
 import pytest
@@ -62,3 +63,28 @@ def test_command_line(capsys):
     with pytest.raises(SystemExit):
         sm.main(["--procs", "one,two"])
     assert "--procs takes whole numbers" in capsys.readouterr().err
+
+
+HELD = threading.Lock()  # stands for a lock that one of a notebook kernel's threads holds
+
+
+def _held_lock_is_free() -> bool:
+    free = HELD.acquire(timeout=1)
+    if free:
+        HELD.release()
+    return free
+
+
+def test_the_workers_do_not_inherit_a_lock_that_a_thread_holds():
+    """A kernel always runs threads (heartbeat, output). A fork copies a lock one of them holds into
+    each worker, locked for good (Python 3.12+ warns of it); the pool's workers start clean."""
+    HELD.acquire()
+    try:
+        pool = sm._pool(2)
+        try:
+            assert pool.apply(_held_lock_is_free) is True
+        finally:
+            pool.terminate()
+            pool.join()
+    finally:
+        HELD.release()

@@ -43,7 +43,10 @@ def _split(total: int, parts: int) -> list[int]:
 
 
 def _pool(p: int):
-    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    # Not "fork": a notebook kernel always runs threads (ipykernel's heartbeat and output), and a fork
+    # copies the locks they hold into a child that cannot release them (Python 3.12+ warns; 3.14 made
+    # forkserver the default on Linux). The workers start before anything is timed (below).
+    ctx = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
     pool = ctx.Pool(p)
     pool.map(burn, [0] * p, chunksize=1)  # start every worker before anything is timed
     return pool
