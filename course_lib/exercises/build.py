@@ -55,7 +55,8 @@ def source_problems(ex: Exercise) -> list[str]:
         if cell.cell_type == "raw" and cell.source.strip() in ("# BEGIN TESTS", "# END TESTS"):
             in_tests = cell.source.strip() == "# BEGIN TESTS"
         elif in_tests and cell.cell_type == "code":
-            problems += [f"{ex.source}: cell {i}, line {line}: {why}" for line, why in _unportable_test_code(cell.source)]
+            problems += [f"{ex.source}: cell {i}, line {line}: {why}"
+                         for line, why in _unportable_test_code(cell.source)]
     return problems
 
 
