@@ -43,10 +43,11 @@ def _split(total: int, parts: int) -> list[int]:
 
 
 def _pool(p: int):
-    # Not "fork": a notebook kernel always runs threads (ipykernel's heartbeat and output), and a fork
-    # copies the locks they hold into a child that cannot release them (Python 3.12+ warns; 3.14 made
-    # forkserver the default on Linux). The workers start before anything is timed (below).
-    ctx = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
+    # spawn: a notebook kernel always runs threads (ipykernel's heartbeat and output), and a fork
+    # copies the locks they hold into a child that cannot release them (Python 3.12+ warns). Not
+    # forkserver either: a process has one fork server, which launch/ranks.py starts with torch
+    # preloaded for the ranks. A worker imports this module (no torch) before anything is timed.
+    ctx = mp.get_context("spawn")
     pool = ctx.Pool(p)
     pool.map(burn, [0] * p, chunksize=1)  # start every worker before anything is timed
     return pool
