@@ -40,20 +40,19 @@ def otter_version() -> str:
 
 
 def source_problems(ex: Exercise) -> list[str]:
-    """What is wrong with an instructor source before we even run otter (outputs committed...)."""
+    """What is wrong with an instructor source before we even run otter: outputs committed, a test
+    that otter would write back unreadable on Python 3.10/3.11."""
     # nbformat (0.15 s) only where a notebook is read: importing course_lib.exercises stays light
     import nbformat
 
     nb = nbformat.read(ex.source, as_version=4)
-    problems = []
+    problems, in_tests = [], False
     for i, cell in enumerate(nb.cells):
         if cell.cell_type == "code" and (cell.get("outputs") or cell.get("execution_count")):
             problems.append(f"{ex.source}: cell {i} has outputs; clear them before committing "
                             "(Jupyter: Edit > Clear Outputs of All Cells)")
-    in_tests = False
-    for i, cell in enumerate(nb.cells):
-        if cell.cell_type == "raw" and cell.source.strip() in ("# BEGIN TESTS", "# END TESTS"):
-            in_tests = cell.source.strip() == "# BEGIN TESTS"
+        if cell.cell_type == "raw":
+            in_tests = {"# BEGIN TESTS": True, "# END TESTS": False}.get(cell.source.strip(), in_tests)
         elif in_tests and cell.cell_type == "code":
             problems += [f"{ex.source}: cell {i}, line {line}: {why}"
                          for line, why in _unportable_test_code(cell.source)]
