@@ -53,6 +53,9 @@ class StrategyInfo:
     # its collectives on CUDA tensors need NCCL: on ranks sharing a GPU over gloo, PyTorch's FSDP2
     # crashed a rank (SIGSEGV, an H200, issue 28); launch.checks refuses it there
     needs_nccl_on_cuda: bool = False
+    # between steps the module's parameters are this rank's shards (ZeRO-3; FSDP2's DTensors, in both
+    # of its flavours): replicas are not comparable there (check_replicas_every is refused)
+    shards_parameters: bool = False
 
 
 STRATEGIES: dict[str, StrategyInfo] = {
@@ -73,17 +76,17 @@ STRATEGIES: dict[str, StrategyInfo] = {
                           beside_model_parallel=True),
     "zero3": StrategyInfo("course_lib.parallel.zero.zero3:Zero3",
                           "parameters sharded too: all-gathered per layer for forward and for backward", 3, "ours",
-                          beside_model_parallel=True),
+                          beside_model_parallel=True, shards_parameters=True),
     "torch_ddp": StrategyInfo("course_lib.parallel.strategy:TorchDDP",
                               "DistributedDataParallel (buckets, overlap)", 0, "PyTorch", grad_comm_dtype=True),
     "torch_zero1": StrategyInfo("course_lib.parallel.zero.torch_sharded:TorchZero1",
                                 "ZeroRedundancyOptimizer: optimizer states sharded", 1, "PyTorch"),
     "fsdp_grad_op": StrategyInfo("course_lib.parallel.zero.torch_sharded:FSDPGradOp",
                                  "FSDP2 fully_shard, parameters stay gathered from forward to backward", 2,
-                                 "PyTorch", needs_nccl_on_cuda=True),
+                                 "PyTorch", needs_nccl_on_cuda=True, shards_parameters=True),
     "fsdp_full": StrategyInfo("course_lib.parallel.zero.torch_sharded:FSDPFull",
                               "FSDP2 fully_shard, parameters resharded after forward", 3, "PyTorch",
-                              needs_nccl_on_cuda=True),
+                              needs_nccl_on_cuda=True, shards_parameters=True),
 }
 
 STRATEGY_NAMES = tuple(STRATEGIES)
@@ -242,7 +245,7 @@ class ParallelConfig:
             raise ConfigError(f"strategy 'single' runs one process but nproc={self.nproc}; "
                               "use --strategy=ddp (or auto) or --nproc=1")
         info = STRATEGIES.get(self.strategy)
-        if self.check_replicas_every and (self.model_parallel_size > 1 or (info and (info.zero_stage or 0) >= 3)):
+        if self.check_replicas_every and (self.model_parallel_size > 1 or (info and info.shards_parameters)):
             raise ConfigError(f"check_replicas_every compares data-parallel replicas; strategy {self.strategy} with "
                               f"tp={self.tp}, pp={self.pp}, cp={self.cp} shards the parameters (they are meant to differ)")
 

@@ -363,3 +363,53 @@ def test_the_trainer_checks_collectives_and_replicas_when_asked(tmp_path):
         assert "rank 0: all_reduce float32[2]; rank 1: all_reduce float32[3]" in mismatch
         assert drift.startswith("after step 7: replicas DIFFER") and "parameter 'weight' differs" in drift
     assert (tmp_path / "run" / "last.pt").exists()  # 4 steps, replicas compared after steps 2 and 4
+
+
+def replica_check_worker(rank: int, world_size: int) -> dict:
+    """Every data-parallel strategy after one step on this rank's own batch: what the trainer's
+    replica check says of it (``ok`` or the error)."""
+    import torch
+
+    from course_lib import registry
+    from course_lib.parallel.strategy import build_strategy
+    from course_lib.parallel.toy import ToyMLP, adamw, toy_batch
+    from course_lib.trainer.loop import check_step_replicas
+
+    out = {}
+    for name in registry.STRATEGIES:
+        if name == "single":
+            continue
+        torch.manual_seed(0)
+        strategy = build_strategy(name, ToyMLP(d_in=16, width=64, n_layers=2), adamw)
+        x, y = toy_batch(8, seed=rank, d_in=16)
+        strategy.model(x, y)[1].backward()
+        strategy.finish_grads()
+        strategy.step()
+        try:
+            check_step_replicas(strategy, x, it=0)
+            out[name] = "ok"
+        except (RuntimeError, TypeError) as e:  # what a run with --check_replicas_every stops on
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_the_replica_check_is_refused_exactly_where_the_parameters_are_shards():
+    """``--check_replicas_every`` is accepted for a strategy only where the check works after a
+    correct step (FSDP2's parameters are DTensor shards: before the refusal a run with
+    fsdp_grad_op crashed in the check), and refused, before anything starts, where it cannot."""
+    from course_lib.launch.spawn import run_ranks
+    from course_lib.registry import ConfigError
+    from course_lib.trainer.config import make_config
+
+    checked = run_ranks(replica_check_worker, 2, timeout=100)
+    for name, said in checked[0].items():
+        try:
+            make_config("shakespeare_char_cpu", {"check_replicas_every": 1, "strategy": name, "nproc": 2})
+            accepted = True
+        except ConfigError as e:
+            assert "shards the parameters" in str(e)
+            accepted = False
+        assert accepted == (said == "ok") == (checked[1][name] == "ok"), (name, said)
+    assert {n for n, said in checked[0].items() if said != "ok"} == {"zero3", "fsdp_grad_op", "fsdp_full"}
+    assert checked[0]["fsdp_grad_op"].startswith("TypeError: parameter 'layers.0.weight' is a DTensor sharded")

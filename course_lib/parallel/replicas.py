@@ -15,7 +15,8 @@ gradients before the sync), each gradient is compared with the mean of the ranks
 a sum (world size times the mean) is named as such, a gradient left as this rank's own too (a
 parameter missing from the sync). Not caught: a bug that is the same on every rank (a wrong
 learning rate everywhere), sharded states (ZeRO-3, FSDP, tensor parallel: they are meant to
-differ; the trainer refuses the check there).
+differ; the trainer refuses the check there, and a DTensor parameter, FSDP2's or PyTorch's tensor
+parallel's, is refused here by name).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+from torch.distributed.tensor import DTensor
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -76,6 +78,9 @@ def _entries(model, optimizer, batch, grads: bool) -> list[tuple[str, str, str, 
     out, names = [], {}
     if model is not None:
         for n, p in model.named_parameters():
+            if isinstance(p, DTensor):  # the same on every rank: each raises here, before the exchange
+                raise TypeError(f"parameter {n!r} is a DTensor sharded over {p.device_mesh} (FSDP2, tensor "
+                                 "parallel): each rank holds its own shard, so replicas cannot be compared")
             names[id(p)] = n
             out.append(("parameter", n, *digest(p)))
         if grads:
