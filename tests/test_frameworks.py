@@ -121,6 +121,32 @@ def test_bert_on_two_ranks_is_the_one_rank_program():
     assert table[-1]["strategy"] == "fsdp" and table[-1]["seconds"] is None
 
 
+def test_a_step_on_one_loss_per_replica_trains_on_their_mean():
+    """Under "dp" (a GPU machine) DataParallel hands back a Hugging Face model's loss once per GPU,
+    as a vector; fabric_step steps on their mean, the loss of the whole batch."""
+    import types
+
+    import torch
+
+    from course_lib.experiments.frameworks_fabric import fabric_step
+
+    class Replicas(torch.nn.Module):  # what DataParallel's gather returns for 2 replicas' losses
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.tensor(2.0))
+
+        def forward(self, x):  # each replica's scalar loss on its half of the batch
+            halves = (self.w * x[:2]).pow(2).mean(), (self.w * x[2:]).pow(2).mean()
+            return types.SimpleNamespace(loss=torch.stack(halves))
+
+    x, model = torch.tensor([1.0, 2.0, 3.0, 4.0]), Replicas()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    fabric = types.SimpleNamespace(backward=lambda loss: loss.backward())
+    loss = fabric_step(fabric, model, optimizer, x)
+    assert loss.dim() == 0 and loss.item() == pytest.approx((2.0 * x).pow(2).mean().item())
+    assert model.w.item() == pytest.approx(2.0 - 0.1 * (2 * 2.0 * x.pow(2).mean()).item())  # d/dw of the mean
+
+
 def test_what_fabric_refuses_on_a_cpu(inside):
     said = inside[2]
     assert said["dp"].startswith("replaced: 'dp' is not supported on CPUs") and "DDPStrategy" in said["dp"]

@@ -239,7 +239,8 @@ PUBLISHED: dict[str, MoEShape] = {s.name: s for s in (
                 "(hyper-parameters): 61 layers, hidden 7168, 128 heads of 128, KV compression 512, "
                 "query compression 1536, decoupled RoPE 64 per head, MoE in all but the first 3 "
                 "layers, 1 shared + 256 routed experts of intermediate 2048, 8 routed per token; "
-                "671B total, 37B active (abstract, Sec. 4.2). SwiGLU experts and RMSNorm (Sec. 2.1, "
+                "671B total, 37B active (abstract, Sec. 4.2; README_WEIGHTS.md of the released weights: "
+                "36.7B active with the embedding and the output head, 2.3 % below this count). SwiGLU experts and RMSNorm (Sec. 2.1, "
                 "after DeepSeek-V2); the balancing bias per expert (Sec. 2.1.2). Not in the paper, "
                 "from the released config.json (huggingface.co/deepseek-ai/DeepSeek-V3): the dense "
                 "layers' intermediate size 18432, vocabulary 129280 (the paper: 128K), untied "
@@ -253,6 +254,6 @@ PUBLISHED: dict[str, MoEShape] = {s.name: s for s in (
                 "32 layers, head_dim 128, hidden_dim 14336, 32 heads, 8 KV heads, vocabulary "
                 "32000, 8 experts, top-2; Sec. 2: SwiGLU experts, the Mistral 7B architecture "
                 "(RMSNorm, RoPE, an untied output head); 'each token has access to 47B parameters, "
-                "but only uses 13B active parameters' (Sec. 1); 46.7B and 12.9B: Mistral AI's "
+                "but only uses 13B active parameters' (abstract); 46.7B and 12.9B: Mistral AI's "
                 "release post 'Mixtral of experts' (December 2023)")),
 )}

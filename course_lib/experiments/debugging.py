@@ -23,7 +23,9 @@ from course_lib.parallel.replicas import local_grads
 # The bugs ``step`` can seed; "" is the correct step.
 BUGS = {
     "": "the correct data-parallel step: the gradients averaged over the ranks",
-    "sum": "the gradients summed over the ranks, not averaged (the learning rate is world_size times too large)",
+    # with SGD a world_size times larger step; AdamW divides by the gradient's running RMS, so its
+    # step hardly changes: the bug waits for what reads the gradient's size (clipping, loss scale)
+    "sum": "the gradients summed over the ranks, not averaged (world_size times the mean)",
     "skip_bias": "the last layer's bias is missing from the gradient sync (each rank keeps its own)",
 }
 

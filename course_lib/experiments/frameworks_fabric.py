@@ -124,9 +124,16 @@ def fabric_step(fabric, model, optimizer, *inputs, **named) -> torch.Tensor:
     """Lightning Fabric's training step, written as its documentation writes it: the forward, then
     ``fabric.backward`` (DDP's reducer or FSDP2's hooks do the communication inside it), then the
     optimizer. The model returns (logits, loss) like the course GPT (``x, y``) or an output with
-    ``.loss`` like a Hugging Face model (keyword inputs). Returns this rank's loss (detached)."""
+    ``.loss`` like a Hugging Face model (keyword inputs). Returns this rank's loss (detached).
+
+    Under "dp" a model that computes its own loss returns one per GPU: DataParallel's gather turns
+    the replicas' scalars into a vector (``Gather`` in ``torch/nn/parallel/_functions.py`` warns
+    so), and ``backward`` needs a scalar. Their mean is the batch's loss when the chunks are equal,
+    as Hugging Face's ``Trainer`` takes it with several GPUs in one process."""
     out = model(*inputs, **named)
     loss = out.loss if hasattr(out, "loss") else out[1]
+    if loss.dim():  # (devices,): one loss per DataParallel replica
+        loss = loss.mean()
     fabric.backward(loss)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -12,19 +12,20 @@ shape, the root (``src``/``dst``) and the reduce op. The exchange is one ``all_g
 fixed-size int64 tensor on a separate gloo group, so mismatched shapes cannot corrupt it. If the
 descriptors differ, every rank raises :class:`CollectiveMismatchError` naming each rank's call,
 and the real collective is never called: gloo does not abort the process, the group stays usable.
-What a rank can see alone is refused at once, without an exchange: a peer that is not a rank
-(``send(t, dst=5)`` on 2 ranks), a send to itself, an ``all_gather`` list or ``reduce_scatter``
-input of the wrong length or size. A point-to-point pair is checked only this way (its peer): its
-descriptors are not exchanged, since a ``recv`` cannot know whether its sender used ``send`` or an
-unchecked ``isend``.
+A send or recv whose peer is not a rank (``send(t, dst=5)`` on 2 ranks), or is the rank itself,
+is refused at once, without an exchange (there may be no peer to exchange with). What else one
+call shows wrong by itself (an ``all_gather`` list or ``reduce_scatter`` input of the wrong length
+or size, :func:`problem`) is named after the exchange, on every rank, so that no rank is left
+waiting in it. A point-to-point pair is checked only by its peer: its descriptors are not
+exchanged, since a ``recv`` cannot know whether its sender used ``send`` or an unchecked ``isend``.
 
 Not caught: a collective that one rank never calls (there is nothing to compare: the exchange
 waits, the pool's time limit names the waiting rank), calls on a sub-group (only the default group
 is checked), calls made inside PyTorch (DDP's buckets call c10d directly, not ``dist.X``), and
 point-to-point pairs (``send``/``recv``, ``isend``/``irecv``) beyond the peer-range check. PyTorch's own
-``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (set before ``init_process_group``) wraps the process group and
-checks op type, shapes and dtypes of collectives, internal ones included (so it does catch DDP's),
-but not the root of a broadcast, nor send/recv. Like this module, it checks before the collective
+``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (in the environment before torch is imported: torch.distributed
+reads it on import) wraps the process group and checks op type, shapes and dtypes of collectives,
+internal ones included (so it does catch DDP's), but not the root of a broadcast, nor send/recv. Like this module, it checks before the collective
 runs, with an exchange of its own on a gloo group.
 
 The flight recorder keeps each rank's last :data:`RECORD` calls (checked or not) with their state
