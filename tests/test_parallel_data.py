@@ -208,6 +208,21 @@ def test_ours_and_pytorchs_equal_single_process_2_ranks():
     check_equivalence(results)
 
 
+def torch_ddp_buckets(rank: int, world_size: int) -> tuple:
+    ddp = build_strategy("torch_ddp", ToyMLP(d_in=16, width=64, n_layers=2), adamw).model
+    config = getattr(ddp, "_bucket_config", None)  # newer torch; older: the flag below
+    first = config.first_bucket_bytes_cap if config is not None else (
+        torch.distributed._DEFAULT_FIRST_BUCKET_BYTES if ddp.bucket_bytes_cap_default else ddp.bucket_bytes_cap)
+    return ddp.bucket_bytes_cap, first
+
+
+@pytest.mark.timeout(120)
+def test_torch_ddp_keeps_pytorchs_default_buckets_with_the_small_first_one():
+    """torch_ddp leaves bucket_cap_mb unset, as PyTorch's users do: 25 MiB buckets and a 1 MiB first
+    one, as our ddp's first_bucket_cap_mb=1.0 (passing 25 explicitly would turn the first one off)."""
+    assert run_ranks(torch_ddp_buckets, 2)[0] == (25 * 2**20, 2**20)
+
+
 @pytest.mark.timeout(240)
 def test_ours_equal_single_process_4_ranks():
     check_equivalence(run_ranks(equivalence_worker, 4, OURS, []))

@@ -162,9 +162,11 @@ class TorchDDP(Strategy):
 
     name = "torch_ddp"
 
-    def __init__(self, model, make_optimizer, group=None, bucket_cap_mb: float = 25,
+    def __init__(self, model, make_optimizer, group=None, bucket_cap_mb: float | None = None,
                  grad_comm_dtype: torch.dtype | None = None):
         super().__init__(model, make_optimizer, group)
+        # None: PyTorch's default, 25 MiB buckets and a 1 MiB first one (as our ddp's
+        # first_bucket_cap_mb=1.0); any number, even 25, turns the small first bucket off
         device_ids = [model_device(model).index] if model_device(model).type == "cuda" else None
         self.model = nn.parallel.DistributedDataParallel(
             model, device_ids=device_ids, process_group=group, bucket_cap_mb=bucket_cap_mb)
