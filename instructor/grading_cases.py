@@ -6,7 +6,7 @@ MISTAKES[exercise][question] = (text in the solution, the mistaken replacement, 
 failure message must contain): each is graded as a submission of its own, the solution with that
 one mistake; it must lose its question and keep every other. 01 q1 deadlocks; 04 q1 loops forever
 (HUNG: they must score zero; the loop sleeps, so it costs wall time only: tests/test_exercise_grading.py
-stops busy loops); the submission of TAMPERED (exercise, question) also replaces the
+stops busy loops); ZERO: mistakes that must cost the whole question too, hidden tests included; the submission of TAMPERED (exercise, question) also replaces the
 grading helpers. HARD_CODED[exercise]: patches that answer exactly what the public tests check
 (their cases, or the values the solutions print) and nothing else: at most a quarter of the points.
 """
@@ -82,7 +82,20 @@ MISTAKES = {
                      "Linear units"),
     },
     "08_debugging": {
-        "q1_fix_the_step": ("            p.grad /= world_size\n", "", "the world size"),
+        # summed, not averaged, and the "local" gradients taken after the sync: AdamW's steps and a
+        # replica check fed those look right; the gradients themselves do not
+        "q1_fix_the_step": (("    mine = local_grads(model)\n"
+                             "    world_size = dist.get_world_size()\n"
+                             "    for p in model.parameters():\n"
+                             "        if p.grad is not None:\n"
+                             "            dist.all_reduce(p.grad)\n"
+                             "            p.grad /= world_size\n"),
+                            ("    world_size = dist.get_world_size()\n"
+                             "    for p in model.parameters():\n"
+                             "        if p.grad is not None:\n"
+                             "            dist.all_reduce(p.grad)\n"
+                             "    mine = local_grads(model)\n"),
+                            "the world size"),
         "q2_fix_the_deadlock": (
             "    if dist.get_rank() < peer:  # the lower rank of the pair sends first: no cycle of waits\n",
             "    if dist.get_rank() == 0:  # rank 0 sends first: right for 2 ranks only\n",
@@ -99,6 +112,8 @@ MISTAKES = {
     },
 }
 HUNG = {("01_collectives", "q1_ring_all_reduce"), ("04_pram", "q1_erew_prefix_sum")}
+# the bug the question exists for: its mistake must cost every point, hidden tests included
+ZERO = {("08_debugging", "q1_fix_the_step")}
 TAMPERED = ("02_data_parallel", "q1_average_gradients")
 
 HARD_CODED = {

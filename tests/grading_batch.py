@@ -75,9 +75,10 @@ TAMPER = ("import course_lib.exercises.grading as _g\n"
 # Submissions built by patching the solutions: they quote solution lines, so they live with the
 # sources in instructor/grading_cases.py (MISTAKES: a typical mistake per question, each its own submission;
 # HARD_CODED: per exercise, the public answers hard-coded; HUNG: questions whose mistake never
-# ends; TAMPERED: the (exercise, question) whose submission also gets the TAMPER cell).
+# ends; ZERO: mistakes that must cost all of their question's points; TAMPERED: the (exercise,
+# question) whose submission also gets the TAMPER cell).
 CASES = runpy.run_path(str(ROOT / exercises.SOURCES / "grading_cases.py"))
-MISTAKES, HARD_CODED, HUNG, TAMPERED = (CASES[k] for k in ("MISTAKES", "HARD_CODED", "HUNG", "TAMPERED"))
+MISTAKES, HARD_CODED, HUNG, ZERO, TAMPERED = (CASES[k] for k in ("MISTAKES", "HARD_CODED", "HUNG", "ZERO", "TAMPERED"))
 CLI_GRADED = "04_pram"  # its solution is graded through the `course grade` console script
 CLI_NAME = "Jane Doe - ex4 (final).ipynb"  # any file name: the assignment is in the metadata
 STUDENT_RUN = "02_data_parallel"  # run as a student would, grader.check in every check cell

@@ -66,6 +66,47 @@ def _p2p(rank, world_size):
     return sent.bytes, refused, x.item()
 
 
+# A student's cell that imports torch's functions by name: its globals hold them, not dist's attributes.
+_STUDENTS_CELL = """
+from torch.distributed import all_reduce, isend, recv
+
+def ring_step(x, rank):
+    if rank == 0:
+        isend(x, 1).wait()
+    else:
+        recv(x, 0)
+    all_reduce(x)
+"""
+
+
+def _from_imported(rank, world_size):
+    """Sends through names imported from torch.distributed count, and its collectives raise."""
+    import torch
+
+    from course_lib.exercises.grading import p2p_only
+
+    cell: dict = {}
+    exec(_STUDENTS_CELL, cell)  # noqa: S102 - the notebook's globals
+    with p2p_only(cell["ring_step"]) as sent:
+        try:
+            cell["ring_step"](torch.zeros(5, dtype=torch.float64), rank)
+            refused = ""
+        except RuntimeError as e:
+            refused = str(e)
+    restored = cell["isend"] is torch.distributed.isend and cell["all_reduce"] is torch.distributed.all_reduce
+    return sent.bytes, sent.messages, refused, restored
+
+
+@pytest.mark.timeout(120)
+def test_p2p_only_counts_and_refuses_functions_imported_by_name():
+    from course_lib.exercises.grading import run_ranks
+
+    (bytes0, messages0, refused0, restored0), (bytes1, _, refused1, restored1) = run_ranks(_from_imported, 2)
+    assert (bytes0, messages0, bytes1) == (40, 1, 0)
+    assert "dist.all_reduce is not allowed here" in refused0 and "not allowed" in refused1
+    assert restored0 and restored1
+
+
 @pytest.mark.timeout(120)
 def test_run_ranks_bounds_hangs_and_reports_failures():
     from course_lib.exercises.grading import RankError, RanksTimeoutError, run_ranks

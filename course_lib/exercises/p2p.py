@@ -35,11 +35,14 @@ class Sent:
 
 
 @contextlib.contextmanager
-def p2p_only():
+def p2p_only(*functions):
     """Inside, this rank may only use point-to-point sends and receives: the library collectives
     raise, and ``send``/``isend`` (also through ``batch_isend_irecv``) are counted in the
     yielded :class:`Sent`. The course's own ring (lesson 02's :mod:`course_lib.parallel.data.ring`)
-    raises too, however it was imported (its code is swapped). Restores everything on exit."""
+    raises too, however it was imported (its code is swapped). ``functions``: the code under test,
+    whose globals may hold torch's functions imported by name (``from torch.distributed import
+    isend``): those names are rebound too, so that their sends count and their collectives raise
+    (the notebook's other functions share those globals). Restores everything on exit."""
     # torch when the block runs: exercises.grading loads this module on import, torch-free
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
@@ -75,14 +78,21 @@ def p2p_only():
 
     replacements = {name: forbidden(name) for name in COLLECTIVES}
     replacements["send"], replacements["isend"] = counted(c10d.send), counted(c10d.isend)
+    originals = {id(fn): replacements[name] for _, name, fn in saved}
+    imported = [(g, key, value) for g in {id(f.__globals__): f.__globals__ for f in functions}.values()
+                for key, value in list(g.items()) if id(value) in originals]
     try:
         for mod, name, _ in saved:
             setattr(mod, name, replacements[name])
+        for g, key, value in imported:
+            g[key] = originals[id(value)]
         for f, _ in own:
             f.__code__ = _refuse_own_ring.__code__
         yield sent
     finally:
         for mod, name, fn in saved:
             setattr(mod, name, fn)
+        for g, key, value in imported:
+            g[key] = value
         for f, code in own:
             f.__code__ = code

@@ -19,6 +19,8 @@ def test_two_ranks(vocab_parallel_cross_entropy):
     expected = F.cross_entropy(logits, targets).item()
 
     def worker(rank, world_size):
+        import course_lib.parallel.tensor.vocab as reference
+        grading._disable([reference.vocab_parallel_cross_entropy, reference._VocabParallelCrossEntropy.forward])
         loss = vocab_parallel_cross_entropy(logits[:, 6 * rank:6 * (rank + 1)].clone(), targets, 6 * rank)
         return float(grading.returned(loss, f'vocab_parallel_cross_entropy(logits shard, targets, {6 * rank})'))
     for rank, found in enumerate(grading.run_ranks(worker, 2)):
