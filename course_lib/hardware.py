@@ -3,10 +3,13 @@
     course info            # what was detected and what it implies
 
 Peak figures are the vendors' dense (no sparsity) tensor-core numbers from their data sheets:
-NVIDIA T4 (Turing, 65 TFLOP/s fp16, 8.1 fp32), V100 SXM2 (125 fp16, 15.7 fp32), A100 (312
+NVIDIA T4 (Turing, 65 TFLOP/s fp16, 8.1 fp32), V100 SXM2 (125 fp16, 15.7 fp32), V100 PCIe (112
+fp16, 14 fp32: lower clocks), A100 (312
 bf16/fp16, 156 tf32, 19.5 fp32), L4 (121 bf16/fp16, 60 tf32, 30.3 fp32), H100 SXM5 (989 bf16/fp16,
 495 tf32, 67 fp32), H100 PCIe (756, 378, 51), H100 NVL (835, 417, 60; 94 GB), H200 (same compute as
-H100 SXM5), H200 NVL (same compute as H100 NVL; 141 GB).  MFU (PaLM,
+H100 SXM5), H200 NVL (same compute as H100 NVL; 141 GB). Memory is the data sheet's "GB" read as
+10^9 bytes; the cards hold more (an "80GB" H100: 85.0e9 bytes in torch), which :func:`detect`
+measures. MFU (PaLM,
 Chowdhery et al. 2022, App. B) divides achieved model FLOP/s by the peak of the dtype in use.
 """
 
@@ -59,6 +62,7 @@ def _gpu(name, mem_gb, bf16, fp16, tf32, fp32, dtype, scaler=False) -> HardwareP
 PROFILES: dict[str, HardwareProfile] = {
     "t4": _gpu("t4", 16, None, 65, None, 8.1, "float16", scaler=True),
     "v100": _gpu("v100", 32, None, 125, None, 15.7, "float16", scaler=True),
+    "v100-pcie": _gpu("v100-pcie", 32, None, 112, None, 14, "float16", scaler=True),
     "a100-40gb": _gpu("a100-40gb", 40, 312, 312, 156, 19.5, "bfloat16"),
     "a100-80gb": _gpu("a100-80gb", 80, 312, 312, 156, 19.5, "bfloat16"),
     "l4": _gpu("l4", 24, 121, 121, 60, 30.3, "bfloat16"),
@@ -79,9 +83,11 @@ def _match_gpu(device_name: str, total_memory: int) -> str | None:
         return "h200-nvl" if nvl else "h200"
     if "H100" in n:
         return "h100-pcie" if "PCIE" in n else "h100-nvl" if nvl else "h100"
+    if re.search(r"\bV100\b", n):
+        return "v100-pcie" if "PCIE" in n else "v100"
     if "A100" in n:
         return "a100-80gb" if total_memory > 50 * GB else "a100-40gb"
-    for key in ("t4", "v100", "l4"):
+    for key in ("t4", "l4"):
         # whole words: "L4" is not the L40S, "T4" not the Quadro T400
         if re.search(rf"\b{key.upper()}\b", n):
             return key

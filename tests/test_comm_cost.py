@@ -188,6 +188,11 @@ def test_a_fit_says_when_it_explains_the_times_and_when_not():
     noisy = [s * (2.3 if n == 2**12 else 1.0) for n, s in zip(sizes, secs)]  # a slow first size: warm-up
     report = fit_report("all_reduce", 2, sizes, noisy, *fit_alpha_beta("all_reduce", 2, sizes, noisy))
     assert report.startswith("warning: the model misses the 4,096-byte time by ") and "rerun on an idle" in report
+    # a fit made with another algorithm is checked against that algorithm, not the default ring
+    tree = [collective_time("all_reduce", n, 8, bandwidth=BW, alpha=A, algorithm="tree") for n in sizes]
+    fit = fit_alpha_beta("all_reduce", 8, sizes, tree, algorithm="tree")
+    assert fit_report("all_reduce", 8, sizes, tree, *fit, algorithm="tree") == "the model is within 0% of every measured time"
+    assert fit_report("all_reduce", 8, sizes, tree, *fit).startswith("warning")
 
 
 @pytest.mark.parametrize("p", [2, 4, 8, 64])

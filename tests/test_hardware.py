@@ -2,7 +2,8 @@
 
 Data sheets (dense tensor-core figures; NVIDIA prints the sparse ones, twice as large, beside):
 T4: "NVIDIA T4 Tensor Core GPU" data sheet - 65 TFLOPS mixed fp16, 8.1 fp32, 16 GB GDDR6.
-V100: "NVIDIA Tesla V100 GPU Accelerator" data sheet, SXM2 - 125 TFLOPS tensor, 15.7 fp32, 32 GB.
+V100: "NVIDIA Tesla V100 GPU Accelerator" data sheet, SXM2 - 125 TFLOPS tensor, 15.7 fp32, 32 GB;
+    PCIe - 112 TFLOPS tensor, 14 fp32.
 A100: "NVIDIA A100 Tensor Core GPU" data sheet - bf16/fp16 312, tf32 156, fp32 19.5; 40 / 80 GB.
 L4: "NVIDIA L4 Tensor Core GPU" data sheet - fp16/bf16 242 sparse (121 dense), tf32 120 sparse
     (60 dense), fp32 30.3; 24 GB.
@@ -25,6 +26,7 @@ from course_lib.hardware import GB, PROFILES, TFLOP, _match_gpu, cpu_autocast_dt
 DATA_SHEETS = {  # profile: (memory GB, {dtype: dense TFLOP/s})
     "t4": (16, {"float16": 65, "float32": 8.1}),
     "v100": (32, {"float16": 125, "float32": 15.7}),
+    "v100-pcie": (32, {"float16": 112, "float32": 14}),
     "a100-40gb": (40, {"bfloat16": 312, "float16": 312, "tf32": 156, "float32": 19.5}),
     "a100-80gb": (80, {"bfloat16": 312, "float16": 312, "tf32": 156, "float32": 19.5}),
     "l4": (24, {"bfloat16": 242 / 2, "float16": 242 / 2, "tf32": 120 / 2, "float32": 30.3}),
@@ -48,7 +50,7 @@ def test_profile_matches_data_sheet(key):
 
 
 def test_turing_and_volta_have_no_bf16_or_tf32():
-    for key in ("t4", "v100"):
+    for key in ("t4", "v100", "v100-pcie"):
         assert PROFILES[key].peak("bfloat16") is None
         assert PROFILES[key].peak("tf32") is None
 
@@ -56,6 +58,7 @@ def test_turing_and_volta_have_no_bf16_or_tf32():
 @pytest.mark.parametrize("name, mem_gb, key", [
     ("Tesla T4", 15.6, "t4"),
     ("Tesla V100-SXM2-32GB", 32, "v100"),
+    ("Tesla V100-PCIE-16GB", 16, "v100-pcie"),  # SXM2's peak would read its MFU 10 % low
     ("NVIDIA A100-SXM4-80GB", 79.2 * 1.074, "a100-80gb"),
     ("NVIDIA A100-SXM4-40GB", 39.4 * 1.074, "a100-40gb"),
     ("NVIDIA A100-PCIE-40GB", 39.4 * 1.074, "a100-40gb"),

@@ -181,10 +181,26 @@ def test_activation_per_layer_matches_table2(s, b, h, a, t):
 
 def test_outside_layers_section_4_3():
     s, b, h, v, t, L = 2048, 1, 12288, 51200, 8, 96
-    paper = s * b * h * L / t * (1 / L + 4 / L * (1 + v / h))  # p = 1
-    assert activation_bytes_outside_layers(s, b, h, v, t) == pytest.approx(paper)
+    # the paper's terms, counted under sequence parallelism ("also parallelized along the sequence
+    # dimension", "also uses sequence parallelism"): sbh/t (p + 4 (1 + v/h)), p = 1
+    paper = s * b * h * L / t * (1 / L + 4 / L * (1 + v / h))
+    assert activation_bytes_outside_layers(s, b, h, v, t, sequence_parallel=True) == pytest.approx(paper)
     total = activation_bytes(L, s, b, h, 96, v, t, sequence_parallel=True)
     assert total == pytest.approx(s * b * h * L / t * (34 + 5 * 96 * s / h) + paper)
+    # without it the dropout mask and the two 2-byte inputs are whole on every rank; the fp32 logits
+    # of a vocabulary-parallel output layer are still split
+    assert activation_bytes_outside_layers(s, b, h, v, t) == pytest.approx(5 * s * b * h + 4 * s * b * v / t)
+
+
+def test_without_dropout_the_scores_are_kept_once():
+    """The paper's 5 a s^2 b is the softmax output (2), its dropout mask (1) and the dropout's
+    output (2); without dropout the softmax output is the attention's input, kept once: 2 a s^2 b
+    (and e a s^2 b in fp32, what autograd saves: tests/test_memory_measure.py measures it)."""
+    s, b, h, a = 1024, 2, 768, 12
+    with_dropout = activation_bytes_per_layer(s, b, h, a)
+    without = activation_bytes_per_layer(s, b, h, a, dropout=False)
+    assert with_dropout == pytest.approx(s * b * h * 34 + 5 * a * s * s * b)
+    assert without == pytest.approx(s * b * h * 32 + 2 * a * s * s * b)
 
 
 # Korthikanti et al. 2022, Table 3: (heads a, hidden h, layers L, tensor-parallel t), s = 2048.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from course_lib.analysis.activations import activation_bytes
 from course_lib.experiments.memory_measure import (
@@ -51,6 +52,20 @@ def test_saved_activations_match_korthikanti(b):
         kept, _ = saved_activation_bytes(model, x, y)
     assert kept == pytest.approx(_formula(b, "full"), rel=0.03)
     assert kept < measured / 5
+
+
+@pytest.mark.parametrize("b", [2, 8])
+def test_unfused_attention_without_dropout_keeps_its_scores_once(b):
+    """SDPA's math kernel saves the softmax output once when there is no dropout (e a s^2 b per
+    layer); the paper's 5 a s^2 b counts it twice, with the dropout's mask between."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    x, y = _batch(b)
+    with sdpa_kernel(SDPBackend.MATH):
+        measured, _ = saved_activation_bytes(model, x, y)
+    unfused = activation_bytes(CFG.n_layer, CFG.block_size, b, CFG.n_embd, CFG.n_head, CFG.vocab_size,
+                               bytes_per_value=4, dropout=False, flash_attention=False)
+    assert measured == pytest.approx(unfused, rel=0.02)
 
 
 def test_full_recomputation_gives_the_same_gradients_and_undoes_itself():

@@ -26,7 +26,10 @@ cross-entropy 4sbv/t, i.e. sbh/t (5 + 4v/h).
 
 We write the same counts with the element size ``e`` (2 bytes in the paper) and the mask size
 ``m`` (1 byte, 0 without dropout) so fp32 training and dropout-free models are covered:
-16 e + 2 m = 34 and 2 e + m = 5 when e = 2, m = 1. ``flash_attention=True`` (our extension, not
+16 e + 2 m = 34 and 2 e + m = 5 when e = 2, m = 1. Without dropout the softmax output is itself
+the input of the attention over V, kept once: the scores cost e a s^2 b, not 2 e a s^2 b.
+Section 4.3's outside-the-layers terms are divided by t because the paper runs them under
+sequence parallelism; without it only the logits are split (a vocabulary-parallel output layer). ``flash_attention=True`` (our extension, not
 in the paper) drops the a s^2 b terms: a fused attention kernel never stores the s x s scores.
 
 The course trainer runs fp32 or ``torch.autocast``, which the paper does not cover: under autocast
@@ -77,7 +80,9 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1,
         return float(e * sbh)  # Table 2, last row: 2 sbh
     # Attention core, a s^2 b (2 e + m): split over heads by tensor parallelism; gone when
     # recomputed (selective) or never stored (fused attention).
-    core = 0.0 if (recompute == "selective" or flash_attention) else a * s * s * b * (2 * e + m) / t
+    # Without dropout the softmax output is the input of the attention over V, kept once (e).
+    scores = e + (e + m if dropout else 0)
+    core = 0.0 if (recompute == "selective" or flash_attention) else a * s * s * b * scores / t
     if sequence_parallel:
         # Sequence parallelism shards the LayerNorm/dropout region along s as well: all / t.
         return sbh * (16 * e + 2 * m) / t + core
@@ -87,14 +92,17 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1,
 
 
 def activation_bytes_outside_layers(s: int, b: int, h: int, v: int, t: int = 1,
-                                    bytes_per_value: int = 2, dropout: bool = True) -> float:
+                                    bytes_per_value: int = 2, dropout: bool = True,
+                                    sequence_parallel: bool = False) -> float:
     """Embedding dropout mask, final LayerNorm and output-layer inputs and fp32 logits
-    (Korthikanti et al. 2022, Section 4.3, no pipeline parallelism): sbh/t (5 + 4v/h)."""
+    (Korthikanti et al. 2022, Section 4.3, no pipeline parallelism): sbh/t (5 + 4v/h) with
+    sequence parallelism, as the paper counts them; without it the sbh terms are whole on every
+    tensor-parallel rank and only the logits 4sbv/t are split."""
     check_count("vocab_size (v)", v)
     _check(s, b, h, 1, 1)
     check_count("tp (t)", t)
     e, m = bytes_per_value, (1 if dropout else 0)
-    return (s * b * h * (m + 2 * e) + 4 * s * b * v) / t
+    return s * b * h * (m + 2 * e) / (t if sequence_parallel else 1) + 4 * s * b * v / t
 
 
 def activation_bytes(n_layer: int, s: int, b: int, h: int, a: int, v: int, t: int = 1,
@@ -106,7 +114,7 @@ def activation_bytes(n_layer: int, s: int, b: int, h: int, a: int, v: int, t: in
     per_layer = activation_bytes_per_layer(s, b, h, a, t, sequence_parallel, recompute,
                                            bytes_per_value, dropout, flash_attention)
     return n_layer * per_layer + activation_bytes_outside_layers(s, b, h, v, t, bytes_per_value,
-                                                                 dropout)
+                                                                 dropout, sequence_parallel)
 
 
 # --- under torch.autocast, in the course trainer ------------------------------------------------
@@ -181,10 +189,13 @@ def trainer_activation_bytes(n_layer: int, s: int, b: int, h: int, a: int, v: in
 # --- what recomputation costs in FLOPs ----------------------------------------------------------
 
 def selective_overhead(s: int, h: int, v: int = 0, n_layer: int = 1) -> float:
-    """Extra FLOPs of selective recomputation as a share of a training step's model FLOPs:
-    Korthikanti et al. 2022, Sec. 5, model FLOPs 72 B L s h^2 (1 + s/6h + V/12hL), of which
-    recomputing the attention core adds 72 B L s h^2 (s/6h): (s/6h) / (1 + s/6h + V/12hL)
-    (2.7% for GPT-3 175B, their Table 4's setting)."""
+    """Extra FLOPs of selective recomputation as a share of a training step's model FLOPs, as
+    Korthikanti et al. 2022 count it: model FLOPs 72 B L s h^2 (1 + s/6h + V/12hL) (Appendix A,
+    Eq. 7), hardware FLOPs with selective recomputation 72 B L s h^2 (1 + s/3h + V/12hL) (Eq. 8),
+    so (s/6h) / (1 + s/6h + V/12hL): 2.7 % for GPT-3 175B, as Sec. 5 states (its configuration:
+    Table 3). The appendix's own words add less: one more forward of the core, 2 B s^2 h + 2 B s^2 h
+    per layer, which is s/18h, a third of Eq. 8's term (0.9 % for GPT-3). We keep the paper's
+    figure, the one it publishes; :func:`recompute_flops_factor`'s "full" counts a forward only."""
     core = s / (6 * h)
     return core / (1 + core + v / (12 * h * n_layer))
 

@@ -129,7 +129,8 @@ def collective_time(op: str, nbytes: float, p: int, *, bandwidth: float, alpha: 
 
 
 def _binomial_children(rank: int, p: int) -> list[int]:
-    """Children of ``rank`` in a binomial tree rooted at 0 (rank r's parent clears its top bit)."""
+    """Children of ``rank`` in a binomial tree rooted at 0 (rank r's parent is r with its lowest
+    set bit cleared: 6 -> 4, 5 -> 4, 3 -> 2)."""
     children, bit = [], 1
     while bit < p:
         if rank & bit:
@@ -274,11 +275,13 @@ def fit_alpha_beta(op: str, p: int, sizes, seconds, algorithm: str | None = None
     return float(alpha), float(1.0 / beta)
 
 
-def fit_report(op: str, p: int, sizes, seconds, alpha: float, bandwidth: float, tolerance: float = 0.3) -> str:
+def fit_report(op: str, p: int, sizes, seconds, alpha: float, bandwidth: float, tolerance: float = 0.3,
+               algorithm: str | None = None) -> str:
     """One line on how well a fit (:func:`fit_alpha_beta`) explains the measured times: its worst
     relative miss, and a warning above ``tolerance`` (a busy machine, or sizes that fall out of the
-    caches, give times that no alpha and bandwidth explain; the fit then says little)."""
-    model = [collective_time(op, n, p, bandwidth=bandwidth, alpha=alpha) for n in sizes]
+    caches, give times that no alpha and bandwidth explain; the fit then says little). ``algorithm``:
+    the one the fit assumed (None: :func:`collective_time`'s default)."""
+    model = [collective_time(op, n, p, bandwidth=bandwidth, alpha=alpha, algorithm=algorithm) for n in sizes]
     misses = [abs(m - t) / t for m, t in zip(model, seconds)]
     worst = max(range(len(misses)), key=misses.__getitem__)
     if misses[worst] <= tolerance:
