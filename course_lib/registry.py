@@ -312,6 +312,19 @@ def layout_error(cfg) -> str | None:
     return None
 
 
+def moe_grid_error(n_expert: int, capacity_factor: float, sequence_parallel: bool, cp: int) -> str | None:
+    """The grid layouts a mixture of experts does not train like one process, or None: the rule of
+    both the run's configuration (:func:`moe_layout_error`) and
+    :func:`course_lib.parallel.parallelize.parallelize`."""
+    if not n_expert:
+        return None
+    if sequence_parallel:
+        return "n_expert with sequence_parallel is not supported yet (routing statistics over the tp group)"
+    if capacity_factor and cp > 1:
+        return "capacity_factor with cp > 1 is not supported: which tokens are dropped would depend on cp"
+    return None
+
+
 def moe_layout_error(cfg) -> str | None:
     """What a mixture of experts (``n_expert``, parallel.expert) asks of the layout, or None."""
     if cfg.ep > 1 and not cfg.n_expert:
@@ -324,10 +337,8 @@ def moe_layout_error(cfg) -> str | None:
         return f"n_expert ({cfg.n_expert}) must be divisible by ep ({cfg.ep}): each rank holds n_expert/ep experts"
     if cfg.ep > cfg.nproc:
         return f"ep ({cfg.ep}) cannot exceed nproc ({cfg.nproc})"
-    if cfg.sequence_parallel:
-        return "n_expert with sequence_parallel is not supported yet (routing statistics over the tp group)"
-    if cfg.capacity_factor and cfg.cp > 1:
-        return "capacity_factor with cp > 1 is not supported: which tokens are dropped would depend on cp"
+    if (error := moe_grid_error(cfg.n_expert, cfg.capacity_factor, cfg.sequence_parallel, cfg.cp)) is not None:
+        return error
     if cfg.nproc > 1 and cfg.strategy not in MODEL_PARALLEL_STRATEGIES:
         return (f"strategy {cfg.strategy!r} with n_expert on several ranks: use one of "
                 f"{', '.join(MODEL_PARALLEL_STRATEGIES)} (ZeRO-1/2/3 shard the other parameters; the experts "

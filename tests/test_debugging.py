@@ -413,3 +413,136 @@ def test_the_replica_check_is_refused_exactly_where_the_parameters_are_shards():
         assert accepted == (said == "ok") == (checked[1][name] == "ok"), (name, said)
     assert {n for n, said in checked[0].items() if said != "ok"} == {"zero3", "fsdp_grad_op", "fsdp_full"}
     assert checked[0]["fsdp_grad_op"].startswith("TypeError: parameter 'layers.0.weight' is a DTensor sharded")
+
+
+# ------------------------------------------------------------------ what teaching mode and check_replicas allow
+
+def uneven_all_to_all_worker(rank: int, world_size: int) -> dict:
+    """Teaching mode on, then a valid all_to_all_single with uneven splits (exercise 09, lesson 13)
+    and two that are wrong on one rank: its dtype, its dims after the first."""
+    import torch
+    import torch.distributed as dist
+
+    from course_lib.parallel.collective_check import CollectiveMismatchError, install_collective_check
+
+    install_collective_check(True, 20)
+    sends = [[1, 2], [3, 1]]  # sends[i][j]: rows rank i sends to rank j
+    send, recv = sends[rank], [s[rank] for s in sends]
+    x = torch.arange(sum(send) * 2, dtype=torch.float32).reshape(-1, 2) + 100 * rank  # [3, 2] | [4, 2]
+    y = torch.empty(sum(recv), 2)  # [4, 2] | [3, 2]
+    dist.all_to_all_single(y, x, recv, send)
+    out = {"y": y.tolist()}
+    for what, (dtype, width) in {"dtype": (torch.float64, 2), "dims": (torch.float32, 3)}.items():
+        try:
+            dist.all_to_all_single(torch.empty(sum(recv), width, dtype=dtype) if rank else y,
+                                   x.to(dtype).repeat(1, 2)[:, :width] if rank else x, recv, send)
+            out[what] = "ran"
+        except CollectiveMismatchError as e:
+            out[what] = str(e)
+    return out
+
+
+def test_teaching_mode_lets_an_uneven_all_to_all_single_through():
+    from course_lib.launch.spawn import run_ranks
+
+    results = run_ranks(uneven_all_to_all_worker, 2, timeout=20)
+    rows = [[[2.0 * i + 100 * r, 2.0 * i + 1 + 100 * r] for i in range(n)] for r, n in enumerate((3, 4))]
+    assert results[0]["y"] == rows[0][:1] + rows[1][:3]  # one row of its own, three of rank 1's
+    assert results[1]["y"] == rows[0][1:] + rows[1][3:]
+    for said in results:
+        assert said["dtype"].endswith("rank 0: all_to_all_single float32[3, 2]; "
+                                      "rank 1: all_to_all_single float64[4, 2]"), said
+        assert said["dims"].endswith("rank 0: all_to_all_single float32[3, 2]; "
+                                     "rank 1: all_to_all_single float32[4, 3]"), said
+
+
+def scatter_gather_worker(rank: int, world_size: int) -> dict:
+    """Teaching mode on: scatter and gather with the root passed by position, then a root's list
+    of the wrong length."""
+    import torch
+    import torch.distributed as dist
+
+    from course_lib.parallel.collective_check import CollectiveMismatchError, install_collective_check
+
+    install_collective_check(True, 10)
+    got = torch.empty(2)
+    dist.scatter(got, [torch.full((2,), 1.0 + r) for r in range(world_size)] if rank == 0 else None, 0)
+    gathered = [torch.empty(2) for _ in range(world_size)] if rank == 1 else None
+    dist.gather(got * 10, gathered, 1)
+    out = {"scattered": got.tolist(), "gathered": None if gathered is None else [g.tolist() for g in gathered]}
+    try:
+        dist.scatter(got, [got] if rank == 1 else None, 1)
+        out["short"] = "ran"
+    except CollectiveMismatchError as e:
+        out["short"] = str(e)
+    return out
+
+
+def test_teaching_mode_reads_the_root_of_scatter_and_gather_by_position():
+    from course_lib.launch.spawn import run_ranks
+
+    results = run_ranks(scatter_gather_worker, 2, timeout=10)
+    assert [r["scattered"] for r in results] == [[1.0, 1.0], [2.0, 2.0]]
+    assert results[1]["gathered"] == [[10.0, 10.0], [20.0, 20.0]] and results[0]["gathered"] is None
+    for said in results:  # named on both ranks, the root's list checked against the world size
+        assert said["short"] == ("collective #3: rank 1: scatter float32[2] list of 1 from 1: "
+                                 "the root's list has 1 tensors, 2 ranks need 2"), said
+
+
+def branch_replicas_worker(rank: int, world_size: int) -> list[str]:
+    """A model whose layer ``b`` runs on rank 0 only (a data-dependent branch): check_replicas after
+    the course's DDP, after a sum and after a sync that leaves ``c.weight`` out."""
+    import torch
+    from torch import nn
+
+    from course_lib.parallel.data.ddp import DataParallelNaive
+    from course_lib.parallel.replicas import check_replicas, local_grads
+
+    class Branch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1)
+
+        def forward(self, x, use_b):
+            h = self.a(x)
+            return self.c(self.b(h) if use_b else h).sum()
+
+    def batch(r):
+        return torch.randn(3, 4, generator=torch.Generator().manual_seed(r))
+
+    torch.manual_seed(0)
+    reference = Branch()  # one process, both ranks' batches: the mean loss's gradients
+    sum(reference(batch(r), use_b=r == 0) for r in range(world_size)).div(world_size).backward()
+    said = []
+    for sync in ("ddp", "sum", "skip c.weight"):
+        torch.manual_seed(0)
+        model = Branch()
+        ddp = DataParallelNaive(model)
+        ddp(batch(rank), use_b=rank == 0).backward()
+        mine = local_grads(model)
+        if sync == "ddp":
+            ddp.finish_gradient_synchronization()
+            for (n, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+                assert torch.allclose(p.grad, q.grad, atol=1e-6), n
+        else:
+            for n, p in model.named_parameters():
+                if n == "c.weight" and sync == "skip c.weight":
+                    continue
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                torch.distributed.all_reduce(p.grad)
+                p.grad /= 1 if sync == "sum" else world_size
+        said.append(str(check_replicas(model, batch=batch(rank), local=mine)))
+    return said
+
+
+def test_check_replicas_with_a_branch_taken_on_one_rank():
+    from course_lib.launch.spawn import run_ranks
+
+    for ddp, summed, skipped in run_ranks(branch_replicas_worker, 2, timeout=20):
+        assert ddp == "replicas agree on 2 ranks: 6 parameters, 6 gradients, 1 batch compared", ddp
+        assert "gradient 'b.weight' (rank 0, 1) is the SUM of the ranks' gradients" in summed, summed
+        assert "gradient 'c.bias' (rank 0, 1) is the SUM" in summed, summed
+        assert "gradient 'c.weight' differs: rank 0 norm" in skipped, skipped
+        assert ("gradient 'c.weight' (rank 0, 1) is this rank's own gradient: the parameter is missing "
+                "from the gradient sync") in skipped, skipped

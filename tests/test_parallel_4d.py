@@ -307,3 +307,64 @@ def test_activation_memory_against_korthikanti_and_the_schedules():
     assert got[2] < got[1]  # sp: LayerNorm regions sharded along the sequence
     assert got[3] / got[4] == pytest.approx(2.0, rel=0.05)  # stage 0: m = 4 in flight vs p = 2
     assert got[5] == got[3]
+
+
+# ZeRO-3 with replicate=: the replicated masters are whole on every dp x cp rank, the others
+# sharded; ModelParallel's gradient norm counts each number once, as one process does.
+def _small(p) -> bool:
+    return p.dim() < 2
+
+
+def _replicate_norm_worker(rank: int, world_size: int, cases: list) -> list[float]:
+    out = []
+    for dp_strategy, cp, replicate in cases:
+        torch.manual_seed(0)
+        strategy = parallelize(GPT(CFG), optimizer_factory(TRAIN), dp_strategy, cp=cp, model_parallel=True,
+                               **({"replicate": _small} if replicate else {}))
+        x, y = batch(0, 2)  # (ACCUM, 2 B, T): dp=2 takes B samples each, cp=2 all of them (its chunks)
+        mine = slice(B * strategy.grid.dp_rank, B * (strategy.grid.dp_rank + 1)) if cp == 1 else slice(None)
+        out.append(float(train_step(strategy, x[:, mine], y[:, mine], grad_clip=1e9).grad_norm))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_zero3_replicate_gradient_norm_equals_one_process():
+    cases = [("zero3", 1, True), ("zero3", 2, True), ("zero3", 1, False), ("zero1", 2, False)]
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    x, y = batch(0, 2)
+    for a in range(ACCUM):
+        (model(x[a], y[a])[1] / ACCUM).backward()
+    want = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+    for rank, norms in enumerate(run_ranks(_replicate_norm_worker, 2, cases, timeout=90)):
+        for case, got in zip(cases, norms):
+            assert got == pytest.approx(want, rel=1e-5), (rank, case, got, want)
+
+
+# ep is checked where the grid is made, as dp, tp, pp and cp are: a count that divides dp
+def _bad_ep_worker(rank: int, world_size: int) -> dict:
+    from course_lib.parallel.process_groups import ProcessGroupGrid
+
+    out = {}
+    for ep in (0, -1, 3, 1.0):
+        try:
+            ProcessGroupGrid(dp=2, ep=ep)
+            out[ep] = None
+        except Exception as e:  # the test names its type
+            out[ep] = (type(e).__name__, str(e))
+    out["ok"] = ProcessGroupGrid(dp=2, ep=2).ep_world_size  # no group was left half made
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_grid_refuses_an_ep_that_is_no_count_or_does_not_divide_dp():
+    from course_lib.parallel.process_groups import group_ranks
+
+    for ep in (0, -1):
+        with pytest.raises(ValueError, match="ep must be a whole number >= 1"):
+            group_ranks(dp=2, tp=1, pp=1, ep=ep)
+    for r in run_ranks(_bad_ep_worker, 2, timeout=60):
+        for ep in (0, -1, 1.0):
+            assert r[ep] == ("ValueError", f"ep must be a whole number >= 1, got {ep!r}"), r
+        assert r[3][0] == "ValueError" and "ep (3) must divide dp (2)" in r[3][1], r
+        assert r["ok"] == 2

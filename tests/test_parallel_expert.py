@@ -20,7 +20,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.trainer.config import TrainConfig
 from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.gpt.moe import moe_stats
 from course_lib.launch.spawn import run_ranks
@@ -28,6 +27,7 @@ from course_lib.parallel.comms import Comms
 from course_lib.parallel.expert.comms import combine, dispatch
 from course_lib.parallel.parallelize import parallelize
 from course_lib.parallel.step import train_step
+from course_lib.trainer.config import TrainConfig
 from course_lib.trainer.loop import optimizer_factory
 
 CFG = GPTConfig(block_size=16, vocab_size=65, n_layer=2, n_head=4, n_embd=32, bias=True, n_expert=4, top_k=2,
@@ -227,3 +227,35 @@ def test_a_full_state_moves_between_ep_layouts(results_4):
 def test_dp8_ep4_on_8_ranks_equals_one_process():
     results = run_ranks(layouts_worker, 8, LAYOUTS_8, timeout=240)
     assert_equal_to_one_process("dp8-ep4", LAYOUTS_8["dp8-ep4"], results, 8)
+
+
+# parallelize refuses the MoE layouts the run's configuration refuses (registry.moe_grid_error),
+# before any collective: experts with sequence parallelism, and a capacity factor with cp > 1
+def _refused_worker(rank: int, world_size: int) -> dict:
+    out = {}
+    cases = {"sp": (CFG, {"tp": 2, "sequence_parallel": True}),
+             "capacity-cp": (dataclasses.replace(CFG, capacity_factor=0.5), {"cp": 2})}
+    for name, (cfg, kw) in cases.items():
+        torch.manual_seed(0)
+        try:
+            parallelize(GPT(cfg).double(), optimizer_factory(TRAIN), "ddp", **kw)
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    torch.manual_seed(0)  # the same ranks still build a grid: tp=2 without sp equals one process
+    strategy = parallelize(GPT(CFG).double(), optimizer_factory(TRAIN), "ddp", tp=2)
+    x, y = batch(0, 1)
+    out["tp2"] = float(train_step(strategy, x, y, grad_clip=1.0).loss)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_parallelize_refuses_moe_layouts_that_do_not_equal_one_process():
+    results = run_ranks(_refused_worker, 2, timeout=90)
+    torch.manual_seed(0)
+    x, y = batch(0, 1)
+    want = GPT(CFG).double()(x[0], y[0])[1].item()
+    for r in results:
+        assert r["sp"] is not None and "n_expert with sequence_parallel is not supported" in r["sp"], r
+        assert r["capacity-cp"] is not None and "capacity_factor with cp > 1 is not supported" in r["capacity-cp"], r
+        assert r["tp2"] == pytest.approx(want, rel=1e-12)

@@ -352,3 +352,150 @@ def test_strategies_work_on_a_data_parallel_subgroup():
     for rank, r in enumerate(run_ranks(subgroup_worker, 4)):
         for name, diff in r.items():
             assert diff <= 1e-6, (rank, name, diff)
+
+
+def clip_as_documented_worker(rank: int, world_size: int) -> dict:
+    """ZeRO-1/2 used as zero12's docstring shows: backward, clip_grad_norm_, step (no explicit
+    finish_gradient_synchronization), against one process with torch's clip_grad_norm_."""
+    from course_lib.parallel.zero.zero12 import ShardedOptimizer
+
+    max_norm = 0.05  # below the gradient's norm: clipping acts
+    ref = toy()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    ref_norms = []
+    for step in range(STEPS):
+        x, y = toy_batch(B * world_size, seed=100 + step)
+        ref(x, y)[1].backward()
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)))
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    out = {"reference norms": ref_norms}
+    for stage in (1, 2):
+        model = toy()
+        opt = ShardedOptimizer(model.parameters(), torch.optim.SGD, shard_gradients=stage == 2,
+                               bucket_cap_mb=0.001, lr=0.5)  # several buckets
+        norms = []
+        for step in range(STEPS):
+            x, y = toy_batch(B * world_size, seed=100 + step)
+            model(my_slice(x, rank, world_size), my_slice(y, rank, world_size))[1].backward()
+            norms.append(float(opt.clip_grad_norm_(max_norm)))
+            opt.step()
+            opt.zero_grad()
+        out[stage] = {"norms": norms, "diff": max((a - b).abs().max().item()
+                                                  for a, b in zip(model.parameters(), ref.parameters()))}
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_sharded_optimizer_clips_right_after_backward_as_documented():
+    for r in run_ranks(clip_as_documented_worker, 2):
+        assert min(r["reference norms"]) > 0.05  # the reference did clip
+        for stage in (1, 2):
+            got = r[stage]
+            assert got["norms"] == pytest.approx(r["reference norms"], rel=1e-5), (stage, got)
+            assert got["diff"] <= 1e-6, (stage, got)
+
+
+def replicated_accumulation_worker(rank: int, world_size: int) -> dict:
+    """ZeRO-3 with replicated biases and a separate master (float64 compute), two micro-batches,
+    the gradient synchronization finished after each backward (zero3's docstring example)."""
+    from course_lib.parallel.comms import Comms
+    from course_lib.parallel.zero.sharding import gather_full
+    from course_lib.parallel.zero.zero3 import FullyShardedDataParallel
+
+    micro = [toy_batch(B * world_size, seed=200 + m) for m in range(2)]
+    ref = toy()  # one process: the mean loss over the global batch of each micro-batch, summed
+    for x, y in micro:
+        ref(x, y)[1].backward()
+    want = {n: p.grad for n, p in ref.named_parameters()}
+    out = {}
+    for label, finish_each in (("finish per backward", True), ("finish once", False)):
+        ours = FullyShardedDataParallel(toy(), compute_dtype=torch.float64, replicate=small)
+        for x, y in micro:
+            ours(my_slice(x, rank, world_size), my_slice(y, rank, world_size))[1].backward()
+            if finish_each:
+                ours.finish_gradient_synchronization()
+        if not finish_each:
+            ours.finish_gradient_synchronization()
+        full = {n: gather_full(Comms(None), *ours.layout_of.get(w, (None, 0)), ours.masters[w].grad)
+                for w, n in ours.names.items()}
+        out[label] = {n: (full[n].float() - want[n]).abs().max().item() for n in want}
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_zero3_replicated_gradients_add_up_over_backwards():
+    for r in run_ranks(replicated_accumulation_worker, 2):
+        for label, diffs in r.items():
+            assert max(diffs.values()) <= 1e-6, (label, diffs)
+
+
+class MixedDtypes(torch.nn.Module):
+    """An fp32 parameter (e.g. a norm kept in fp32) beside a bf16 one, in either order."""
+
+    def __init__(self, bf16_first: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        a = torch.nn.Parameter(torch.randn(4, 4) * 0.3)
+        b = torch.nn.Parameter((torch.randn(4, 4) * 0.3).bfloat16())
+        if bf16_first:
+            self.w16, self.w32 = b, a
+        else:
+            self.w32, self.w16 = a, b
+
+    def forward(self, x):
+        return ((x @ self.w32) + (x.bfloat16() @ self.w16).float()).pow(2).mean()
+
+
+def mixed_batch(rank: int) -> torch.Tensor:
+    return torch.randn(3, 4, generator=torch.Generator().manual_seed(10 + rank))
+
+
+def mixed_dtypes_worker(rank: int, world_size: int) -> dict:
+    """One SGD step of every wrapper on a model with an fp32 and a bf16 parameter in one bucket /
+    unit, where the bf16 one comes first (the bucket's / unit's params[0])."""
+    from course_lib.parallel.data.ddp import DataParallelBucket
+    from course_lib.parallel.zero.zero3 import FullyShardedDataParallel
+    from course_lib.parallel.zero.zero12 import ShardedOptimizer
+
+    lr = 1.0
+    ref = MixedDtypes(bf16_first=False)
+    sum(ref(mixed_batch(r)) / world_size for r in range(world_size)).backward()
+    want = ref.w32.detach() - lr * ref.w32.grad
+    out = {}
+    for name in ("ddp", "zero1", "zero2", "zero3"):
+        if name == "zero3":
+            model = MixedDtypes(bf16_first=True)  # definition order: w16 leads the unit
+            wrapped = FullyShardedDataParallel(model, units=[])
+            opt = torch.optim.SGD(wrapped.parameters(), lr=lr)
+            wrapped(mixed_batch(rank)).backward()
+            wrapped.finish_gradient_synchronization()
+            opt.step()
+            with wrapped.summon_full_params():
+                w32, w16 = model.w32.detach().clone(), model.w16.detach().clone()
+        else:
+            model = MixedDtypes(bf16_first=False)  # backward order: w16 leads the bucket
+            if name == "ddp":
+                wrapped = DataParallelBucket(model)
+                opt = torch.optim.SGD(model.parameters(), lr=lr)
+                wrapped(mixed_batch(rank)).backward()
+                wrapped.finish_gradient_synchronization()
+            else:
+                opt = ShardedOptimizer(model.parameters(), torch.optim.SGD, lr=lr,
+                                       shard_gradients=name == "zero2")
+                model(mixed_batch(rank)).backward()
+            opt.step()
+            w32, w16 = model.w32.detach().clone(), model.w16.detach().clone()
+        out[name] = {"dtypes": (w32.dtype, w16.dtype), "diff": (w32 - want).abs().max().item()}
+    out["bf16 rounding"] = (want.bfloat16().float() - want).abs().max().item()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_mixed_dtype_parameters_keep_their_own_precision():
+    for r in run_ranks(mixed_dtypes_worker, 2):
+        assert r["bf16 rounding"] > 1e-4  # what rounding the fp32 parameter to bf16 would cost
+        for name in ("ddp", "zero1", "zero2", "zero3"):
+            got = r[name]
+            assert got["dtypes"] == (torch.float32, torch.bfloat16), (name, got)
+            assert got["diff"] <= 1e-6, (name, got)

@@ -8,14 +8,18 @@
 
 Each wrapped ``torch.distributed`` call (``dist.all_reduce(...)`` called by name, as the course's
 cells and modules do) first exchanges a small descriptor: the operation, the tensors' dtype and
-shape, the root (``src``/``dst``) and the reduce op. The exchange is one ``all_gather`` of a
+shape, the root (``src``/``dst``) and the reduce op; what may differ from rank to rank is left out
+of the comparison (an ``all_to_all_single`` with split sizes: each rank sends and receives its own
+number of rows, so only the dtype and the dims after the first are compared; the list of a
+``scatter`` or ``gather``, which only the root passes). The exchange is one ``all_gather`` of a
 fixed-size int64 tensor on a separate gloo group, so mismatched shapes cannot corrupt it. If the
 descriptors differ, every rank raises :class:`CollectiveMismatchError` naming each rank's call,
 and the real collective is never called: gloo does not abort the process, the group stays usable.
 A send or recv whose peer is not a rank (``send(t, dst=5)`` on 2 ranks), or is the rank itself,
 is refused at once, without an exchange (there may be no peer to exchange with). What else one
 call shows wrong by itself (an ``all_gather`` list or ``reduce_scatter`` input of the wrong length
-or size, :func:`problem`) is named after the exchange, on every rank, so that no rank is left
+or size, a ``scatter`` or ``gather`` list on a rank that is not the root or of the wrong length on
+the root, :func:`problem`) is named after the exchange, on every rank, so that no rank is left
 waiting in it. A point-to-point pair is checked only by its peer: its descriptors are not
 exchanged, since a ``recv`` cannot know whether its sender used ``send`` or an unchecked ``isend``.
 
@@ -48,6 +52,7 @@ from course_lib.utils import traceback_to_caller
 RECORD = 16  # calls kept by the flight recorder
 _WIDTH = 16  # int64 slots of one descriptor
 _MAX_NDIM = 6  # shape slots 6..11
+_SPLITS = 12  # slot of all_to_all_single's split sizes: 1 if given (row counts may then differ per rank)
 _RED = 14  # slot of the reduce op
 _OUT = 13  # slot of the output tensor's size (all_gather_into_tensor, reduce_scatter_tensor)
 CHECKED_OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
@@ -137,20 +142,26 @@ def describe(code: list[int]) -> str:
 
 def _arg(args, kwargs, index: int, *names):
     for name in names:
-        if name in kwargs:
+        if kwargs.get(name) is not None:  # src=None, group_src=1: the root is 1
             return kwargs[name]
     return args[index] if len(args) > index else None
 
 
 def _descriptor(name: str, args, kwargs) -> list[int]:
     """The int64 descriptor of one call: seq, op, dtype, root, list length, ndim, shape..."""
-    tensor, root, count, red, out_numel = None, None, -1, None, -1
+    tensor, root, count, red, out_numel, splits = None, None, -1, None, -1, -1
     if name in ("all_reduce", "broadcast", "reduce", "send", "recv", "scatter", "gather"):
         tensor = _arg(args, kwargs, 0, "tensor")
+        # the root's position: scatter(tensor, scatter_list, src), gather(tensor, gather_list, dst)
+        at = 2 if name in ("scatter", "gather") else 1
         if name in ("broadcast", "scatter", "recv"):
-            root = _arg(args, kwargs, 1, "src", "group_src")
+            root = _arg(args, kwargs, at, "src", "group_src")
         elif name in ("reduce", "send", "gather"):
-            root = _arg(args, kwargs, 1, "dst", "group_dst")
+            root = _arg(args, kwargs, at, "dst", "group_dst")
+        if name in ("scatter", "gather"):
+            root = 0 if root is None else root  # torch's default root
+            tensors = _arg(args, kwargs, 1, f"{name}_list")
+            count = len(tensors) if tensors else -1  # torch takes an empty list for none
         if name in ("all_reduce", "reduce"):
             red = _arg(args, kwargs, 2 if name == "reduce" else 1, "op") or dist.ReduceOp.SUM
     elif name == "all_gather":
@@ -163,12 +174,16 @@ def _descriptor(name: str, args, kwargs) -> list[int]:
             red = _arg(args, kwargs, 2, "op") or dist.ReduceOp.SUM
         output = _arg(args, kwargs, 0, "output", "output_tensor")
         out_numel = output.numel() if isinstance(output, torch.Tensor) else -1
+        if name == "all_to_all_single":
+            given = [_arg(args, kwargs, i, s) for i, s in ((2, "output_split_sizes"), (3, "input_split_sizes"))]
+            splits = int(any(s is not None and len(s) > 0 for s in given))
     code = [_STATE.seq, CHECKED_OPS.index(name), -1, -1 if root is None else int(root), count, 0] + [-1] * (_WIDTH - 6)
     if isinstance(tensor, torch.Tensor):
         code[2] = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else len(_DTYPES)
         code[5] = min(tensor.dim(), _MAX_NDIM)
         code[6:6 + code[5]] = list(tensor.shape)[:code[5]]
     code[_OUT] = out_numel
+    code[_SPLITS] = splits
     if red is not None:
         code[_RED] = _REDUCE.index(str(red).rsplit(".", 1)[-1].upper()) \
             if str(red).rsplit(".", 1)[-1].upper() in _REDUCE else -1
@@ -184,6 +199,11 @@ def problem(code: list[int], world: int, me: int) -> str | None:
             return f"{describe(code)}: there is no rank {root} (ranks are 0..{world - 1})"
         if name in ("send", "recv") and root == me:
             return f"{describe(code)}: a rank cannot {name} to itself"
+        if name in ("scatter", "gather") and root == me and code[4] != world:
+            return (f"{describe(code)}: the root's list has {max(code[4], 0)} tensors, "
+                    f"{world} ranks need {world}")
+        if name in ("scatter", "gather") and root != me and code[4] >= 0:
+            return f"{describe(code)}: only the root (rank {root}) passes a list"
     if name in ("all_gather", "reduce_scatter") and code[4] != world:
         return f"{describe(code)}: the list has {code[4]} tensors, {world} ranks need {world}"
     if name in ("reduce_scatter_tensor", "all_gather_into_tensor"):
@@ -198,6 +218,17 @@ def problem(code: list[int], world: int, me: int) -> str | None:
     return None
 
 
+def _must_agree(code: list[int], uneven: bool) -> list[int]:
+    """The part of a descriptor that must be the same on every rank (all but the seq, each rank's
+    own count). ``uneven``: some rank gave all_to_all_single split sizes."""
+    same = list(code)
+    if CHECKED_OPS[code[1]] == "all_to_all_single" and uneven:
+        same[6] = same[_OUT] = same[_SPLITS] = -1  # each rank's own row counts in and out
+    if CHECKED_OPS[code[1]] in ("scatter", "gather"):
+        same[4] = -1  # only the root passes a list (problem() checks it)
+    return same[1:]
+
+
 def _compare(code: list[int]) -> None:
     """Exchange a collective's descriptors on the side group; raise on every rank if they differ."""
     __tracebackhide__ = True  # read by IPython: the error, not this frame, is the news
@@ -210,7 +241,9 @@ def _compare(code: list[int]) -> None:
     if wrong:
         raise CollectiveMismatchError(f"collective #{code[0]}: " + "; ".join(
             f"rank {r}: {text}" for r, text in wrong.items()), wrong)
-    codes = {} if all(r[1:] == rows[0][1:] for r in rows) else dict(enumerate(rows))
+    uneven = any(r[_SPLITS] == 1 for r in rows)  # some rank gave all_to_all_single split sizes
+    agreed = [_must_agree(r, uneven) for r in rows]
+    codes = {} if all(a == agreed[0] for a in agreed) else dict(enumerate(rows))
     if codes:
         calls = {r: describe(c) for r, c in sorted(codes.items())}
         raise CollectiveMismatchError(f"collective #{code[0]} does not match across ranks: "

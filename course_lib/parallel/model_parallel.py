@@ -69,7 +69,10 @@ class ModelParallel(Strategy):
         self.group, self.dp_rank, self.dp_world_size = grid.dp_cp_group, grid.dp_rank, grid.dp_world_size
         # ZeRO-1/2: gradients live on the optimizer's fp32 shards; ZeRO-3: on the module's fp32 masters
         self.shards = inner.stepped_tensors()
-        self.sharded = bool(self.shards)
+        # the parameters ZeRO shards over dp x cp: those in its layout (ZeRO-1/2: the optimizer's,
+        # ZeRO-3: the module's); the others (DDP's, ZeRO-3's replicate=, experts, frozen) stay whole
+        layouts = getattr(inner.optimizer, "layout_of", None) or getattr(inner.model, "layout_of", None) or {}
+        self.dp_sharded = {id(p) for p in layouts}
         self._states_after_backward = None
         self.last_stats, self.last_micro = None, 0  # the last step's PipelineStats (bubble) and m
 
@@ -127,8 +130,9 @@ class ModelParallel(Strategy):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the norm of the full model's gradient. Each rank adds its squares weighted by
         1 / (number of ranks holding the same numbers): replicas over dp x cp (unless ZeRO shards
-        them), over tp (unsplit tensors), and the last stage's copy of the tied weight (0)."""
-        dp_copies = 1 if self.sharded else self.grid.dp_world_size * self.grid.cp_world_size
+        that tensor: ZeRO-3's ``replicate=`` parameters stay whole on every dp x cp rank), over tp
+        (unsplit tensors), and the last stage's copy of the tied weight (0)."""
+        dp_copies = self.grid.dp_world_size * self.grid.cp_world_size
         ep_sharded = self.grid.ep_world_size > 1  # experts: copies over edp x cp only
         expert_copies = self.grid.edp_world_size * self.grid.cp_world_size
         p0 = next(self.module.parameters())
@@ -139,8 +143,11 @@ class ModelParallel(Strategy):
             if g is None:
                 continue
             grads.append(g)
-            copies = ((expert_copies if ep_sharded and is_expert(n) else dp_copies)
-                      * (1 if shard_spec(n) else self.grid.tp_world_size))
+            if ep_sharded and is_expert(n):
+                copies = expert_copies
+            else:
+                copies = 1 if id(p) in self.dp_sharded else dp_copies
+            copies *= 1 if shard_spec(n) else self.grid.tp_world_size
             if p is self.module.tied and self.module.is_last:
                 continue
             sq += g.to(sq.dtype).pow(2).sum() / copies

@@ -17,6 +17,8 @@ The order, and why it is that order::
     4b. ep (n_expert > 0): each block's MoE keeps this rank's n_expert/ep experts and exchanges
        tokens by all-to-all over the ep group; its router counts tokens over dp x cp. A mixture of
        experts on several ranks always takes this path (its global router counts need the grid).
+       Refused before the grid is built (registry.moe_grid_error): experts with sequence
+       parallelism, and a capacity factor with cp > 1 (either would not equal one process).
     5. dp / ZeRO last, over the dp x cp group: it wraps the model as it finally is (the stage of
        tp/sp/cp blocks), so what it buckets, shards and averages are this rank's own tensors;
        cp ranks saw different tokens of the same samples, so they average with the dp ranks.
@@ -59,7 +61,9 @@ def parallelize(model: nn.Module, make_optimizer: OptimizerFactory, dp_strategy:
     builds the grid's ModelParallel when tp, pp or cp > 1; True also for data parallelism alone
     (to measure a dp-only layout like the others: its per-stage figures, activation peak); a
     mixture of experts on several ranks is always on the grid. ``ep``: the expert-parallel degree
-    (divides dp); ``ep_padded``: the naive all-to-all with padded equal splits (parallel.expert.comms)."""
+    (divides dp); ``ep_padded``: the naive all-to-all with padded equal splits (parallel.expert.comms).
+    A mixture of experts with ``sequence_parallel``, or with a ``capacity_factor`` and cp > 1, is
+    refused (ValueError, the rule of ``registry.moe_grid_error``): it would not train like one process."""
     # 0. data parallelism alone: the whole model, one wrapper
     world = dist.get_world_size() if dist.is_initialized() else 1
     if model_parallel is None:
@@ -69,6 +73,9 @@ def parallelize(model: nn.Module, make_optimizer: OptimizerFactory, dp_strategy:
     if dp_strategy not in registry.DP_FLAVOURS:
         raise ValueError(f"with tp/pp/cp the data-parallel strategy must be one of {', '.join(registry.DP_FLAVOURS)}, "
                          f"got {dp_strategy!r}")
+    cfg = model.config  # a mixture of experts: the layouts that would not train like one process
+    if (error := registry.moe_grid_error(cfg.n_expert, cfg.capacity_factor, sequence_parallel, cp)) is not None:
+        raise ValueError(f"parallelize: {error}")  # on every rank, before any collective
     # 1. the grid
     grid = ProcessGroupGrid(dp=world // (tp * pp * cp), tp=tp, pp=pp, cp=cp, ep=ep)
     comms = {"tp": grid.tp_comms, "sp": Comms(grid.tp_group), "cp": grid.cp_comms, "pp": grid.pp_comms}

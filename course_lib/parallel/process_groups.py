@@ -35,7 +35,7 @@ from course_lib.utils import check_count
 KINDS = ("tp", "cp", "dp", "pp", "dp_cp", "ep", "edp_cp")
 
 
-def check_grid(dp: int, tp: int, pp: int, world_size: int, cp: int = 1) -> None:
+def check_grid(dp: int, tp: int, pp: int, world_size: int, cp: int = 1, ep: int = 1) -> None:
     for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp)):
         check_count(name, value)
     if dp * tp * pp * cp != world_size:
@@ -43,6 +43,14 @@ def check_grid(dp: int, tp: int, pp: int, world_size: int, cp: int = 1) -> None:
         raise ValueError(f"{sizes} = {dp * tp * pp * cp} does not equal the "
                          f"world size {world_size}; choose sizes whose product is {world_size} "
                          f"(or launch {dp * tp * pp * cp} processes)")
+    check_ep(dp, ep)
+
+
+def check_ep(dp: int, ep: int) -> None:
+    """The expert-parallel degree: a count (>= 1) that divides dp."""
+    check_count("ep", ep)
+    if dp % ep:
+        raise ValueError(f"ep ({ep}) must divide dp ({dp}): expert-parallel groups are carved out of dp")
 
 
 def grid_coords(rank: int, dp: int, tp: int, pp: int, cp: int = 1) -> tuple[int, int, int, int]:
@@ -60,8 +68,7 @@ def group_ranks(dp: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> dict[str
     """Every group of each kind, as lists of global ranks."""
     def r(d, t, p, c):
         return grid_rank(d, t, p, dp, tp, c, cp)
-    if dp % ep:
-        raise ValueError(f"ep ({ep}) must divide dp ({dp}): expert-parallel groups are carved out of dp")
+    check_ep(dp, ep)
     D, T, P, C = range(dp), range(tp), range(pp), range(cp)
     EP, EDP = range(ep), range(dp // ep)
     return {
@@ -86,7 +93,7 @@ class ProcessGroupGrid:
         if not dist.is_initialized():
             raise RuntimeError("ProcessGroupGrid needs torch.distributed to be initialised first")
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
-        check_grid(dp, tp, pp, self.world_size, cp)
+        check_grid(dp, tp, pp, self.world_size, cp, ep)  # before any group is made: every rank refuses alike
         self.dp_world_size, self.tp_world_size, self.pp_world_size, self.cp_world_size = dp, tp, pp, cp
         self.dp_rank, self.tp_rank, self.pp_rank, self.cp_rank = grid_coords(self.rank, dp, tp, pp, cp)
         self.ep_world_size, self.ep_rank, self.edp_world_size = ep, self.dp_rank % ep, dp // ep

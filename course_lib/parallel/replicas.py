@@ -11,9 +11,10 @@ gradient and optimizer-state tensor, and the batch it read; one ``all_gather_obj
 rank's list to every rank, and the report names the first tensor that differs and the ranks on each
 side ("parameter 'fc.weight' differs: rank 0 norm 3.1416 | rank 1 norm 3.1420"). A batch that is
 *equal* on two ranks is the bug there (the data is not sharded by rank). With ``local`` (the
-gradients before the sync), each gradient is compared with the mean of the ranks' local gradients:
-a sum (world size times the mean) is named as such, a gradient left as this rank's own too (a
-parameter missing from the sync). Not caught: a bug that is the same on every rank (a wrong
+gradients before the sync), each gradient is compared with the mean of the ranks' local gradients
+(a rank without one, a branch it did not take, counts zero, as the course's DDP does): a sum
+(world size times the mean) is named as such, a gradient left as this rank's own too (a parameter
+missing from the sync). Not caught: a bug that is the same on every rank (a wrong
 learning rate everywhere), sharded states (ZeRO-3, FSDP, tensor parallel: they are meant to
 differ; the trainer refuses the check there, and a DTensor parameter, FSDP2's or PyTorch's tensor
 parallel's, is refused here by name).
@@ -98,19 +99,27 @@ def _entries(model, optimizer, batch, grads: bool) -> list[tuple[str, str, str, 
 
 def _grad_sync_problem(model, local: dict[str, torch.Tensor], world: int, group) -> list[tuple[str, str]]:
     """(name, what) for each gradient that is not the mean of the ranks' local gradients."""
-    found = []
-    for n, p in model.named_parameters():
-        if n not in local or p.grad is None:
+    found, params = [], list(model.named_parameters())
+    # Every rank must all-reduce the same parameters, but which have a local gradient may differ
+    # (a branch taken on some ranks only): the ranks first count, one flag each, where there is one.
+    device = params[0][1].device if params else torch.device("cpu")  # NCCL: a CUDA tensor
+    present = torch.tensor([float(n in local) for n, _ in params], device=device)
+    c10d.all_reduce(present, group=group)  # c10d's own: not a call of the code under test
+    for (n, p), anywhere in zip(params, present.tolist(), strict=True):
+        if not anywhere:
             continue
-        mean = local[n].clone()
-        c10d.all_reduce(mean, group=group)  # c10d's own: not a call of the code under test
+        mine = local[n] if n in local else torch.zeros_like(p.detach())  # none here counts as zero
+        mean = mine.clone()
+        c10d.all_reduce(mean, group=group)
         mean /= world
+        if p.grad is None:  # nothing to compare on this rank (it took part in the all-reduce)
+            continue
         g = p.grad.detach()
         if torch.allclose(g, mean, rtol=1e-4, atol=1e-6):
             continue
         if torch.allclose(g, mean * world, rtol=1e-4, atol=1e-6):
             found.append((n, f"is the SUM of the ranks' gradients ({world} x their mean): divide by the world size"))
-        elif torch.allclose(g, local[n], rtol=1e-4, atol=1e-6):
+        elif torch.allclose(g, mine, rtol=1e-4, atol=1e-6):
             found.append((n, "is this rank's own gradient: the parameter is missing from the gradient sync"))
         else:
             found.append((n, (f"is neither the mean nor the sum of the ranks' gradients (norm {float(g.norm()):.4g}, "

@@ -10,12 +10,17 @@ starts sooner.
 
     groups = bucket_indices([4096, 4096, 512], cap_bytes=8192)     # [[0, 1], [2]]
     buckets = bucket_params(params, bucket_cap_mb=25)               # lists of Parameters
+
+A bucket may mix dtypes (an fp32 norm beside bf16 weights): its flat buffer then takes
+:func:`common_dtype`, the widest of them, so no parameter is rounded to a narrower one.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
+import torch
 from torch import nn
 
 from course_lib.hardware import MiB  # bucket_cap_mb is in MiB, as in torch's DistributedDataParallel
@@ -46,3 +51,9 @@ def bucket_params(params: list[nn.Parameter], bucket_cap_mb: float,
     first = None if first_bucket_cap_mb is None else first_bucket_cap_mb * MiB
     groups = bucket_indices((p.numel() * p.element_size() for p in backward), bucket_cap_mb * MiB, first)
     return [[backward[i] for i in g] for g in groups]
+
+
+def common_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
+    """The dtype a flat buffer for ``tensors`` needs to hold each of them exactly: the widest
+    (``torch.promote_types`` over them: fp32 + bf16 -> fp32, bf16 + fp16 -> fp32); one dtype -> itself."""
+    return functools.reduce(torch.promote_types, (t.dtype for t in tensors))

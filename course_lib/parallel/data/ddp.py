@@ -33,8 +33,8 @@ import contextlib
 import torch
 from torch import nn
 
-from course_lib.parallel.data.buckets import bucket_params
 from course_lib.parallel.comms import Comms, broadcast_module, ep_sharded
+from course_lib.parallel.data.buckets import bucket_params, common_dtype
 from course_lib.parallel.strategy import CommsStrategy
 
 
@@ -75,12 +75,13 @@ class DataParallelNaive(nn.Module):
 
 class Bucket:
     """A flat buffer for the gradients of a few parameters, all-reduced in one message, followed by
-    one presence flag per parameter (1 where this rank has a gradient; summed: on how many ranks)."""
+    one presence flag per parameter (1 where this rank has a gradient; summed: on how many ranks).
+    Its dtype: ``comm_dtype``, else the widest of the parameters' (fp32 beside bf16: fp32)."""
 
     def __init__(self, params: list[nn.Parameter], comm_dtype: torch.dtype | None = None):
         self.params = params
         numel = sum(p.numel() for p in params)
-        self.grad_data = torch.zeros(numel + len(params), dtype=comm_dtype or params[0].dtype,
+        self.grad_data = torch.zeros(numel + len(params), dtype=comm_dtype or common_dtype(params),
                                      device=params[0].device)
         self.flags = self.grad_data[numel:]
         self.views, offset = {}, 0

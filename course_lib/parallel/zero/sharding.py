@@ -15,6 +15,10 @@ gradient for it, 0 where it has none (``grad is None``). Reduced, the column say
 the parameter got a gradient; 0 means nowhere, and then, as in one process, the parameter gets no
 gradient and the optimizer leaves it alone (AdamW would otherwise decay it). The flags ride in the
 same message, so agreeing costs no extra collective.
+
+A group may mix dtypes (an fp32 norm beside bf16 weights): parameter values then travel in
+``ShardLayout.dtype``, the widest of them (:func:`course_lib.parallel.data.buckets.common_dtype`), and
+each parameter gets its own dtype back, as one process would keep it.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from itertools import accumulate
 import torch
 from torch import nn
 
+from course_lib.parallel.data.buckets import common_dtype
+
 
 class ShardLayout:
     """Per-parameter shards of ``params`` on ``rank`` of ``world_size``, packed in rows."""
@@ -36,6 +42,8 @@ class ShardLayout:
         self.offsets = list(accumulate([0] + self.shard_numels))  # param i's place in a row
         self.row_numel = self.offsets[-1]
         self.grad_row_numel = self.row_numel + len(self.params)  # + the presence flags
+        # parameter values travel in the widest of their dtypes (one dtype: that one)
+        self.dtype = common_dtype(self.params) if self.params else torch.float32
 
     def owned_range(self, i: int) -> tuple[int, int]:
         s, n = self.shard_numels[i], self.params[i].numel()

@@ -88,10 +88,11 @@ class Unit:
     @torch.no_grad()
     def start_gather(self, comms) -> None:
         """Issue the all-gather of this unit's shards in the parameters' dtype (16-bit under a
-        compute dtype); returns at once."""
+        compute dtype; parameters of several dtypes: the widest, each gets its own back); returns
+        at once."""
         if self.state != "free":
             return
-        row = self.row.to(self.params[0].dtype)
+        row = self.row.to(self.layout.dtype)
         packed = row.new_empty(self.layout.world_size, self.layout.row_numel)
         self.gather = (comms.all_gather(packed.view(-1), row, async_op=True), packed, row)
         self.state = "gathering"

@@ -26,6 +26,8 @@ rate schedule or a GradScaler acts on what is stepped.
 
 Precision: the shards are fp32 master weights. With 16-bit parameters (``model.to(bfloat16)``)
 each shard is an fp32 copy, the step runs in fp32 and the 16-bit parameters are all-gathered.
+A bucket mixing dtypes (an fp32 norm beside bf16 weights) is all-gathered in the widest of them,
+so each parameter gets its update in its own dtype.
 Gradients are reduced in ``reduce_dtype`` (default: fp32, as FSDP2's MixedPrecisionPolicy with
 reduce_dtype=float32), pre-divided by N. In fp32 a shard is a view into the parameter (no copy).
 
@@ -46,8 +48,9 @@ import contextlib
 import torch
 from torch import nn
 
-from course_lib.parallel.data.buckets import bucket_params
 from course_lib.parallel.comms import Comms, broadcast_module, ep_sharded
+from course_lib.parallel.data.buckets import bucket_params
+from course_lib.parallel.strategy import CommsStrategy
 from course_lib.parallel.zero.sharding import (
     ShardLayout,
     clip_sharded_grad_norm_,
@@ -58,7 +61,6 @@ from course_lib.parallel.zero.sharding import (
     regroup_params,
     split_trainable,
 )
-from course_lib.parallel.strategy import CommsStrategy
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -157,7 +159,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         while self.pending:
             self._complete(self.pending.pop(0))
 
+    def _finish_if_pending(self) -> None:
+        """Finish the gradient synchronization unless the caller already did (idempotent)."""
+        if self.next_bucket or self.pending or any(p.grad is not None for p in self.params):
+            self.finish_gradient_synchronization()
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the shards' gradients by the whole gradient's norm (returned). Finishes the
+        gradient synchronization first, as :meth:`step` does: right after ``backward()`` the
+        reduced shard gradients do not exist yet."""
+        self._finish_if_pending()
         grads = [s.grad for s in self.shards.values() if s.grad is not None]
         return clip_sharded_grad_norm_(grads, max_norm, self.comms)
 
@@ -165,12 +176,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        if self.next_bucket or self.pending or any(p.grad is not None for p in self.params):
-            self.finish_gradient_synchronization()  # not done by the caller
+        self._finish_if_pending()  # not done by the caller
         loss = self.optim.step(closure)
         works = []
         for layout in self.layouts:
-            row = layout.row_of([self.shards[p] for p in layout.params], layout.params[0].dtype)
+            row = layout.row_of([self.shards[p] for p in layout.params], layout.dtype)
             packed = row.new_empty(self.dp_world_size, layout.row_numel)
             works.append((layout, self.comms.all_gather(packed.view(-1), row, async_op=True), packed))
         for layout, work, packed in works:

@@ -32,10 +32,13 @@ Mixed precision: master shards are fp32; with ``compute_dtype`` (bf16/fp16) the 
 and all-gathered in that dtype (half the bytes) and forward/backward run in it; gradients are
 reduce-scattered in ``reduce_dtype`` (default fp32, pre-divided by N) into fp32 shard gradients;
 the optimizer steps the fp32 shards. FSDP2's MixedPrecisionPolicy(param_dtype, reduce_dtype).
+Without ``compute_dtype`` each parameter computes in its own dtype; a unit mixing dtypes (an fp32
+norm beside bf16 weights) is all-gathered in the widest of them.
 
 ``replicate(p) -> bool`` keeps chosen parameters (e.g. norms and biases: ``lambda p: p.dim() < 2``)
-whole on every rank, their gradients all-reduced after backward: a few more bytes per rank, no
-gather per use. Frozen parameters are always kept whole (in ``compute_dtype``) and never stepped.
+whole on every rank, their gradients all-reduced after backward (into their fp32 masters, where
+they add up over backwards as the shards' do): a few more bytes per rank, no gather per use.
+Frozen parameters are always kept whole (in ``compute_dtype``) and never stepped.
 The experts of expert parallelism (flagged ``ep_sharded``: each rank holds other experts;
 :mod:`course_lib.parallel.expert`) are left alone, as ZeRO-1/2 and DDP leave them: whole, their
 gradients averaged by ``sync_expert_grads`` over their own group, stepped as they are.
@@ -59,6 +62,7 @@ import torch
 from torch import nn
 
 from course_lib.parallel.comms import Comms, broadcast_module, ep_sharded
+from course_lib.parallel.strategy import CommsStrategy
 from course_lib.parallel.zero.sharding import (
     ShardLayout,
     clip_sharded_grad_norm_,
@@ -70,7 +74,6 @@ from course_lib.parallel.zero.sharding import (
     regroup_params,
     split_trainable,
 )
-from course_lib.parallel.strategy import CommsStrategy
 from course_lib.parallel.zero.units import Unit, cast_floating, default_units, owners, tensors_in
 
 
@@ -252,8 +255,13 @@ class FullyShardedDataParallel(nn.Module):
             self.comms.all_reduce(flat)
             for i, (p, present) in enumerate(zip(self.replicated, layout.present(flat))):
                 p.grad = None
-                if present:
-                    self.masters[p].grad = layout.in_row(i, flat).view_as(p).to(torch.float32).clone()
+                if not present:
+                    continue
+                grad = layout.in_row(i, flat).view_as(p)
+                if self.masters[p] is p:  # p.grad held what earlier reductions left: replaced
+                    p.grad = grad.to(torch.float32).clone()
+                else:  # a separate fp32 master: this backward's reduced gradient adds up
+                    reduce_into(self.masters[p], grad)
         self._show_copies(whole=False)  # backward is over: the module shows its fp32 parameters
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
