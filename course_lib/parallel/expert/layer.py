@@ -10,7 +10,8 @@
   (:mod:`course_lib.parallel.expert.comms`, exact or padded splits);
 * ``token_counts``: one all-gather of the (k, E) assignment counts over the data-parallel group
   (dp x cp: every rank holding other tokens of the micro-batch), so that the load-balancing loss's
-  f and the capacity are those of the global micro-batch (layout-independent, gpt/moe.py).
+  f and the capacity are those of the global micro-batch (layout-independent, gpt/moe.py; the
+  two layouts where it would not be are refused: ``registry.moe_grid_error``).
 
 Gradients (:func:`sync_expert_grads`). Every rank's loss is the mean over its own tokens, and the
 step's loss the mean over the dp x cp ranks. An expert's gradient on its rank sums what the tokens
