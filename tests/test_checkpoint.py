@@ -87,3 +87,10 @@ def test_resume_compatibility_names_every_incompatible_field():
     assert "learning_rate: checkpoint has 0.001, now 0.0003" in msg and "--n_layer=4" in msg
     with pytest.raises(ConfigError, match="at iteration 300, past max_iters=200; pass --max_iters=300"):
         check_resumable(saved, ok.replace(max_iters=200), "run/last.pt", iter_num=300)
+
+
+def test_a_resumed_run_may_turn_the_teaching_checks_on():
+    """--check_collectives and --check_replicas_every compare what the ranks do, not what they
+    compute: a resumed run (one that hangs, say) may turn them on."""
+    saved = TrainConfig(n_layer=4).to_dict()
+    check_resumable(saved, TrainConfig(n_layer=4, check_collectives=True, check_replicas_every=5))

@@ -141,3 +141,13 @@ def test_eval_set_depends_on_the_global_batch_only():
     again, _ = data.eval_batches(tokens, 4, 8, 5, seed=1, dp_rank=0, dp_world_size=1)
     other, _ = data.eval_batches(tokens, 4, 8, 5, seed=2, dp_rank=0, dp_world_size=1)
     assert torch.equal(again, x1) and not torch.equal(other, x1)  # fixed by its seed
+
+
+def test_a_split_too_short_for_one_block_is_a_data_error_for_evaluation_too():
+    """A small fine-tuning corpus's val split shorter than a block: named (DataError), as for the
+    training split, not torch's "random_ expects 'from' to be less than 'to'" from eval_batches."""
+    short = torch.arange(30)
+    for make in (lambda: data.eval_batches(short, 2, 32, 1, seed=1, dp_rank=0, dp_world_size=1),
+                 lambda: data.TrainBatches(short, 2, 32, 1, 0, 1, seed=1)):
+        with pytest.raises(data.DataError, match="the split holds 30 tokens, too few for block_size 32"):
+            make()

@@ -192,3 +192,40 @@ def test_wall_clock_limit_stops_a_hung_run(tmp_path, marker):
     assert "rank 1 was still running at mpi_hang.py:5: time.sleep(120)" in r.error
     assert r.stdout == {0: "started\n", 1: "started\n"}
 
+
+
+@pytest.mark.timeout(90)
+def test_mpirun_ranks_ignore_the_parents_rank_variables(tmp_path, marker, monkeypatch):
+    """A caller that holds torchrun's RANK and WORLD_SIZE (itself a rank, or a notebook that set them
+    for a one-process group): inherited, every MPI rank read RANK=0 before its PMI_RANK, the two
+    wrote one rank's log files, one crashed and the other hung until the wall-clock limit."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    script = tmp_path / "ranks.py"
+    script.write_text("import os\nprint(RANK, WORLD_SIZE, os.environ.get('RANK'), comm.allreduce(RANK + 1))\n")
+    r = mpirun(script, n=2, timeout=20, env={"COURSE_TEST_MARKER": marker}, run_dir=tmp_path / "run",
+               show_ranks="all", out=io.StringIO(), err=io.StringIO())
+    assert r.ok, r.error
+    assert [r.stdout[k] for k in (0, 1)] == ["0 2 None 3\n", "1 2 None 3\n"]
+
+
+@pytest.mark.timeout(90)
+def test_a_port_taken_after_it_was_picked_does_not_fail_a_launch(tmp_path, marker, monkeypatch):
+    """A free port picked by the launcher and bound by the agent only once it has imported torch
+    (seconds later) may be taken meanwhile; the one-node c10d rendezvous then failed ("The
+    connection to the C10d store has failed"). The agent now binds a free port itself (port 0)."""
+    import socket
+
+    from course_lib.launch import torchrun
+
+    with socket.socket() as taken:  # what another process did between the pick and the agent's bind
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setattr(torchrun, "free_port", lambda host="127.0.0.1": taken.getsockname()[1])
+        script = tmp_path / "hello.py"
+        script.write_text("print('hello', RANK)\n")
+        r = launch(script, nproc=2, device="cpu", init_process_group=True, env={"COURSE_TEST_MARKER": marker},
+                   run_dir=tmp_path / "run", timeout=60, out=io.StringIO(), err=io.StringIO())
+    assert r.ok, r.error
+    assert r.stdout[0] == "hello 0\n"

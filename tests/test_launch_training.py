@@ -17,9 +17,8 @@ from course_lib.gpt.data import DataError, prepare
 from course_lib.hardware import cpu_autocast_dtypes, gpu_count
 from course_lib.launch import checks, launch_training, training
 from course_lib.launch.placement import plan_ranks
-from course_lib.registry import STRATEGIES
 from course_lib.launch.training import cli
-from course_lib.registry import ConfigError
+from course_lib.registry import STRATEGIES, ConfigError
 from course_lib.trainer.config import RUN_FILES, make_config
 
 TINY = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32, "batch_size": 4, "max_iters": 4,
@@ -219,3 +218,33 @@ def test_torch_fsdp_on_a_gpu_shared_over_gloo_is_refused(small_data, tmp_path):
         checks.check_strategy_world(checks.TrainRequest(cfg.replace(strategy=name), 1, "cuda", plan=nccl))
         checks.check_strategy_world(checks.TrainRequest(cfg.replace(strategy=name), 1, "cpu", plan=plan_ranks(0, 2)))
     checks.check_strategy_world(checks.TrainRequest(cfg.replace(strategy="zero3"), 1, "cuda", plan=shared))
+
+
+def test_train_in_process_refuses_ranks_before_touching_the_run(small_data, tmp_path):
+    """train_in_process once prepared the run directory first: asked for 2 ranks, it cleared the
+    old run's last.pt (or made the folder and its config.json) and only then said "need workers"."""
+    cfg = tiny(small_data, tmp_path / "run", nproc=2)
+    fake_run(tmp_path / "run", cfg)
+    files = sorted(p.name for p in (tmp_path / "run").iterdir())
+    with pytest.raises(ConfigError, match=r"2 rank\(s\) with strategy \w+ need workers"):
+        training.train_in_process(cfg, overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == files
+    with pytest.raises(ConfigError, match="need workers"):
+        training.train_in_process(cfg.replace(out_dir=str(tmp_path / "new")))
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("kw,match", [({"grace": None}, "grace must be a number of seconds"),
+                                      ({"env": {"A=B": "1"}}, "env must be a dict of variable names"),
+                                      ({"rdzv_endpoint": "node01", "rdzv_id": "x"}, "rdzv_endpoint must be HOST:PORT")])
+def test_a_bad_launch_field_leaves_the_run_it_would_overwrite(small_data, tmp_path, kw, match):
+    """Fields only the launcher read once got past every check: before_start cleared the old run
+    (last.pt, metrics), then grace=None raised a TypeError, a bad name or endpoint a ValueError."""
+    cfg = tiny(small_data, tmp_path / "run")
+    fake_run(tmp_path / "run", cfg)
+    files = sorted(p.name for p in (tmp_path / "run").iterdir())
+    before = spawned_here()
+    with pytest.raises(ConfigError, match=match):
+        launch_training(cfg, nproc=2, **kw)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == files
+    assert spawned_here() <= before

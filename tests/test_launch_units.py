@@ -415,3 +415,44 @@ def test_terminate_reaches_workers_whose_parent_died():
     assert psutil.Process(gpid).is_running()
     assert tree.terminate(grace=10) == []  # SIGTERM sufficed: nobody needed SIGKILL
     assert _gone(gpid, 1.0)
+
+
+def test_refuses_a_bad_grace_env_name_or_endpoint(nothing_spawned, script):
+    """Each once got past the checks: the run directory was made (launch_training had cleared the
+    old run), then a TypeError (grace), execve's "illegal environment variable name" or the
+    rendezvous flags' ValueError came out of the launcher."""
+    for bad in (None, "5", -1, math.inf):
+        with pytest.raises(checks.LaunchConfigError, match="grace must be a number of seconds >= 0"):
+            launch(script, nproc=1, grace=bad, run_dir=nothing_spawned)
+    for env in ({"A=B": "1"}, {"": "1"}):
+        with pytest.raises(checks.LaunchConfigError, match="env must be a dict of variable names"):
+            launch(script, nproc=1, env=env, run_dir=nothing_spawned)
+    for endpoint in ("node01", "node01:", "node01:99999", ""):
+        with pytest.raises(checks.LaunchConfigError, match="rdzv_endpoint must be HOST:PORT"):
+            launch(script, nproc=1, rdzv_endpoint=endpoint, rdzv_id="job-1", run_dir=nothing_spawned)
+
+
+def test_mpirun_refuses_bad_options_before_anything_starts(nothing_spawned, script):
+    """show_ranks, env and grace: checked as launch() checks them (a TypeError or AttributeError
+    once came out of the launcher, after the run directory was made)."""
+    from course_lib.launch.mpi import mpirun
+
+    for kw, match in (({"show_ranks": 5}, "show_ranks must be"), ({"env": ["A=1"]}, "env must be a dict"),
+                      ({"grace": None}, "grace must be")):
+        with pytest.raises(checks.LaunchConfigError, match=match):
+            mpirun(script, n=2, run_dir=nothing_spawned, **kw)
+
+
+@pytest.mark.parametrize("flags,match", [(["--port", "99999"], "--port must be from 1 to 65535"),
+                                         (["--port", "0"], "--port must be from 1 to 65535"),
+                                         (["--cpus-per-node", "-3"], "--cpus-per-node must be >= 1"),
+                                         (["--nproc-per-node", "0"], "--nproc-per-node must be >= 1")])
+def test_submit_refuses_numbers_the_job_would_fail_on(flags, match, capsys):
+    """Written into the script as they were (--nproc-per-node 0 silently became the default), they
+    failed only on the nodes, after the job had waited in the queue."""
+    from course_lib.launch import cluster
+
+    for scheduler in cluster.SCHEDULERS:
+        assert cluster.cli(["--scheduler", scheduler, "--nodes", "1", "--gpus-per-node", "2", *flags,
+                            "--dry-run"]) == 2
+        assert f"course submit: {match}" in capsys.readouterr().err

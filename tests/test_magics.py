@@ -171,3 +171,39 @@ def test_kernel_shutdown_leaves_no_process(kernel):
     kernel["km"].shutdown_kernel(now=False)  # the polite way: a shutdown request first
     assert not kernel["km"].is_alive()
     assert _wait_gone(marker) == []
+
+
+@pytest.mark.parametrize("magic,line", [("torchrun", "-n 0"), ("torchrun", "-n 2 --nnodes 0"),
+                                        ("torchrun", "-n 2 --ranks -1"), ("torchrun", "-n 2 --env =x"),
+                                        ("mpirun", "-n 0")])
+def test_a_refused_cell_leaves_no_folder_behind(tmp_path, monkeypatch, magic, line):
+    """The cell was saved as RUN_DIR/cell.py before the launch was checked: every refused cell left
+    a runs/torchrun/TIMESTAMP folder behind (or replaced the cell.py of a --run-dir given)."""
+    from IPython.core.error import UsageError
+
+    from course_lib.launch.magics import LaunchMagics
+
+    monkeypatch.chdir(tmp_path)
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "cell.py").write_text("the last cell")
+    magics = LaunchMagics(shell=None)
+    for extra in ("", " --run-dir kept", " --run-dir new/run"):
+        with pytest.raises(UsageError):
+            getattr(magics, magic)(line + extra, "print('never')\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"]
+    assert [p.name for p in kept.iterdir()] == ["cell.py"] and (kept / "cell.py").read_text() == "the last cell"
+
+
+def test_a_run_dir_that_cannot_be_made_is_a_usage_error(tmp_path, monkeypatch):
+    """--run-dir naming a file: a FileExistsError (or NotADirectoryError) once came out of the magic."""
+    from IPython.core.error import UsageError
+
+    from course_lib.launch.magics import LaunchMagics
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a_file").write_text("")
+    for run_dir in ("a_file", "a_file/run"):
+        with pytest.raises(UsageError, match=rf"cannot write the run directory {run_dir} .*choose another --run-dir"):
+            LaunchMagics(shell=None).torchrun(f"-n 1 --run-dir {run_dir}", "print('never')\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]

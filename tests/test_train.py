@@ -1,6 +1,8 @@
 """The trainer in one process on a tiny model: run directory and metrics, learning-rate
 schedule, gradient-accumulation equivalence, exact resume after an interruption, incompatible
-resumes, dtype choice per hardware, the fp16 loss-scale rule, and sampling."""
+resumes, dtype choice per hardware, the fp16 loss-scale rule, and sampling; then best.pt after a
+crash between a new best's two files and in a fine-tuning run whose start is best, the peak MFU
+divides by for fp32 on GPUs with and without TF32, and train() alone refusing a multi-rank config."""
 
 from __future__ import annotations
 
@@ -221,3 +223,84 @@ def test_worker_entry_alone_refuses_a_distributed_config(data_dir, tmp_path, cap
     assert main(["--config=shakespeare_char_cpu", *[f"--{k}={v}" for k, v in TINY.items()], "--max_iters=1",
                  f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'alone'}", "--no-progress"]) == 0
     assert json.loads((tmp_path / "alone" / "summary.json").read_text())["iters"] == 1  # nanoGPT's python train.py
+
+
+def test_a_new_best_survives_a_crash_between_its_two_files(data_dir, tmp_path, monkeypatch):
+    """Stopped between writing a new best's two files (last.pt and best.pt) and resumed, best.pt
+    is the best evaluation's state, as in the run never stopped (val falls at every evaluation of
+    this run: the best is the last one, iteration 8)."""
+    straight = train(tiny(data_dir, tmp_path / "straight"), progress=False)
+    assert ckpt_io.load_checkpoint(tmp_path / "straight" / "best.pt")["iter_num"] == 8
+    writes, real = [0], {name: getattr(ckpt_io, name) for name in ("save_checkpoint", "copy_checkpoint")}
+
+    def stop_at_the_sixth_write(name):  # evaluations 0, 4, 8 write two files each
+        def write(*args):
+            writes[0] += 1
+            if writes[0] == 6:
+                raise KeyboardInterrupt
+            return real[name](*args)
+        return write
+
+    for name in real:
+        monkeypatch.setattr(ckpt_io, name, stop_at_the_sixth_write(name))
+    cfg = tiny(data_dir, tmp_path / "stopped")
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, progress=False)
+    monkeypatch.undo()
+    summary = train(cfg.replace(init_from="resume"), progress=False)
+    best = ckpt_io.load_checkpoint(tmp_path / "stopped" / "best.pt")
+    assert best["iter_num"] == 8 and best["val_loss"] == summary["best_val_loss"] == straight["best_val_loss"]
+    a, b = params(tmp_path / "straight"), best["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_finetuning_run_whose_start_is_best_writes_it_as_best_pt(data_dir, tmp_path, monkeypatch):
+    """Fine-tuning restarts "best" on the new data, so its first evaluation (the pre-trained
+    weights) is a new best: if no later one beats it, best.pt must be those weights."""
+    from course_lib.trainer import loop
+    from course_lib.trainer.finetune import finetune_config
+
+    train(tiny(data_dir, tmp_path / "pre"), progress=False)
+    cfg = finetune_config(tmp_path / "pre", tmp_path / "ft", data_dir, iters=4, which="last")
+    real_evaluate, calls = loop.evaluate, [0]
+
+    def worse_every_time(run):  # as on a new corpus the model overfits at once
+        calls[0] += 1
+        return {k: v + calls[0] for k, v in real_evaluate(run).items()}
+
+    monkeypatch.setattr(loop, "evaluate", worse_every_time)
+    summary = train(cfg, progress=False)
+    first = read_metrics(tmp_path / "ft")[0]
+    assert first["iter"] == 8 and summary["best_val_loss"] == first["val_loss"]
+    best = ckpt_io.load_checkpoint(tmp_path / "ft" / "best.pt")
+    assert best["iter_num"] == 8 and best["best_val_loss"] == first["val_loss"]
+    a, b = params(tmp_path / "pre"), best["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_mfu_of_fp32_on_a_gpu_without_tf32_uses_its_fp32_peak(data_dir, tmp_path, monkeypatch):
+    """fp32 on a GPU: matmuls in TF32 where the GPU has it (A100: 156 TFLOP/s), in fp32 where it
+    has not (V100, T4: their fp32 peak), rather than no peak and an MFU of NaN."""
+    from course_lib.parallel.strategy import SingleProcess
+    from course_lib.trainer import metrics
+    from course_lib.trainer.loop import Runtime
+
+    strategy = SingleProcess(torch.nn.Linear(2, 2), lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
+    for gpu, dtype, peak in [("v100", "float32", 15.7e12), ("t4", "float32", 8.1e12),
+                             ("a100-80gb", "float32", 156e12), ("t4", "float16", 65e12)]:
+        monkeypatch.setattr(metrics, "detect", lambda device, gpu=gpu: PROFILES[gpu])
+        rt = Runtime(0, 2, 2, "cuda:0", dtype, 1, False, devices=2.0)
+        meter = metrics.RunMeter(tiny(data_dir, tmp_path / gpu), rt, strategy, "ddp", 1000, 6e3, 0, False)
+        assert meter.info["peak_flops_per_device"] == pytest.approx(peak), (gpu, dtype)
+        assert meter.peak_total == pytest.approx(2 * peak)
+
+
+def test_train_alone_refuses_a_config_for_several_ranks(data_dir, tmp_path, monkeypatch):
+    """train() outside torchrun with nproc=2 once trained one process and recorded nproc=2 in
+    config.json: now refused before the runtime is touched, as the worker's command line is."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    threads = torch.get_num_threads()
+    for kw in ({"nproc": 2}, {"strategy": "ddp"}):
+        with pytest.raises(ConfigError, match="needs torchrun's workers; launch them with: course train"):
+            train(tiny(data_dir, tmp_path / "run", **kw), progress=False)
+    assert torch.get_num_threads() == threads and not (tmp_path / "run").exists()

@@ -195,6 +195,13 @@ def tokenizer(meta: dict):
     return (lambda s: enc.encode(s, allowed_special={"<|endoftext|>"})), enc.decode
 
 
+def _check_long_enough(tokens, block_size: int) -> None:
+    """DataError unless a split holds more than one block of tokens (a window is block_size + 1)."""
+    if tokens.numel() <= block_size + 1:
+        raise DataError(f"the split holds {tokens.numel()} tokens, too few for block_size {block_size}; "
+                        "lower block_size or use a larger dataset")
+
+
 def _windows(tokens, starts, block_size: int):
     """Rows ``tokens[s : s + block_size + 1]`` for each start: (..., T + 1) -> inputs x and targets y."""
     import torch  # here: `course data` and the configurations import this module without torch
@@ -219,8 +226,7 @@ class TrainBatches:
                  dp_world_size: int, seed: int, device="cpu"):
         import torch  # here: `course data` and the configurations import this module without torch
 
-        if tokens.numel() <= block_size + 1:
-            raise DataError(f"the split holds {tokens.numel()} tokens, too few for block_size {block_size}")
+        _check_long_enough(tokens, block_size)
         self.tokens, self.block_size, self.device = tokens, block_size, torch.device(device)
         self.shape = (grad_accum, dp_world_size, batch_size)
         self.dp_rank = dp_rank
@@ -251,9 +257,11 @@ def eval_batches(tokens, batch_size: int, block_size: int, n_batches: int, seed:
     ``batch_size`` rows (nanoGPT's ``eval_iters`` batches when ``grad_accum`` is 1).
     Returns x, y (n_batches * grad_accum, B, T) on the CPU: the trainer moves one batch at a time
     to the device, so a large set (many micro-steps) costs host memory, not device memory.
+    A split of no more than ``block_size + 1`` tokens is a DataError, as for TrainBatches.
     """
     import torch  # here: `course data` and the configurations import this module without torch
 
+    _check_long_enough(tokens, block_size)
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(tokens.numel() - block_size, (n_batches, grad_accum, dp_world_size, batch_size), generator=g)
     return _windows(tokens, starts[:, :, dp_rank].flatten(0, 1), block_size)

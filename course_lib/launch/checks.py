@@ -3,7 +3,7 @@
 The one home of the launcher's checks, all run before anything is spawned or written:
 
 * :func:`check_launch`: a :class:`course_lib.launch.api.LaunchSpec` (nodes, the script or module
-  to run, timeouts, rendezvous, output, NCCL debugging; the ranks' devices and backend through
+  to run, timeouts, the stop's grace, environment, rendezvous, output, NCCL debugging; the ranks' devices and backend through
   :func:`course_lib.launch.placement.plan`, where they are decided; the SLURM/PBS job through
   :func:`course_lib.launch.placement.check_scheduler`).
 * :func:`check_request`: a whole training request, one function per kind of check in
@@ -15,6 +15,7 @@ The one home of the launcher's checks, all run before anything is spawned or wri
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -70,9 +71,26 @@ def check_show_ranks_and_env(show_ranks, env) -> None:
     if show_ranks != "all" and not (isinstance(ranks, Iterable) and all(
             isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks)):
         raise LaunchConfigError(f"show_ranks must be 'all' or rank numbers such as (0,) or [0, 1], got {show_ranks!r}")
-    if env is not None and not (isinstance(env, Mapping) and all(isinstance(k, str) for k in env)):
+    # a name that is empty or holds "=" (or NUL) cannot be in an environment: execve refuses it as the ranks start
+    if env is not None and not (isinstance(env, Mapping) and all(
+            isinstance(k, str) and k and "=" not in k and "\0" not in k for k in env)):
         raise LaunchConfigError(f"env must be a dict of variable names to values, such as {{'OMP_NUM_THREADS': '1'}}, "
                                 f"got {env!r}")
+
+
+def check_grace(grace) -> float:
+    """Seconds between SIGTERM and SIGKILL when the ranks are stopped: a finite number >= 0."""
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not (math.isfinite(grace) and grace >= 0):
+        raise LaunchConfigError(f"grace must be a number of seconds >= 0, got {grace!r}")
+    return float(grace)
+
+
+def check_endpoint(endpoint) -> None:
+    """``rdzv_endpoint``: "HOST:PORT", the port a number from 1 to 65535."""
+    host, _, port = endpoint.rpartition(":") if isinstance(endpoint, str) else ("", "", "")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise LaunchConfigError(f"rdzv_endpoint must be HOST:PORT with a port from 1 to 65535, such as "
+                                f"'node01:29400', got {endpoint!r}")
 
 
 def check_launch(target, spec) -> tuple[placement.RankPlan, str, bool, float | None, float]:
@@ -92,8 +110,11 @@ def check_launch(target, spec) -> tuple[placement.RankPlan, str, bool, float | N
         raise LaunchConfigError(f"rdzv must be one of {torchrun.RDZV_BACKENDS}, got {spec.rdzv!r}")
     if nnodes > 1 and spec.rdzv != "c10d":
         raise LaunchConfigError("several nodes need the c10d rendezvous (rdzv='c10d')")
+    if spec.rdzv_endpoint is not None:
+        check_endpoint(spec.rdzv_endpoint)
     if spec.rdzv_endpoint and not spec.rdzv_id:
         raise LaunchConfigError("rdzv_endpoint needs rdzv_id: the same id on every node")
+    check_grace(spec.grace)
     if spec.output not in ("ranks", "raw"):
         raise LaunchConfigError(f"output must be 'ranks' or 'raw', got {spec.output!r}")
     for name, hook in (("progress", spec.progress), ("before_start", spec.before_start)):

@@ -68,7 +68,10 @@ _NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
 _TIME = re.compile(r"^(\d+-)?\d{1,3}(:\d{2}){0,2}$")
 
 
-def _validate(nodes: int, gpus_per_node: int, nproc_per_node: int | None, **words) -> int:
+def _validate(nodes: int, gpus_per_node: int, nproc_per_node: int | None, *, port: int | None = None,
+              cpus_per_node: int | None = None, **words) -> int:
+    """The job's numbers and names, checked before a script is written: what the scheduler or the
+    nodes' torchrun would refuse only once the job has waited in the queue."""
     for name, value in words.items():
         if value is not None and not _NAME.match(str(value)):
             raise ValueError(f"{name} {value!r} may only use letters, digits and _.+-")
@@ -76,7 +79,11 @@ def _validate(nodes: int, gpus_per_node: int, nproc_per_node: int | None, **word
         raise ValueError(f"--nodes must be >= 1, got {nodes}")
     if gpus_per_node < 0:
         raise ValueError(f"--gpus-per-node must be >= 0 (0 = CPU nodes), got {gpus_per_node}")
-    nproc = nproc_per_node or gpus_per_node or 2
+    if port is not None and not 1 <= port <= 65535:
+        raise ValueError(f"--port must be from 1 to 65535, got {port}")
+    if cpus_per_node is not None and cpus_per_node < 1:
+        raise ValueError(f"--cpus-per-node must be >= 1, got {cpus_per_node}")
+    nproc = nproc_per_node if nproc_per_node is not None else gpus_per_node or 2
     if nproc < 1:
         raise ValueError(f"--nproc-per-node must be >= 1, got {nproc}")
     if gpus_per_node and nproc > gpus_per_node:
@@ -105,7 +112,8 @@ def slurm_script(nodes: int, gpus_per_node: int, train_args: Sequence[str] = (),
     ``launcher="srun"``, one srun task per rank, which finds its rank in SLURM's variables
     (Lightning's SLURMEnvironment: the labs' ``srun python train.py``)."""
     nproc = _validate(nodes, gpus_per_node, nproc_per_node, job_name=job_name,
-                      partition=partition, account=account)
+                      partition=partition, account=account, port=port,
+                      cpus_per_node=cpus_per_node)
     _check_time(time_limit)
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
@@ -151,7 +159,8 @@ def pbs_script(nodes: int, gpus_per_node: int, train_args: Sequence[str] = (), *
                activate: str | None = "auto") -> str:
     """A qsub script: mpiexec starts one torchrun per node (-ppn 1), each with G workers."""
     nproc = _validate(nodes, gpus_per_node, nproc_per_node, job_name=job_name,
-                      queue=partition, account=account)
+                      queue=partition, account=account, port=port,
+                      cpus_per_node=cpus_per_node)
     _check_time(time_limit)
     select = f"select={nodes}:ncpus={cpus_per_node or max(1, nproc) * 4}:mpiprocs=1"
     if gpus_per_node:

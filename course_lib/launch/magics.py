@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 from IPython.core.error import UsageError
@@ -116,11 +118,32 @@ def _env(pairs):
     return env
 
 
-def _write_cell(run_dir: Path, cell: str) -> Path:
-    run_dir.mkdir(parents=True, exist_ok=True)
+@contextmanager
+def _cell_file(run_dir: Path, cell: str):
+    """RUN_DIR/cell.py holding the cell, for the launcher (which checks that its script exists). If the
+    launch is refused (LaunchConfigError), what was made for it goes again: the folders this made, or
+    the cell.py it replaced comes back. A refused cell leaves nothing behind."""
+    made = next((p for p in reversed((run_dir, *run_dir.parents)) if not p.exists()), None)
     path = run_dir / "cell.py"
-    path.write_text(cell)
-    return path
+    before = path.read_bytes() if path.is_file() else None
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(cell)
+    except OSError as e:  # a file, read-only or mistyped: one line, as launch() says it
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
+        raise LaunchConfigError(f"cannot write the run directory {run_dir} ({e.strerror or e}); "
+                                "choose another --run-dir") from None
+    try:
+        yield path
+    except LaunchConfigError:
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
+        elif before is not None:
+            path.write_bytes(before)
+        else:
+            path.unlink(missing_ok=True)
+        raise
 
 
 @magics_class
@@ -135,13 +158,15 @@ class LaunchMagics(Magics):
         """%%torchrun -n N [--nnodes M] [--timeout S] [--time-limit S] [--ranks all|0,1] ..."""
         a = torchrun_parser().parse_args(shlex.split(line))
         nproc = a.nproc if a.nproc == "auto" else _int(a.nproc, "-n")
+        env, show_ranks = _env(a.env) | ({CHECK_ENV: "1"} if a.check else {}), _show_ranks(a.ranks)
         run_dir = Path(a.run_dir) if a.run_dir else default_run_dir("torchrun")
         try:
-            result = launch(_write_cell(run_dir, cell), nproc=nproc, nnodes=a.nnodes, module=False,
-                            device=a.device, backend=a.backend, timeout=a.time_limit, collective_timeout=a.timeout,
-                            env=_env(a.env) | ({CHECK_ENV: "1"} if a.check else {}), run_dir=run_dir, init_process_group=True,
-                            show_ranks=_show_ranks(a.ranks), rdzv=a.rdzv, nccl_debug=a.nccl_debug,
-                            nccl_debug_subsys=a.nccl_debug_subsys, nccl_debug_file=a.nccl_debug_file)
+            with _cell_file(run_dir, cell) as script:
+                result = launch(script, nproc=nproc, nnodes=a.nnodes, module=False, device=a.device,
+                                backend=a.backend, timeout=a.time_limit, collective_timeout=a.timeout, env=env,
+                                run_dir=run_dir, init_process_group=True, show_ranks=show_ranks, rdzv=a.rdzv,
+                                nccl_debug=a.nccl_debug, nccl_debug_subsys=a.nccl_debug_subsys,
+                                nccl_debug_file=a.nccl_debug_file)
         except LaunchConfigError as e:
             raise UsageError(str(e)) from None
         self._finish("torchrun", result)
@@ -150,11 +175,12 @@ class LaunchMagics(Magics):
     def mpirun(self, line: str, cell: str):
         """%%mpirun -n N [--time-limit S] [--ranks all|0,1]"""
         a = mpirun_parser().parse_args(shlex.split(line))
+        env, show_ranks = _env(a.env), _show_ranks(a.ranks)
         run_dir = Path(a.run_dir) if a.run_dir else default_run_dir("mpirun")
         try:
-            result = mpirun(_write_cell(run_dir, cell),
-                            n=a.np, module=False, timeout=a.time_limit, env=_env(a.env),
-                            run_dir=run_dir, show_ranks=_show_ranks(a.ranks))
+            with _cell_file(run_dir, cell) as script:
+                result = mpirun(script, n=a.np, module=False, timeout=a.time_limit, env=env, run_dir=run_dir,
+                                show_ranks=show_ranks)
         except LaunchConfigError as e:
             raise UsageError(str(e)) from None
         self._finish("mpirun", result)

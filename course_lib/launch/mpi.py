@@ -30,6 +30,10 @@ from course_lib.launch.supervise import Agent, supervise
 from course_lib.utils import check_count, check_seconds
 
 MPICH, OPEN_MPI = "MPICH", "Open MPI"
+# torchrun's rank variables, which a process that is itself a rank (or a notebook that set them for a
+# one-process group) holds: inherited, every MPI rank read RANK=0 and WORLD_SIZE=1 before its own
+# PMI_RANK (bootstrap.RANK_ENVS), and all of them were rank 0, writing one rank's log files.
+TORCH_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 # mpi4py.rc: load the MPI library without starting MPI (MPI_Get_library_version may be called
 # before MPI_Init: MPI 4.1 standard, section 9.1.1), in a process of its own, as each rank would.
 _LIBRARY_PROBE = ("import mpi4py; mpi4py.rc.initialize = mpi4py.rc.finalize = False; "
@@ -149,13 +153,20 @@ def mpirun(target, args: Sequence[str] = (), *, n: int = 2, module: bool | None 
            out=None, err=None) -> LaunchResult:
     """Run ``target`` on ``n`` MPI ranks; returns a LaunchResult like :func:`launch`.
 
-    MPI has no collective timeout of its own: ``timeout`` (wall clock) is what ends a hang.
+    MPI has no collective timeout of its own: ``timeout`` (wall clock) is what ends a hang. The
+    ranks get this process's environment without torchrun's rank variables (RANK, WORLD_SIZE, ...)
+    unless ``env`` sets them: each rank's own are MPI's.
     """
     check_count("n (MPI ranks)", n, error=checks.LaunchConfigError)
     timeout = check_seconds("timeout", timeout, error=checks.LaunchConfigError)
+    checks.check_show_ranks_and_env(show_ranks, env)
+    grace = checks.check_grace(grace)
     target, is_module = checks.resolve_target(target, module)
     run_id = torchrun.new_run_id()
     full_env = base_env(env, n, run_id, local=True)
+    for name in TORCH_RANK_VARS:  # this process's own, if it is a rank: bootstrap reads RANK before PMI_RANK
+        if name not in (env or {}):
+            full_env.pop(name, None)
     mpiexec, fam = find_mpiexec(full_env)  # the one that matches mpi4py's library, else refused here
     full_env.update(launcher_options(fam)[1])
     run_dir = _prepare_run_dir(run_dir or default_run_dir("mpirun"))

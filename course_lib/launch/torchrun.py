@@ -3,9 +3,12 @@
 torchrun command lines: one node on 127.0.0.1, several nodes with a c10d rendezvous; and the
 torchrun we run for them.
 
-Single node (what a notebook uses): the rendezvous endpoint is ``127.0.0.1:<free port>`` and the
-agent hosts the store; :func:`main` (the agent) makes that store listen on loopback only.
-``c10d`` (the dynamic rendezvous) and ``static`` (``--master-addr/--master-port``) both work.
+Single node (what a notebook uses): the rendezvous endpoint is ``127.0.0.1:0`` and the agent
+hosts the store, binding a free port as it starts (as ``torchrun --standalone`` does; the workers
+learn the port from the agent), so no port is picked ahead and lost to another process while the
+agent imports torch; :func:`main` (the agent) makes that store listen on loopback only.
+``c10d`` (the dynamic rendezvous) and ``static`` (``--master-addr/--master-port``, a free port
+picked ahead: the static rendezvous cannot start on port 0) both work.
 
 Multi-node: every node runs the same command; the agents meet at ``--rdzv-endpoint HOST:PORT``
 (the first node, which hosts the store) under a unique ``--rdzv-id`` so two jobs sharing nodes
@@ -109,16 +112,16 @@ def common_flags(nproc_per_node: int, nnodes: int, shutdown_timeout: float, log_
 def single_node_flags(nproc_per_node: int, *, port: int | None = None, rdzv: str = "c10d",
                       run_id: str | None = None, join_timeout: float = 60.0,
                       shutdown_timeout: float = 5.0, log_dir: str | None = None) -> list[str]:
-    """torchrun options for N workers on this host, rendezvous on 127.0.0.1:port."""
+    """torchrun options for N workers on this host, rendezvous on 127.0.0.1:port. No port: c10d
+    binds one as the agent starts (port 0), static gets a free one now."""
     if rdzv not in RDZV_BACKENDS:
         raise ValueError(f"rdzv must be one of {RDZV_BACKENDS}, got {rdzv!r}")
-    port = port or free_port(LOOPBACK)
     flags = common_flags(nproc_per_node, 1, shutdown_timeout, log_dir)
     if rdzv == "static":
-        flags += ["--rdzv-backend=static", f"--master-addr={LOOPBACK}", f"--master-port={port}",
-                  "--node-rank=0"]
+        flags += ["--rdzv-backend=static", f"--master-addr={LOOPBACK}",
+                  f"--master-port={port or free_port(LOOPBACK)}", "--node-rank=0"]
     else:
-        flags += ["--rdzv-backend=c10d", f"--rdzv-endpoint={LOOPBACK}:{port}",
+        flags += ["--rdzv-backend=c10d", f"--rdzv-endpoint={LOOPBACK}:{port or 0}",
                   f"--rdzv-id={run_id or new_run_id()}",
                   f"--rdzv-conf=join_timeout={max(1, round(join_timeout))},is_host=1"]
     return flags + [f"--local-addr={LOOPBACK}"]

@@ -41,7 +41,7 @@ from course_lib.launch.checks import TrainRequest, check_request
 from course_lib.launch.placement import LaunchConfigError
 from course_lib.launch.supervise import MetricsProgress
 from course_lib.registry import ConfigError
-from course_lib.trainer.config import CONFIG_FILE, TrainConfig, clear_run, arg_parser, config_from_args
+from course_lib.trainer.config import CONFIG_FILE, TrainConfig, arg_parser, clear_run, config_from_args
 
 TRAIN_MODULE = "course_lib.trainer.loop"
 # LaunchSpec fields a training run sets itself, from its config and its own arguments
@@ -72,10 +72,11 @@ def prepare_run(config: TrainConfig, *, nproc=None, nnodes: int = 1, overwrite: 
 def train_in_process(config: TrainConfig, *, overwrite: bool = False, progress: bool = True) -> dict:
     """The same checks and run directory, then one process training right here (a notebook's
     kernel, a test): :func:`course_lib.trainer.loop.train`. Returns its summary."""
-    req = prepare_run(config, overwrite=overwrite)
-    if req.world_size > 1 or req.strategy != "single":
+    req = check_request(config, overwrite=overwrite)
+    if req.world_size > 1 or req.strategy != "single":  # refused before the run directory is touched
         raise LaunchConfigError(f"{req.world_size} rank(s) with strategy {req.strategy} need workers: "
                                 "use launch_training (or course train)")
+    prepare_run_dir(req)
     # the trainer (torch, every strategy) only for a run in this process: course train's launcher loads none of it
     from course_lib.trainer.loop import train
 

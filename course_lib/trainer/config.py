@@ -72,6 +72,7 @@ INIT_FROM = ("scratch", "resume")
 RESUME_MAY_CHANGE = frozenset({"out_dir", "init_from", "max_iters", "eval_interval", "log_interval", "eval_iters",
                                "device", "compile", "strategy", "threads", "timeout_s", "run_name", "data_dir",
                                "recompute", "grad_comm_dtype",  # memory and wire format, not the model
+                               "check_collectives", "check_replicas_every",  # checks, not the arithmetic
                                # the layout: any, if the global batch stays the same (check_layout_change)
                                "nproc", "tp", "pp", "cp", "ep", "ep_dispatch", "sequence_parallel", "pp_schedule",
                                "batch_size", "gradient_accumulation_steps"})

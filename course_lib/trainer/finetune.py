@@ -88,7 +88,7 @@ def finetune_config(pretrained_dir: str | os.PathLike, out_dir: str | os.PathLik
                     iters: int, which: str = "best", overwrite: bool = True, **changes):
     """A config that continues ``pretrained_dir``'s checkpoint for ``iters`` more iterations on the
     data in ``data_dir``, as a new run in ``out_dir``. ``changes``: fields a resumed run may change
-    (eval_interval, eval_iters, log_interval, device, ...; see course_lib.gpt.checkpoint).
+    (eval_interval, eval_iters, log_interval, device, ...; see course_lib.trainer.config.RESUME_MAY_CHANGE).
     Everything is checked before ``out_dir`` is touched; a run already there is replaced, as a
     re-run cell of launch_training replaces its run (``overwrite=False`` refuses instead)."""
     check_count("iters", iters)

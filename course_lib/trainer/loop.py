@@ -227,7 +227,10 @@ def evaluate(run: Run) -> dict:
 
 def save_run_checkpoint(run: Run, it: int, val_loss: float, is_best: bool) -> None:
     """last.pt (and best.pt if ``is_best``): the full state, written by rank 0. Every rank must
-    call it: gathering sharded state and the ranks' RNG states are collectives."""
+    call it: gathering sharded state and the ranks' RNG states are collectives. A new best is
+    written as best.pt first, then linked as last.pt: a crash between the two leaves last.pt at
+    the previous evaluation, so the resumed run reaches this one again and writes both (the other
+    order left best.pt behind while last.pt's best_val_loss already counted this one)."""
     state = run.strategy.state_dict()
     rngs = [ckpt_io.rng_state(run.batches.resume_state)]
     if run.rt.world_size > 1:
@@ -236,7 +239,7 @@ def save_run_checkpoint(run: Run, it: int, val_loss: float, is_best: bool) -> No
     if run.rt.rank != 0:
         return
     out, scaler, cfg = Path(run.cfg.out_dir), run.precision.scaler, run.cfg
-    ckpt_io.save_checkpoint(out / ckpt_io.LAST, {
+    ckpt_io.save_checkpoint(out / (ckpt_io.BEST if is_best else ckpt_io.LAST), {
         "format": ckpt_io.FORMAT_VERSION, **state, "iter_num": it, "val_loss": val_loss,
         "best_val_loss": run.best_val, "config": cfg.to_dict(), "model_args": dataclasses.asdict(run.model.config),
         "meta": {k: run.meta[k] for k in ("dataset", "tokenizer", "vocab_size", "chars") if k in run.meta},
@@ -245,7 +248,7 @@ def save_run_checkpoint(run: Run, it: int, val_loss: float, is_best: bool) -> No
                    "skipped": run.precision.skipped} if scaler.is_enabled() else None,
     })
     if is_best:
-        ckpt_io.copy_checkpoint(out / ckpt_io.LAST, out / ckpt_io.BEST)
+        ckpt_io.copy_checkpoint(out / ckpt_io.BEST, out / ckpt_io.LAST)
 
 
 # --- 3. the loop -------------------------------------------------------------------------------
@@ -267,10 +270,16 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
 
     Under torchrun every worker calls this (``python -m course_lib.trainer.loop``); the host side
     that checks the request and launches them is :func:`course_lib.launch.training.run_training`.
+    Outside torchrun (no ``WORLD_SIZE``, no process group) a config for several ranks (``nproc`` >
+    1, or a distributed strategy) is a ConfigError, not a run on one.
     """
     if not isinstance(cfg, TrainConfig):  # a dict of overrides is what make_config takes
         raise TypeError(f"train() takes a TrainConfig, got {type(cfg).__name__}: build one with "
                         "course_lib.trainer.config.make_config(preset, overrides)")
+    if "WORLD_SIZE" not in os.environ and not dist.is_initialized() and \
+            (cfg.nproc > 1 or cfg.resolved_strategy(1) != "single"):
+        raise ConfigError(f"nproc={cfg.nproc}, strategy {cfg.resolved_strategy(cfg.nproc)} needs torchrun's "
+                          f"workers; launch them with: course train --nproc={cfg.nproc} ...")
     threads_before = torch.get_num_threads()
     rt = setup_runtime(cfg)
     run = meter = None
@@ -299,7 +308,9 @@ def train_loop(run: Run, meter: RunMeter) -> dict:
             losses = evaluate(run)
             is_best = losses["val"] < run.best_val
             run.best_val = min(run.best_val, losses["val"])
-            if not (it == run.start_iter and cfg.init_from == "resume"):  # that checkpoint is the one we loaded
+            # at a resume's first iteration last.pt is this state: written again only as a new best
+            # (a fine-tuning run's best restarts on the new data: best.pt is then the loaded weights)
+            if is_best or not (it == run.start_iter and cfg.init_from == "resume"):
                 save_run_checkpoint(run, it, losses["val"], is_best)
             meter.evaluated(it, losses, is_best)
         if it == cfg.max_iters:
@@ -358,10 +369,7 @@ def main(argv: list[str]) -> int:
     parser = arg_parser("python -m course_lib.trainer.loop", "Train in this process (a torchrun worker, or alone).")
     try:
         cfg, args = config_from_args(parser, argv)
-        if "WORLD_SIZE" not in os.environ and (cfg.nproc > 1 or cfg.resolved_strategy(1) != "single"):
-            raise ConfigError(f"nproc={cfg.nproc}, strategy {cfg.resolved_strategy(cfg.nproc)} needs torchrun's "
-                              f"workers; launch them with: course train --nproc={cfg.nproc} ...")
-        train(cfg, progress=not args.no_progress)
+        train(cfg, progress=not args.no_progress)  # alone, it refuses a config for several ranks
     except (ConfigError, DataError, CheckpointError) as e:
         print(f"python -m course_lib.trainer.loop: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 1
