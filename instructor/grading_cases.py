@@ -6,7 +6,8 @@ MISTAKES[exercise][question] = (text in the solution, the mistaken replacement, 
 failure message must contain): each is graded as a submission of its own, the solution with that
 one mistake; it must lose its question and keep every other. 01 q1 deadlocks; 04 q1 loops forever
 (HUNG: they must score zero; the loop sleeps, so it costs wall time only: tests/test_exercise_grading.py
-stops busy loops); ZERO: mistakes that must cost the whole question too, hidden tests included; the submission of TAMPERED (exercise, question) also replaces the
+stops busy loops); ZERO: mistakes that must cost the whole question too, hidden tests included;
+the submission of TAMPERED (exercise, question) also replaces the
 grading helpers. HARD_CODED[exercise]: patches that answer exactly what the public tests check
 (their cases, or the values the solutions print) and nothing else: at most a quarter of the points.
 """

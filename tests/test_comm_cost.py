@@ -191,7 +191,8 @@ def test_a_fit_says_when_it_explains_the_times_and_when_not():
     # a fit made with another algorithm is checked against that algorithm, not the default ring
     tree = [collective_time("all_reduce", n, 8, bandwidth=BW, alpha=A, algorithm="tree") for n in sizes]
     fit = fit_alpha_beta("all_reduce", 8, sizes, tree, algorithm="tree")
-    assert fit_report("all_reduce", 8, sizes, tree, *fit, algorithm="tree") == "the model is within 0% of every measured time"
+    assert fit_report("all_reduce", 8, sizes, tree, *fit, algorithm="tree") == \
+        "the model is within 0% of every measured time"
     assert fit_report("all_reduce", 8, sizes, tree, *fit).startswith("warning")
 
 

@@ -29,8 +29,9 @@ We write the same counts with the element size ``e`` (2 bytes in the paper) and 
 16 e + 2 m = 34 and 2 e + m = 5 when e = 2, m = 1. Without dropout the softmax output is itself
 the input of the attention over V, kept once: the scores cost e a s^2 b, not 2 e a s^2 b.
 Section 4.3's outside-the-layers terms are divided by t because the paper runs them under
-sequence parallelism; without it only the logits are split (a vocabulary-parallel output layer). ``flash_attention=True`` (our extension, not
-in the paper) drops the a s^2 b terms: a fused attention kernel never stores the s x s scores.
+sequence parallelism; without it only the logits are split (a vocabulary-parallel output layer).
+``flash_attention=True`` (our extension, not in the paper) drops the a s^2 b terms: a fused
+attention kernel never stores the s x s scores.
 
 The course trainer runs fp32 or ``torch.autocast``, which the paper does not cover: under autocast
 the residual stream that each LayerNorm saves stays fp32 and every matmul keeps a 16-bit copy of its

@@ -395,7 +395,8 @@ def step_peak(n_layer: int, n_head: int, n_embd: int, block_size: int, vocab_siz
     * then backward begins at the loss, and its first two ops each make a (b s, v) fp32 tensor while
       the saved log-probabilities are still alive: the gradient of ``nll_loss`` and that of
       ``log_softmax``, 8 s b v bytes more. This is the peak of a GPT whose vocabulary is large against
-      its width (nanoGPT's GPT-2, its vocabulary padded to v = 50304; h = 768): every layer's activations plus 12 s b v bytes of loss.
+      its width (nanoGPT's GPT-2, its vocabulary padded to v = 50304; h = 768): every layer's
+      activations plus 12 s b v bytes of loss.
       For GPT-2 small at 12 x 1024 tokens that loss term is 12 * 12 * 1024 * 50304 bytes = 6.9 GiB, more than
       the 12 layers' activations (about 4 GiB in bf16).
     * On a GPU under 16-bit autocast the loss's share is 6 s b v bytes instead of 8, as measured on an

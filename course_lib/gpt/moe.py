@@ -40,8 +40,8 @@ in data-parallel rank order, then positions). Neither the capacity nor the dropp
 the layout: a rank learns how many tokens the ranks before it sent to each expert from the
 ``token_counts`` hook. Two layouts would break that, and are refused before a run or a
 ``parallelize`` starts (``registry.moe_grid_error``): a capacity with cp > 1 (the cp ranks split
-positions, so the order would follow cp) and experts with sequence parallelism. ``capacity_factor = 0`` is dropless (every assignment is computed; the
-experts' loads vary).
+positions, so the order would follow cp) and experts with sequence parallelism.
+``capacity_factor = 0`` is dropless (every assignment is computed; the experts' loads vary).
 
 Both the aux loss and the capacity are per micro-batch: a layout equals one process when its
 micro-batches hold the same sequences. The trainer's do, with gradient accumulation too: gpt/data.py

@@ -6,7 +6,8 @@
 
 The call blocks, streams output live (rank 0's in full, every rank's stderr), and returns a
 :class:`LaunchResult`; ``check=True`` raises :class:`LaunchError` on failure instead. Every
-launch gets a free port and its own rendezvous id, so several can run at once on one host.
+launch gets its own port (bound by its agent as it starts) and its own rendezvous id, so several
+can run at once on one host.
 Interrupting (the notebook's stop button, Ctrl-C) stops every process of the run before the
 KeyboardInterrupt propagates; :func:`launch_training` runs the course trainer with a progress bar.
 """

@@ -3,8 +3,9 @@
 The one home of the launcher's checks, all run before anything is spawned or written:
 
 * :func:`check_launch`: a :class:`course_lib.launch.api.LaunchSpec` (nodes, the script or module
-  to run, timeouts, the stop's grace, environment, rendezvous, output, NCCL debugging; the ranks' devices and backend through
-  :func:`course_lib.launch.placement.plan`, where they are decided; the SLURM/PBS job through
+  to run, timeouts, the stop's grace, environment, rendezvous, output, NCCL debugging; the ranks'
+  devices and backend through :func:`course_lib.launch.placement.plan`, where they are decided; the
+  SLURM/PBS job through
   :func:`course_lib.launch.placement.check_scheduler`).
 * :func:`check_request`: a whole training request, one function per kind of check in
   :data:`CHECKS` (the job, strategy vs ranks, dtype, the tp/pp/cp layout, memory, data, out_dir

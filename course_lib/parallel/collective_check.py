@@ -29,8 +29,8 @@ is checked), calls made inside PyTorch (DDP's buckets call c10d directly, not ``
 point-to-point pairs (``send``/``recv``, ``isend``/``irecv``) beyond the peer-range check. PyTorch's own
 ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (in the environment before torch is imported: torch.distributed
 reads it on import) wraps the process group and checks op type, shapes and dtypes of collectives,
-internal ones included (so it does catch DDP's), but not the root of a broadcast, nor send/recv. Like this module, it checks before the collective
-runs, with an exchange of its own on a gloo group.
+internal ones included (so it does catch DDP's), but not the root of a broadcast, nor send/recv.
+Like this module, it checks before the collective runs, with an exchange of its own on a gloo group.
 
 The flight recorder keeps each rank's last :data:`RECORD` calls (checked or not) with their state
 (``started``, ``done``, ``failed``), :func:`flight_record`; a notebook shows all ranks side by side.
