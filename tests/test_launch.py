@@ -28,7 +28,8 @@ WORKER = textwrap.dedent('''
                       "port": os.environ["MASTER_PORT"], "argv": sys.argv[1:],
                       "group_rank": os.environ.get("GROUP_RANK"),
                       "mark": os.environ["COURSE_TEST_MARKER"], "listen": listening,
-                      "nccl": [os.environ.get(k) for k in ("NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_DEBUG_FILE")]}))
+                      "nccl": [os.environ.get(k) for k in ("NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_DEBUG_FILE")],
+                      "collective_timeout": os.environ["COURSE_COLLECTIVE_TIMEOUT"]}))
     print(f"stderr line from rank {RANK}", file=sys.stderr)
 ''')
 
@@ -45,8 +46,10 @@ def _records(text):
 
 
 @pytest.mark.timeout(120)
-def test_concurrent_launches_loopback_and_literal_args(tmp_path, marker):
-    """Three launches at once on this host (c10d, c10d, static): each gets its own port."""
+def test_concurrent_launches_loopback_and_literal_args(tmp_path, marker, monkeypatch):
+    """Three launches at once on this host (c10d, c10d, static): each gets its own port. Each
+    rank's collective timeout is the launch's own, not one this process inherited."""
+    monkeypatch.setenv("COURSE_COLLECTIVE_TIMEOUT", "7")  # e.g. the launcher is itself a rank
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     results, outs, errs = {}, {}, {}
@@ -81,6 +84,7 @@ def test_concurrent_launches_loopback_and_literal_args(tmp_path, marker):
         assert (r.run_dir / "logs" / "rank1.out").read_text() == r.stdout[1]
         nccl = ["WARN", "INIT,COLL", f"{tmp_path}/nccl.%h.%p"] if i == 0 else [None, None, None]
         assert all(x["nccl"] == nccl for x in recs)  # NCCL's debug switches reach every rank
+        assert all(x["collective_timeout"] == "60" for x in recs), recs
     assert len(ports) == 3
 
 

@@ -228,7 +228,8 @@ def launch(target, args: Sequence[str] = (), spec: LaunchSpec | None = None, **f
     local = rdzv_endpoint is None
     full_env = base_env(env, nproc, run_id, local=local, nccl_debug=nccl_debug,
                         nccl_debug_subsys=nccl_debug_subsys, nccl_debug_file=nccl_debug_file)
-    full_env.setdefault("COURSE_COLLECTIVE_TIMEOUT", f"{collective_timeout:g}")
+    if "COURSE_COLLECTIVE_TIMEOUT" not in (env or {}):  # the launch's own, not one this process inherited
+        full_env["COURSE_COLLECTIVE_TIMEOUT"] = f"{collective_timeout:g}"
     full_env.update(plan.env())  # each rank's device and the backend (course_lib.hardware.planned_device)
     init_pg = plan.backend if init_process_group else "none"
     worker = torchrun.bootstrap_args(str(run_dir), target, args, module=is_module, init_pg=init_pg,
