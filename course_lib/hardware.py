@@ -46,6 +46,14 @@ class HardwareProfile:
         """Peak FLOP/s for ``dtype`` ('bfloat16', 'float16', 'tf32', 'float32'), None if unknown."""
         return self.peak_flops.get(dtype)
 
+    def training_peak(self, dtype: str) -> float | None:
+        """The peak a run training in ``dtype`` computes at (MFU's denominator): fp32 on a GPU runs
+        its matmuls in TF32 (the trainer allows it), so the TF32 peak where the GPU has one; a GPU
+        without TF32 (T4, V100) computes in fp32. None if unknown."""
+        if dtype == "float32" and self.kind == "cuda":
+            return self.peak("tf32") or self.peak("float32")
+        return self.peak(dtype)
+
     def fits(self, nbytes: float) -> bool:
         return nbytes <= self.memory_bytes
 
@@ -241,7 +249,7 @@ def info() -> dict:
         "memory_gb": round(profile.memory_bytes / GB, 1),
         "train_dtype": dtype,
         "grad_scaler": profile.needs_grad_scaler and dtype == "float16",
-        "peak_tflops": round((profile.peak(dtype) or 0) / TFLOP, 1) or None,
+        "peak_tflops": round((profile.training_peak(dtype) or 0) / TFLOP, 1) or None,
         "peak_is_estimate": profile.estimated,
         "backend": "nccl" if n_gpu else "gloo",
         "default_nproc": n_gpu if n_gpu else 2,  # = default_nproc(), without a second lookup

@@ -298,14 +298,25 @@ def colab_install_lines(repo: str = GITHUB_REPO, branch: str = GITHUB_BRANCH, th
     ])
 
 
-def check_seconds(name: str, value, allow_none: bool = True, error: type[Exception] = ValueError) -> float | None:
-    """A timeout or time limit: a finite number of seconds > 0 (or None where ``allow_none``), else
-    ``error`` (the caller's kind: the launcher's LaunchConfigError). The one rule for every front-end."""
+def check_seconds(name: str, value, allow_none: bool = True, error: type[Exception] = ValueError,
+                  allow_zero: bool = False) -> float | None:
+    """A timeout or time limit: a finite number of seconds > 0 (>= 0 where ``allow_zero``, e.g. the
+    grace before a kill), or None where ``allow_none``, else ``error`` (the caller's kind: the
+    launcher's LaunchConfigError). The one rule for every front-end."""
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-        raise error(f"{name} must be a number of seconds > 0, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and (value >= 0 if allow_zero else value > 0)):
+        raise error(f"{name} must be a number of seconds {'>=' if allow_zero else '>'} 0, got {value!r}")
     return float(value)
+
+
+def check_port(name: str, value, error: type[Exception] = ValueError) -> int:
+    """A TCP port: a whole number from 1 to 65535 (a digit string is read as one), else ``error``."""
+    port = int(value) if isinstance(value, str) and value.isdigit() else value
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise error(f"{name} must be a port from 1 to 65535, got {value!r}")
+    return port
 
 
 def check_count(name: str, value, error: type[Exception] = ValueError, minimum: int = 1) -> int:

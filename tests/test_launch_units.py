@@ -443,8 +443,8 @@ def test_mpirun_refuses_bad_options_before_anything_starts(nothing_spawned, scri
             mpirun(script, n=2, run_dir=nothing_spawned, **kw)
 
 
-@pytest.mark.parametrize("flags,match", [(["--port", "99999"], "--port must be from 1 to 65535"),
-                                         (["--port", "0"], "--port must be from 1 to 65535"),
+@pytest.mark.parametrize("flags,match", [(["--port", "99999"], "--port must be a port from 1 to 65535"),
+                                         (["--port", "0"], "--port must be a port from 1 to 65535"),
                                          (["--cpus-per-node", "-3"], "--cpus-per-node must be >= 1"),
                                          (["--nproc-per-node", "0"], "--nproc-per-node must be >= 1")])
 def test_submit_refuses_numbers_the_job_would_fail_on(flags, match, capsys):

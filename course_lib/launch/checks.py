@@ -16,7 +16,6 @@ The one home of the launcher's checks, all run before anything is spawned or wri
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from course_lib.hardware import detect, pick_dtype
 from course_lib.launch.placement import LaunchConfigError, RankPlan
 from course_lib.registry import FP16_ON_GRID, STRATEGIES
 from course_lib.trainer.config import TrainConfig, check_resume
-from course_lib.utils import check_count, check_seconds
+from course_lib.utils import check_count, check_port, check_seconds
 
 
 def check_nnodes(nnodes) -> int:
@@ -79,17 +78,14 @@ def check_show_ranks_and_env(show_ranks, env) -> None:
                                 f"got {env!r}")
 
 
-def check_grace(grace) -> float:
-    """Seconds between SIGTERM and SIGKILL when the ranks are stopped: a finite number >= 0."""
-    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not (math.isfinite(grace) and grace >= 0):
-        raise LaunchConfigError(f"grace must be a number of seconds >= 0, got {grace!r}")
-    return float(grace)
-
-
 def check_endpoint(endpoint) -> None:
     """``rdzv_endpoint``: "HOST:PORT", the port a number from 1 to 65535."""
     host, _, port = endpoint.rpartition(":") if isinstance(endpoint, str) else ("", "", "")
-    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+    try:
+        check_port("port", port)
+    except ValueError:
+        host = ""
+    if not host:
         raise LaunchConfigError(f"rdzv_endpoint must be HOST:PORT with a port from 1 to 65535, such as "
                                 f"'node01:29400', got {endpoint!r}")
 
@@ -115,7 +111,7 @@ def check_launch(target, spec) -> tuple[placement.RankPlan, str, bool, float | N
         check_endpoint(spec.rdzv_endpoint)
     if spec.rdzv_endpoint and not spec.rdzv_id:
         raise LaunchConfigError("rdzv_endpoint needs rdzv_id: the same id on every node")
-    check_grace(spec.grace)
+    check_seconds("grace", spec.grace, False, LaunchConfigError, allow_zero=True)  # SIGTERM to SIGKILL
     if spec.output not in ("ranks", "raw"):
         raise LaunchConfigError(f"output must be 'ranks' or 'raw', got {spec.output!r}")
     for name, hook in (("progress", spec.progress), ("before_start", spec.before_start)):

@@ -22,6 +22,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from course_lib.utils import check_port
+
 SCHEDULERS = ("slurm", "pbs")
 DEFAULT_MODULE = "course_lib.trainer.loop"
 LAUNCHERS = ("torchrun", "srun")  # srun alone: one task per rank (SLURM only), for Lightning Fabric
@@ -79,8 +81,8 @@ def _validate(nodes: int, gpus_per_node: int, nproc_per_node: int | None, *, por
         raise ValueError(f"--nodes must be >= 1, got {nodes}")
     if gpus_per_node < 0:
         raise ValueError(f"--gpus-per-node must be >= 0 (0 = CPU nodes), got {gpus_per_node}")
-    if port is not None and not 1 <= port <= 65535:
-        raise ValueError(f"--port must be from 1 to 65535, got {port}")
+    if port is not None:
+        check_port("--port", port)
     if cpus_per_node is not None and cpus_per_node < 1:
         raise ValueError(f"--cpus-per-node must be >= 1, got {cpus_per_node}")
     nproc = nproc_per_node if nproc_per_node is not None else gpus_per_node or 2

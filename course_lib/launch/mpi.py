@@ -160,7 +160,7 @@ def mpirun(target, args: Sequence[str] = (), *, n: int = 2, module: bool | None 
     check_count("n (MPI ranks)", n, error=checks.LaunchConfigError)
     timeout = check_seconds("timeout", timeout, error=checks.LaunchConfigError)
     checks.check_show_ranks_and_env(show_ranks, env)
-    grace = checks.check_grace(grace)
+    grace = check_seconds("grace", grace, False, checks.LaunchConfigError, allow_zero=True)
     target, is_module = checks.resolve_target(target, module)
     run_id = torchrun.new_run_id()
     full_env = base_env(env, n, run_id, local=True)

@@ -163,15 +163,6 @@ def throughput(steps: int, elapsed_s: float, compute_s: float, comm_s: float, to
     }
 
 
-def peak_flops(profile, dtype: str, device_type: str) -> float | None:
-    """The peak FLOP/s of one device for the run's dtype: fp32 on a GPU runs its matmuls in TF32
-    (the trainer allows it), so the TF32 peak where the GPU has one; a GPU without TF32 (T4,
-    V100) computes in fp32. None if unknown (MFU is then NaN)."""
-    if dtype == "float32" and device_type == "cuda":
-        return profile.peak("tf32") or profile.peak("float32")
-    return profile.peak(dtype)
-
-
 def announce_run(cfg, info: dict) -> None:
     """Write ``run.json`` (what this run resolved to) and ``config.json``, print the header."""
     out = Path(cfg.out_dir)
@@ -223,7 +214,7 @@ class RunMeter:
         self.strategy_device = rt.device  # where the router's counts are all-reduced (NCCL: a GPU)
         self.flops_per_token = flops_per_token  # the whole model's (the trainer counts it before wrapping)
         profile = detect(rt.device)
-        peak = peak_flops(profile, rt.dtype, rt.device_type)
+        peak = profile.training_peak(rt.dtype)  # None: unknown, MFU is then NaN
         self.peak_total = peak * rt.devices if peak else None  # ranks sharing a GPU share its peak
         self.info = {"strategy": strategy_name, "world_size": rt.world_size, "device": rt.device, "dtype": rt.dtype,
                      "threads_per_worker": rt.threads, "n_params": num_params,
