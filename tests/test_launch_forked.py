@@ -65,6 +65,9 @@ def test_bad_input_refused():
         notebook_launcher("print", nproc=2)
     with pytest.raises(LaunchConfigError, match="backend='gloo'"):
         notebook_launcher(print, nproc=2, backend="nccl")
+    for threads in (0, -1, 1.5):  # 0 was silently the default
+        with pytest.raises(LaunchConfigError, match="threads must be"):
+            notebook_launcher(print, nproc=2, threads=threads)
 
 
 def _disabled_bar(*_rank_and_world_size):  # run_ranks passes them, notebook_launcher does not

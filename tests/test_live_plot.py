@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from course_lib.launch.placement import LaunchConfigError
 from course_lib.notebook.live_plot import LiveLossPlot, ema, status_html, train_live
 from course_lib.registry import ConfigError
 from course_lib.trainer.config import make_config
@@ -101,6 +102,16 @@ def test_train_live_in_process(tmp_path):
     assert "iter 12 / 12" in plot.status.value
     with pytest.raises(ConfigError, match="already holds a run"):  # refused before anything runs
         train_live(cfg, plot=plot, progress=False)
+    # overwrite=True with a keyword that is then refused: the finished run is still all there
+    before = {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir() if p.is_file()}
+    with pytest.raises(TypeError, match="one process right here"):  # it would have been ignored
+        train_live(cfg, plot=plot, progress=False, overwrite=True, timeout=60)
+    with pytest.raises(LaunchConfigError, match="grace"):  # 2 ranks: launch() refuses it before its start
+        train_live(cfg.replace(nproc=2), plot=plot, progress=False, overwrite=True, grace=None)
+    with pytest.raises(TypeError, match="unknown field"):
+        train_live(cfg.replace(nproc=2), plot=plot, progress=False, overwrite=True, graze=1.0)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir() if p.is_file()} == before
+    assert "last.pt" in before and "metrics.csv" in before
 
 
 @pytest.mark.slow  # a Jupyter kernel: ~5 s alone, ~20 s on a busy machine

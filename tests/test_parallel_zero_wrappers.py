@@ -499,3 +499,38 @@ def test_mixed_dtype_parameters_keep_their_own_precision():
             got = r[name]
             assert got["dtypes"] == (torch.float32, torch.bfloat16), (name, got)
             assert got["diff"] <= 1e-6, (name, got)
+
+
+def rank_without_gradients_worker(rank: int, world_size: int) -> dict:
+    """ZeRO-1/2 used as an optimizer (backward, then step): rank 1 has no sample in the first step,
+    so no gradient at all. Its step must still join the reduce-scatter the other rank starts
+    (deciding from its own gradients alone, it skipped it: mismatched collectives, a hang)."""
+    from course_lib.parallel.zero.zero12 import ShardedOptimizer
+
+    lr, out = 0.1, {}
+    batches = [toy_batch(B * world_size, seed=300 + s) for s in range(2)]
+    ref = toy()  # one process: step 0 has rank 0's rows only, over a global mean of world_size ranks
+    for step, (x, y) in enumerate(batches):
+        loss = ref(x[:B], y[:B])[1] / world_size if step == 0 else ref(x, y)[1]  # rank 1's share: 0
+        loss.backward()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p -= lr * p.grad
+        ref.zero_grad(set_to_none=True)
+    for stage in (1, 2):
+        model = toy()
+        opt = ShardedOptimizer(model.parameters(), torch.optim.SGD, shard_gradients=stage == 2, lr=lr,
+                               bucket_cap_mb=0.001)
+        for step, (x, y) in enumerate(batches):
+            if step > 0 or rank == 0:
+                model(my_slice(x, rank, world_size), my_slice(y, rank, world_size))[1].backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        out[stage] = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_without_gradients_still_joins_the_step():
+    for r in run_ranks(rank_without_gradients_worker, 2, timeout=20):
+        assert r[1] <= 1e-6 and r[2] <= 1e-6, r

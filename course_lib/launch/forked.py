@@ -67,9 +67,11 @@ def notebook_launcher(fn, args: tuple = (), nproc: int = 2, *, kwargs: dict | No
                                 "use %%torchrun or launch() for NCCL on GPUs")
     check_seconds("timeout", timeout, False, LaunchConfigError)
     check_seconds("time_limit", time_limit, error=LaunchConfigError)
+    if threads is not None:  # 0 is not "the default": None is
+        check_count("threads", threads, error=LaunchConfigError)
     try:
         return run_local(fn, nproc, args, kwargs, timeout=timeout, time_limit=time_limit,
-                         threads=threads or threads_per_rank(nproc))
+                         threads=threads if threads is not None else threads_per_rank(nproc))
     except RanksTimeoutError as e:
         raise NotebookLaunchError(str(e)) from None
     except RankError as e:

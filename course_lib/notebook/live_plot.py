@@ -211,25 +211,31 @@ def train_live(cfg, *, overwrite: bool = False, interval_s: float = 1.0, plot: L
                progress: bool = True, **launch_kwargs) -> dict:
     """Train ``cfg`` (a course_lib.trainer.config.TrainConfig) with a live loss plot; returns its summary.
 
-    The request is checked and the run directory prepared first
-    (:func:`course_lib.launch.training.prepare_run`: ``overwrite`` restarts a run that is there;
-    ``cfg.init_from == "resume"`` continues it, and the plot shows its earlier rows too). One
-    process (``cfg.nproc == 1``, strategy single) then trains right here
+    The request is checked first (:func:`course_lib.launch.checks.check_request`: ``overwrite``
+    restarts a run that is there; ``cfg.init_from == "resume"`` continues it, and the plot shows its
+    earlier rows too). One process (``cfg.nproc == 1``, strategy single) then trains right here
     (:func:`course_lib.launch.training.train_in_process`); more are launched with
-    :func:`course_lib.launch.launch_training` (extra keyword arguments go to it).
+    :func:`course_lib.launch.launch_training` (extra keyword arguments go to it). Either clears an
+    overwritten run only once every check has passed, its keyword arguments' too: a refused call
+    leaves the old run as it was.
     """
     # why: the trainer and the launcher import torch; the plot alone needs neither
-    from course_lib.launch.training import launch_training, prepare_run, train_in_process
+    from course_lib.launch.checks import check_request
+    from course_lib.launch.training import launch_training, train_in_process
 
-    req = prepare_run(cfg, overwrite=overwrite)  # clear errors before anything is shown or started
+    req = check_request(cfg, overwrite=overwrite)  # clear errors before anything is shown or started
+    if req.world_size == 1 and req.strategy == "single" and launch_kwargs:
+        raise TypeError(f"train_live trains one process right here: {', '.join(sorted(launch_kwargs))} "
+                        "would go to launch_training, which runs only for nproc > 1")
     handle = None
     if plot is None:
         plot = LiveLossPlot(Path(cfg.out_dir) / "metrics.csv", cfg.max_iters, cfg.name, interval_s=interval_s)
         handle = display(plot, display_id=True)
     try:
         if req.world_size == 1 and req.strategy == "single":
-            return plot.follow(train_in_process, req.config, overwrite=True, progress=progress)  # checked above
-        plot.follow(launch_training, req.config, progress=progress, check=True, **launch_kwargs)
+            return plot.follow(train_in_process, req.config, overwrite=overwrite, progress=progress)
+        plot.follow(launch_training, req.config, progress=progress, check=True, overwrite=overwrite,
+                    **launch_kwargs)
         return json.loads((Path(cfg.out_dir) / "summary.json").read_text())
     finally:
         if handle is not None:  # the saved output: the last plot and status, not the first

@@ -98,6 +98,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.ready = {layout: set() for layout in self.layouts}
         self.next_bucket = 0  # buckets are launched in order, so every rank issues the same sequence
         self.pending: list[tuple] = []  # (layout, work, grad row, packed input kept alive)
+        # finished since the last step: what clip and step decide by, the same on every rank (a
+        # rank's own gradients are not: one without any would skip the reduce-scatter the rest start)
+        self.synchronized = False
         self.sync_grads = True
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                       for p in self.params] if shard_gradients else []
@@ -158,10 +161,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.next_bucket = 0
         while self.pending:
             self._complete(self.pending.pop(0))
+        self.synchronized = True
 
     def _finish_if_pending(self) -> None:
-        """Finish the gradient synchronization unless the caller already did (idempotent)."""
-        if self.next_bucket or self.pending or any(p.grad is not None for p in self.params):
+        """Finish the gradient synchronization unless the caller already did since the last step
+        (and no backward added gradients after it)."""
+        if not self.synchronized or self.next_bucket or self.pending or any(p.grad is not None for p in self.params):
             self.finish_gradient_synchronization()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -177,6 +182,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         self._finish_if_pending()  # not done by the caller
+        self.synchronized = False  # the next step needs the next backward's gradients
         loss = self.optim.step(closure)
         works = []
         for layout in self.layouts:
