@@ -14,8 +14,9 @@ side ("parameter 'fc.weight' differs: rank 0 norm 3.1416 | rank 1 norm 3.1420").
 gradients before the sync), each gradient is compared with the mean of the ranks' local gradients
 (a rank without one, a branch it did not take, counts zero, as the course's DDP does): a sum
 (world size times the mean) is named as such, a gradient left as this rank's own too (a parameter
-missing from the sync). Not caught: a bug that is the same on every rank (a wrong
-learning rate everywhere), sharded states (ZeRO-3, FSDP, tensor parallel: they are meant to
+missing from the sync). Where the two are the same tensor (a parameter used on one rank only: its
+own gradient is the sum), the other ranks decide, as :func:`_name_sync_bugs` explains. Not
+caught: a bug that is the same on every rank (a wrong learning rate everywhere), sharded states (ZeRO-3, FSDP, tensor parallel: they are meant to
 differ; the trainer refuses the check there, and a DTensor parameter, FSDP2's or PyTorch's tensor
 parallel's, is refused here by name).
 """
@@ -97,8 +98,13 @@ def _entries(model, optimizer, batch, grads: bool) -> list[tuple[str, str, str, 
     return out
 
 
+# What _grad_sync_problem finds on one rank, before the ranks' findings are put together.
+SUM, OWN, SUM_OR_OWN, NO_GRAD = "sum", "own", "sum or own", "no gradient"
+
+
 def _grad_sync_problem(model, local: dict[str, torch.Tensor], world: int, group) -> list[tuple[str, str]]:
-    """(name, what) for each gradient that is not the mean of the ranks' local gradients."""
+    """(name, finding) for each gradient that is not the mean of the ranks' local gradients: SUM,
+    OWN, SUM_OR_OWN (it is both), NO_GRAD (none here, though some rank had one) or a sentence."""
     found, params = [], list(model.named_parameters())
     # Every rank must all-reduce the same parameters, but which have a local gradient may differ
     # (a branch taken on some ranks only): the ranks first count, one flag each, where there is one.
@@ -112,19 +118,56 @@ def _grad_sync_problem(model, local: dict[str, torch.Tensor], world: int, group)
         mean = mine.clone()
         c10d.all_reduce(mean, group=group)
         mean /= world
-        if p.grad is None:  # nothing to compare on this rank (it took part in the all-reduce)
+        if p.grad is None:  # nothing to compare on this rank (it took part in the all-reduce), but
+            found.append((n, NO_GRAD))  # evidence for the others: no sum reached this rank
             continue
         g = p.grad.detach()
         if torch.allclose(g, mean, rtol=1e-4, atol=1e-6):
             continue
-        if torch.allclose(g, mean * world, rtol=1e-4, atol=1e-6):
-            found.append((n, f"is the SUM of the ranks' gradients ({world} x their mean): divide by the world size"))
-        elif torch.allclose(g, mine, rtol=1e-4, atol=1e-6):
-            found.append((n, "is this rank's own gradient: the parameter is missing from the gradient sync"))
+        summed = torch.allclose(g, mean * world, rtol=1e-4, atol=1e-6)
+        own = torch.allclose(g, mine, rtol=1e-4, atol=1e-6)
+        if summed or own:
+            found.append((n, SUM_OR_OWN if summed and own else SUM if summed else OWN))
         else:
             found.append((n, (f"is neither the mean nor the sum of the ranks' gradients (norm {float(g.norm()):.4g}, "
                              f"mean's {float(mean.norm()):.4g})")))
     return found
+
+
+def _name_sync_bugs(found: list[list[tuple[str, str]]], world: int) -> list[list[tuple[str, str]]]:
+    """Each rank's findings (``found[r]``, from :func:`_grad_sync_problem`) as sentences.
+
+    A gradient that is this rank's own *and* the sum (SUM_OR_OWN) is one only this rank's local
+    gradient went into: the other ranks' sum to zero, typically a parameter used on this rank only
+    (a branch the others did not take). Left out of the sync, it keeps its own gradient; summed and
+    not divided, it holds the same tensor. This rank's numbers cannot tell the two apart; the other
+    ranks can, because an all-reduce leaves the same tensor on every rank that takes part: where a
+    sum was taken, the other ranks hold that sum too (SUM there), and where the parameter was left
+    out they hold their own gradient (OWN, often zeros) or none at all (NO_GRAD). So: the other
+    ranks' findings only SUM -> a sum; only OWN or NO_GRAD -> missing from the sync. Where they
+    say neither (they hold the mean, as when only this rank skipped the division or only this rank
+    kept its own, or they disagree), nothing here decides, and the report names both bugs.
+    """
+    sentences = {SUM: f"is the SUM of the ranks' gradients ({world} x their mean): divide by the world size",
+                 OWN: "is this rank's own gradient: the parameter is missing from the gradient sync",
+                 SUM_OR_OWN: (f"is both this rank's own gradient and the SUM of the ranks' gradients ({world} x "
+                              "their mean: the other ranks' sum to zero), and the other ranks do not tell which: "
+                              "the parameter is missing from the gradient sync, or its sum is not divided by "
+                              "the world size")}
+    by_name: dict[str, dict[int, str]] = {}
+    for r, findings in enumerate(found):
+        for name, what in findings:
+            by_name.setdefault(name, {})[r] = what
+    out: list[list[tuple[str, str]]] = [[] for _ in found]
+    for r, findings in enumerate(found):
+        for name, what in findings:
+            if what == NO_GRAD:
+                continue  # evidence only: the sets of tensors already differ in the report
+            if what == SUM_OR_OWN:
+                others = {OWN if w == NO_GRAD else w for q, w in by_name[name].items() if q != r}
+                what = others.pop() if others in ({SUM}, {OWN}) else SUM_OR_OWN
+            out[r].append((name, sentences.get(what, what)))
+    return out
 
 
 def check_replicas(model: torch.nn.Module | None = None, optimizer=None, batch: torch.Tensor | None = None,
@@ -164,7 +207,7 @@ def check_replicas(model: torch.nn.Module | None = None, optimizer=None, batch: 
             if report.problems and report.first is None:
                 report.first = f"{kind} '{name}'"
     on: dict[tuple[str, str], list[int]] = {}
-    for r, (_, problems) in enumerate(everyone):
+    for r, problems in enumerate(_name_sync_bugs([e[1] for e in everyone], world)):
         for name, what in problems:
             on.setdefault((name, what), []).append(r)
     for (name, what), ranks in on.items():
