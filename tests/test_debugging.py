@@ -546,3 +546,110 @@ def test_check_replicas_with_a_branch_taken_on_one_rank():
         assert "gradient 'c.weight' differs: rank 0 norm" in skipped, skipped
         assert ("gradient 'c.weight' (rank 0, 1) is this rank's own gradient: the parameter is missing "
                 "from the gradient sync") in skipped, skipped
+
+
+# ------------------------------------------------------------------ all_to_all_single's split sizes, pair by pair
+
+A2A_SPLITS = {  # (input_split_sizes, output_split_sizes) of rank 0, rank 1: each rank's own sizes add up
+    # the pair 0 <-> 1 disagrees, each rank's own rows agree: gloo::EnforceNotMet aborts rank 1 (SIGABRT)
+    "cross": (([1, 3], [1, 3]), ([2, 2], [2, 2])),
+    # rank 0 sends itself 1 row and expects 2: gloo's enforce fails on rank 0, rank 1 sees "Connection closed"
+    "self": (([1, 3], [2, 2]), ([2, 2], [2, 2])),
+}
+
+
+def a2a_split_mismatch_worker(rank: int, world_size: int) -> dict:
+    """Teaching mode on: all_to_all_single calls whose split sizes are valid on each rank but
+    disagree between ranks, one of each rank's own sizes that do not add up, then a correct one."""
+    import torch
+    import torch.distributed as dist
+
+    from course_lib.parallel.collective_check import CollectiveMismatchError, install_collective_check
+
+    install_collective_check(True, 20)
+    out = {}
+    for name, splits in A2A_SPLITS.items():
+        send, recv = splits[rank]
+        try:
+            dist.all_to_all_single(torch.empty(sum(recv), 2), torch.zeros(sum(send), 2), recv, send)
+            out[name] = "ran"
+        except CollectiveMismatchError as e:
+            out[name] = str(e)
+    try:  # rank 1's input_split_sizes add up to 3, its input has 4 rows: torch raises on rank 1 only
+        dist.all_to_all_single(torch.empty(3 if rank == 0 else 5, 2), torch.zeros(4, 2),
+                               [1, 2] if rank == 0 else [3, 2], [1, 3] if rank == 0 else [2, 1])
+        out["sum"] = "ran"
+    except CollectiveMismatchError as e:
+        out["sum"] = str(e)
+    y = torch.empty(3 if rank == 0 else 5, 2)  # the group is still usable: the correct exchange
+    dist.all_to_all_single(y, torch.full((4, 2), float(rank)), [1, 2] if rank == 0 else [3, 2],
+                           [1, 3] if rank == 0 else [2, 2])
+    out["y"] = y[:, 0].tolist()
+    return out
+
+
+def test_teaching_mode_names_all_to_all_split_sizes_that_disagree_between_ranks():
+    from course_lib.launch.spawn import run_ranks
+
+    results = run_ranks(a2a_split_mismatch_worker, 2, timeout=20)
+    for said in results:  # named on both ranks, the pair and both numbers, before gloo sees the call
+        assert said["cross"] == (
+            "collective #1: the split sizes do not match across ranks: rank 0 sends 3 rows to rank 1 "
+            "(input_split_sizes[1]) but rank 1 expects 2 from rank 0 (output_split_sizes[0]); rank 1 sends "
+            "2 rows to rank 0 (input_split_sizes[0]) but rank 0 expects 3 from rank 1 (output_split_sizes[1])"), said
+        assert said["self"] == (
+            "collective #2: the split sizes do not match across ranks: rank 0 sends 1 row to itself "
+            "(input_split_sizes[0]) but expects 2 (output_split_sizes[0]); rank 0 sends 3 rows to rank 1 "
+            "(input_split_sizes[1]) but rank 1 expects 2 from rank 0 (output_split_sizes[0])"), said
+        assert said["sum"] == ("collective #3: rank 1: all_to_all_single float32[4, 2]: input_split_sizes "
+                               "[2, 1] add up to 3, the input has 4 rows"), said
+    assert [said["y"] for said in results] == [[0.0, 1.0, 1.0], [0.0, 0.0, 0.0, 1.0, 1.0]]
+
+
+def expert_exchange_worker(rank: int, world_size: int) -> dict:
+    """The course's expert-parallel exchange (parallel/expert: counts, then uneven rows there and
+    back, and the backward's reversed splits) with teaching mode on and off, after a named mismatch."""
+    import torch
+    import torch.distributed as dist
+
+    from course_lib.parallel.collective_check import (CollectiveMismatchError, install_collective_check,
+                                                      set_collective_check)
+    from course_lib.parallel.comms import Comms
+    from course_lib.parallel.expert.comms import combine, dispatch
+
+    install_collective_check(True, 20)
+    out = {}
+    try:  # the pair 0 <-> 1 disagrees: named, and the real collective is never called
+        dist.all_to_all_single(torch.empty(4, 2), torch.zeros(4, 2), [1, 3] if rank == 0 else [2, 2],
+                               [1, 3] if rank == 0 else [2, 2])
+        out["bad"] = "ran"
+    except CollectiveMismatchError as e:
+        out["bad"] = str(e)
+    comms = Comms()
+    send_counts = torch.tensor([[1], [3]] if rank == 0 else [[2], [1]])  # rows for rank 0's, rank 1's expert
+    for check in (True, False):
+        set_collective_check(check)
+        x = (torch.arange(int(send_counts.sum()) * 2, dtype=torch.float32).reshape(-1, 2) + 100 * rank
+             ).requires_grad_()
+        got, recv_counts = dispatch(x, send_counts, comms)
+        back = combine(got * (2 + rank), send_counts, recv_counts, comms)
+        back.sum().backward()
+        out[check] = (got.tolist(), recv_counts.tolist(), back.tolist(), x.grad.tolist())
+    return out
+
+
+def test_teaching_mode_leaves_a_correct_uneven_expert_exchange_as_it_was():
+    from course_lib.launch.spawn import run_ranks
+
+    results = run_ranks(expert_exchange_worker, 2, timeout=20)
+    for said in results:
+        assert said["bad"].startswith("collective #1: the split sizes do not match across ranks: "), said["bad"]
+        assert said[True] == said[False], said  # the same rows, counts, outputs and gradients unchecked
+    rows = [[[2.0 * i + 100 * r, 2.0 * i + 1 + 100 * r] for i in range(n)] for r, n in enumerate((4, 3))]
+    assert results[0][True][0] == rows[0][:1] + rows[1][:2]  # rank 0's expert: 1 row of its own, 2 of rank 1's
+    assert results[1][True][0] == rows[0][1:] + rows[1][2:]
+    assert results[0][True][1] == [[1], [2]] and results[1][True][1] == [[3], [1]]
+    for r, to_rank0 in enumerate((1, 2)):  # back where they came from, times the factor of the expert's rank
+        factor = [2.0] * to_rank0 + [3.0] * (len(rows[r]) - to_rank0)
+        assert results[r][True][2] == [[f * v for v in row] for f, row in zip(factor, rows[r], strict=True)]
+        assert results[r][True][3] == [[f, f] for f in factor]

@@ -11,9 +11,12 @@ cells and modules do) first exchanges a small descriptor: the operation, the ten
 shape, the root (``src``/``dst``) and the reduce op; what may differ from rank to rank is left out
 of the comparison (an ``all_to_all_single`` with split sizes: each rank sends and receives its own
 number of rows, so only the dtype and the dims after the first are compared; the list of a
-``scatter`` or ``gather``, which only the root passes). The exchange is one ``all_gather`` of a
-fixed-size int64 tensor on a separate gloo group, so mismatched shapes cannot corrupt it. If the
-descriptors differ, every rank raises :class:`CollectiveMismatchError` naming each rank's call,
+``scatter`` or ``gather``, which only the root passes). An ``all_to_all_single``'s split sizes
+travel in the same descriptor and are checked pair by pair instead: what rank i sends rank j (its
+``input_split_sizes[j]`` rows) must be what rank j expects from rank i (its
+``output_split_sizes[i]``), in elements. The exchange is one ``all_gather`` of an int64 tensor
+(its size set by the world size) on a separate gloo group, so mismatched shapes cannot corrupt it.
+If the descriptors differ, every rank raises :class:`CollectiveMismatchError` naming each rank's call,
 and the real collective is never called: gloo does not abort the process, the group stays usable.
 A send or recv whose peer is not a rank (``send(t, dst=5)`` on 2 ranks), or is the rank itself,
 is refused at once, without an exchange (there may be no peer to exchange with). What else one
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 import time
 from datetime import timedelta
 
@@ -55,6 +59,10 @@ _MAX_NDIM = 6  # shape slots 6..11
 _SPLITS = 12  # slot of all_to_all_single's split sizes: 1 if given (row counts may then differ per rank)
 _RED = 14  # slot of the reduce op
 _OUT = 13  # slot of the output tensor's size (all_gather_into_tensor, reduce_scatter_tensor)
+# After the _WIDTH slots, all_to_all_single's split sizes (-1 elsewhere): the number of input and
+# output split sizes given (-1: none, an even split), the input's and the output's rows and
+# elements per row, then the rows sent to each rank and the rows expected from each rank.
+_A2A = 6  # slots before the two split vectors
 CHECKED_OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
        "reduce_scatter_tensor", "all_to_all_single", "barrier", "scatter", "gather", "send", "recv")
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -147,9 +155,26 @@ def _arg(args, kwargs, index: int, *names):
     return args[index] if len(args) > index else None
 
 
-def _descriptor(name: str, args, kwargs) -> list[int]:
-    """The int64 descriptor of one call: seq, op, dtype, root, list length, ndim, shape..."""
-    tensor, root, count, red, out_numel, splits = None, None, -1, None, -1, -1
+def _width(world: int) -> int:
+    """int64 slots of one descriptor on ``world`` ranks (the split sizes need two per rank)."""
+    return _WIDTH + _A2A + 2 * world
+
+
+def _split_sizes(tensor, given, world: int) -> list[int]:
+    """[count given, rows, elements per row, rows for each rank...] of one side of an
+    all_to_all_single; no split sizes: the even split torch makes (-1s where there is none)."""
+    shape = list(tensor.shape) if isinstance(tensor, torch.Tensor) and tensor.dim() else [0]
+    rows, row = shape[0], math.prod(shape[1:])
+    if given is None or len(given) == 0:
+        return [-1, rows, row] + ([rows // world] * world if rows % world == 0 else [-1] * world)
+    sizes = [int(s) for s in given][:world]
+    return [len(given), rows, row] + sizes + [-1] * (world - len(sizes))
+
+
+def _descriptor(name: str, args, kwargs, world: int = 1) -> list[int]:
+    """The int64 descriptor of one call: seq, op, dtype, root, list length, ndim, shape..., then
+    all_to_all_single's split sizes (:func:`_width`)."""
+    tensor, root, count, red, out_numel, splits, a2a = None, None, -1, None, -1, -1, None
     if name in ("all_reduce", "broadcast", "reduce", "send", "recv", "scatter", "gather"):
         tensor = _arg(args, kwargs, 0, "tensor")
         # the root's position: scatter(tensor, scatter_list, src), gather(tensor, gather_list, dst)
@@ -177,13 +202,18 @@ def _descriptor(name: str, args, kwargs) -> list[int]:
         if name == "all_to_all_single":
             given = [_arg(args, kwargs, i, s) for i, s in ((2, "output_split_sizes"), (3, "input_split_sizes"))]
             splits = int(any(s is not None and len(s) > 0 for s in given))
-    code = [_STATE.seq, CHECKED_OPS.index(name), -1, -1 if root is None else int(root), count, 0] + [-1] * (_WIDTH - 6)
+            ins, outs = _split_sizes(tensor, given[1], world), _split_sizes(output, given[0], world)
+            a2a = [ins[0], outs[0], ins[1], outs[1], ins[2], outs[2]] + ins[3:] + outs[3:]
+    code = [_STATE.seq, CHECKED_OPS.index(name), -1, -1 if root is None else int(root), count, 0] \
+        + [-1] * (_width(world) - 6)
     if isinstance(tensor, torch.Tensor):
         code[2] = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else len(_DTYPES)
         code[5] = min(tensor.dim(), _MAX_NDIM)
         code[6:6 + code[5]] = list(tensor.shape)[:code[5]]
     code[_OUT] = out_numel
     code[_SPLITS] = splits
+    if a2a is not None:
+        code[_WIDTH:] = a2a
     if red is not None:
         code[_RED] = _REDUCE.index(str(red).rsplit(".", 1)[-1].upper()) \
             if str(red).rsplit(".", 1)[-1].upper() in _REDUCE else -1
@@ -215,25 +245,61 @@ def problem(code: list[int], world: int, me: int) -> str | None:
         if not ok:
             return (f"{describe(code)}: input of {numel} and output of {out} elements do not fit "
                     f"{world} ranks")
+    if name == "all_to_all_single":
+        for side, at in (("input", 0), ("output", 1)):
+            given, rows = code[_WIDTH + at], code[_WIDTH + 2 + at]
+            sizes = code[_WIDTH + _A2A + at * world:_WIDTH + _A2A + (at + 1) * world]
+            if given >= 0 and given != world:
+                return f"{describe(code)}: {given} {side}_split_sizes, {world} ranks need {world}"
+            if given < 0 and rows % world:
+                return (f"{describe(code)}: no {side}_split_sizes and the {side}'s {rows} rows do not "
+                        f"divide among {world} ranks")
+            if given >= 0 and (min(sizes) < 0 or sum(sizes) != rows):
+                return (f"{describe(code)}: {side}_split_sizes {sizes} add up to {sum(sizes)}, "
+                        f"the {side} has {rows} rows")
     return None
 
 
 def _must_agree(code: list[int], uneven: bool) -> list[int]:
     """The part of a descriptor that must be the same on every rank (all but the seq, each rank's
-    own count). ``uneven``: some rank gave all_to_all_single split sizes."""
+    own count, the split sizes: :func:`_split_mismatch`). ``uneven``: some rank gave
+    all_to_all_single split sizes."""
     same = list(code)
     if CHECKED_OPS[code[1]] == "all_to_all_single" and uneven:
         same[6] = same[_OUT] = same[_SPLITS] = -1  # each rank's own row counts in and out
     if CHECKED_OPS[code[1]] in ("scatter", "gather"):
         same[4] = -1  # only the root passes a list (problem() checks it)
-    return same[1:]
+    return same[1:_WIDTH]
+
+
+def _split_mismatch(rows: list[list[int]]) -> list[str]:
+    """The pairs of ranks whose all_to_all_single split sizes disagree: rank i sends rank j other
+    than rank j expects from rank i (elements: the rows times each tensor's row size)."""
+    world, said = len(rows), []
+
+    def where(r: int, at: int, peer: int) -> str:
+        side = ("input", "output")[at]
+        return f"{side}_split_sizes[{peer}]" if rows[r][_WIDTH + at] >= 0 else f"{side} split evenly"
+
+    for i, src in enumerate(rows):
+        for j, dst in enumerate(rows):
+            sent, got = src[_WIDTH + _A2A + j], dst[_WIDTH + _A2A + world + i]
+            row_in, row_out = src[_WIDTH + 4], dst[_WIDTH + 5]
+            if sent * row_in == got * row_out:
+                continue
+            n_in = f"{sent} row{'s' * (sent != 1)}" + ("" if row_in == row_out else f" of {row_in} elements")
+            n_out = str(got) if row_in == row_out else f"{got} row{'s' * (got != 1)} of {row_out} elements"
+            to, frm, who = ("itself", "", "") if i == j else (f"rank {j}", f" from rank {i}", f"rank {j} ")
+            said.append(f"rank {i} sends {n_in} to {to} ({where(i, 0, j)}) but {who}expects {n_out}{frm} "
+                        f"({where(j, 1, i)})")
+    return said
 
 
 def _compare(code: list[int]) -> None:
     """Exchange a collective's descriptors on the side group; raise on every rank if they differ."""
     __tracebackhide__ = True  # read by IPython: the error, not this frame, is the news
     mine = torch.tensor(code, dtype=torch.int64)
-    gathered = [torch.zeros(_WIDTH, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    gathered = [torch.zeros(len(code), dtype=torch.int64) for _ in range(dist.get_world_size())]
     c10d.all_gather(gathered, mine, group=_STATE.side)
     rows = [g.tolist() for g in gathered]
     wrong = {r: problem(row, len(rows), r) for r, row in enumerate(rows)}
@@ -248,6 +314,14 @@ def _compare(code: list[int]) -> None:
         calls = {r: describe(c) for r, c in sorted(codes.items())}
         raise CollectiveMismatchError(f"collective #{code[0]} does not match across ranks: "
                                       + "; ".join(f"rank {r}: {c}" for r, c in calls.items()), calls)
+    pairs = _split_mismatch(rows) if CHECKED_OPS[code[1]] == "all_to_all_single" else []
+    if pairs:
+        w = len(rows)
+        calls = {r: f"{describe(c)} input_split_sizes {c[_WIDTH + _A2A:_WIDTH + _A2A + w]} "
+                    f"output_split_sizes {c[_WIDTH + _A2A + w:]}" for r, c in enumerate(rows)}
+        more = f"; and {len(pairs) - 4} more pairs" if len(pairs) > 5 else ""
+        raise CollectiveMismatchError(f"collective #{code[0]}: the split sizes do not match across ranks: "
+                                      + "; ".join(pairs[:4] if more else pairs) + more, calls)
 
 
 def _checked(fn, name: str):
@@ -258,7 +332,7 @@ def _checked(fn, name: str):
         if not dist.is_initialized() or (group is not None and group is not dist.group.WORLD):
             return fn(*args, **kwargs)  # sub-groups are not compared (see the module docstring)
         _STATE.seq += 1
-        code = _descriptor(name, args, kwargs)
+        code = _descriptor(name, args, kwargs, dist.get_world_size())
         entry = {"group": _STATE.generation, "seq": code[0], "op": name, "what": describe(code), "state": "started", "t": time.time()}
         _STATE.record.append(entry)
         try:
