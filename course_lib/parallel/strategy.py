@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import math
-import time
 from collections.abc import Callable
 
 import torch
@@ -115,14 +114,6 @@ class Strategy:
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
 
-    @contextlib.contextmanager
-    def _timed_comm(self):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.comm_s += time.perf_counter() - t0
-
 
 class CommsStrategy(Strategy):
     """Base of our own multi-rank strategies: every collective goes through ``self.comms``
@@ -151,8 +142,11 @@ class SingleProcess(Strategy):
 class TorchDDP(Strategy):
     """PyTorch's DistributedDataParallel (bucketed all-reduce overlapped with backward).
 
-    DDP's communication runs inside backward, so the time measured here is only what is left to
-    wait for afterwards; finish_grads synchronises the device so that wait is counted.
+    DDP's communication runs inside backward, which waits for it at its end (gloo: the host
+    blocks; NCCL: the compute stream waits for the last all-reduce): its exposed communication is
+    part of backward's time, and ``comm_s`` stays 0. ``finish_grads`` has nothing left to do (a
+    device synchronise there, timed, counted the rest of backward queued on the GPU as
+    communication, and stalled the GPU every step).
 
     Built without ``find_unused_parameters`` (its extra graph walk every step): a model with a
     parameter that gets no gradient stops here with PyTorch's "Expected to have finished reduction
@@ -183,11 +177,6 @@ class TorchDDP(Strategy):
 
     def no_sync(self):
         return self.model.no_sync()
-
-    def finish_grads(self) -> None:
-        if model_device(self.module).type == "cuda":
-            with self._timed_comm():
-                torch.cuda.synchronize()
 
 
 def compress_hook(state: tuple, bucket):

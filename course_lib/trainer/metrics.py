@@ -7,13 +7,20 @@ eval_train_loss, lr, grad_norm, step_ms, compute_ms, comm_ms, tokens_per_s, tflo
 act_mb, act_model_mb, loss_scale, skipped_steps (+ LAYOUT_COLUMNS for tp/pp/cp runs, + the
 router's columns for a mixture of experts: :func:`moe_columns`).
 ``step_ms`` is wall time per iteration averaged since the previous row; ``compute_ms`` the time
-in forward/backward and the optimizer step (CUDA events on a GPU, so no host sync per step);
-``comm_ms`` the exposed communication the Strategy measured (``comm_s``), which is not counted
-in ``compute_ms``. ``tflops`` is the achieved model FLOP/s of the whole job and ``mfu`` that over
-the peak of all its devices (PaLM, Chowdhery et al. 2022, App. B); on a CPU the peak is an
-estimate (course_lib.hardware). ``comm_mb``: bytes per step handed to collectives by our own
-strategies (:class:`course_lib.parallel.comms.Comms`; empty for PyTorch's). ``act_mb``: the
-activations one micro-batch keeps for backward on this rank, measured
+in forward/backward and the optimizer step, less the communication the strategy timed inside them
+(on a GPU the span between CUDA events on the compute stream, read at log steps: the timer adds
+no host sync; the span holds whatever the stream waited for); ``comm_ms`` the exposed
+communication the Strategy measured (``comm_s``: host time in blocking collectives and waits,
+on a GPU from when the compute queued before them is done), which is not counted in
+``compute_ms``: compute_ms + comm_ms <= step_ms. PyTorch's wrappers (torch_ddp, torch_zero1,
+fsdp_*) communicate inside backward and step, whose compute waits for their collectives (gloo:
+the host blocks; NCCL: the stream waits): their exposed communication is in ``compute_ms`` and
+their ``comm_ms`` is 0 (the profiler separates the two: lesson 08, section 6). ``tflops`` is the
+achieved model FLOP/s of the whole job and ``mfu`` that over the peak of all its devices (PaLM,
+Chowdhery et al. 2022, App. B); on a CPU the peak is an estimate (course_lib.hardware).
+``comm_mb``: bytes per step handed to collectives by our own strategies
+(:class:`course_lib.parallel.comms.Comms`; empty for PyTorch's). ``act_mb``: the activations one
+micro-batch keeps for backward on this rank, measured
 (:class:`SavedTensorMeter`), next to Korthikanti et al.'s model
 ``act_model_mb`` for the run's dtype and ``--recompute``. fp16 runs log the ``loss_scale`` and the
 ``skipped_steps`` so far. Each row is on disk (file closed) as soon as it is written: a crash loses

@@ -10,8 +10,9 @@
 
 Units for FSDP are the same as ours (:func:`course_lib.parallel.zero.units.default_units`, then the
 root). ``state_dict()`` returns the full state in the unsharded optimizer's format on every rank
-(like ours), so checkpoints move freely between strategies. ``comm_s`` counts only the waiting
-that is visible from outside these wrappers (their collectives run inside backward and step).
+(like ours), so checkpoints move freely between strategies. ``comm_s`` stays 0: their
+collectives run inside forward, backward and step, which wait for them (the trainer's compute_ms
+holds their exposed communication; the profiler separates it: lesson 08, section 6).
 
 A unit that some ranks run and others skip in a step (a data-dependent branch) leaves FSDP2's
 collectives unmatched: on gloo the rank aborts (SIGABRT) rather than naming the branch. A
@@ -91,11 +92,6 @@ class FSDP2(Strategy):
             yield
         finally:
             self.module.set_requires_gradient_sync(True)
-
-    def finish_grads(self) -> None:
-        if model_device(self.module).type == "cuda":
-            with self._timed_comm():
-                torch.cuda.synchronize()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
