@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .machine import run
-from .models import MODEL_ORDER, AccessViolation, PRAMError, get_model
+from .models import MODEL_ORDER, AccessViolation, Model, PRAMError, get_model
 from .program import Program, Result
 
 __all__ = ["Attempt", "Verdict", "classify"]
@@ -46,14 +46,16 @@ def _short(message: str) -> str:
     return message.split(";")[0]
 
 
-def classify(program: Program, models: Sequence[str] = MODEL_ORDER,
+def classify(program: Program, models: Sequence[str | Model] = MODEL_ORDER,
              seeds: Sequence[int] = (0, 1, 2), max_processors: int | None = None) -> Verdict:
     """Try ``models`` in order (weakest first) and return the first that runs ``program``
     correctly. CRCW-arbitrary must be correct for every seed in ``seeds``."""
     attempts: list[Attempt] = []
     limit = {} if max_processors is None else {"max_processors": max_processors}
-    for name in models:
-        model = get_model(name)
+    # resolve names once, keeping Model objects: a custom combining() model is no name that
+    # get_model could look up again when the reason and the error message are written
+    resolved = [get_model(m) for m in models]
+    for model in resolved:
         why, result = "", None
         for seed in seeds if model.rule == "arbitrary" else seeds[:1]:
             try:
@@ -71,20 +73,21 @@ def classify(program: Program, models: Sequence[str] = MODEL_ORDER,
             attempts.append(Attempt(model.name, False, why))
             continue
         attempts.append(Attempt(model.name, True, "runs"))
-        return Verdict(program.name, model.name, _reason(model.name, result, attempts, program),
+        return Verdict(program.name, model.name, _reason(model, result, attempts, program),
                        result, attempts)
-    raise PRAMError(f"{program.name} runs correctly under none of: {', '.join(models)}; "
+    raise PRAMError(f"{program.name} runs correctly under none of: "
+                    f"{', '.join(m.name for m in resolved)}; "
                     + "; ".join(a.why for a in attempts))
 
 
-def _reason(model: str, result: Result, attempts: list, program: Program) -> str:
+def _reason(model: Model, result: Result, attempts: list, program: Program) -> str:
     r, w = result.max_readers, result.max_writers
     if w.count > 1:
-        rule = get_model(model).rule
+        combined = model.name.split("-", 1)[-1]       # "CRCW-sum" -> "sum"
         how = {"common": "all writers agree, so the common rule suffices",
                "arbitrary": "any one writer's value is a correct result",
                "priority": "the lowest-numbered writer's value is the correct result",
-               "combine": f"the values must be combined ({model.split('-', 1)[1]})"}[rule]
+               "combine": f"the values must be combined ({combined})"}[model.rule]
         text = (f"Up to {w.count} processors write one address in the same step "
                 f"({w.location} at step {w.step}) and {how}")
     elif r.count > 1:

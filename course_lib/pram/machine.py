@@ -28,6 +28,8 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
+from course_lib.utils import check_count
+
 from .models import AccessViolation, Model, PRAMError, ProcessorLimitError, get_model
 from .program import (
     Concurrency,
@@ -183,6 +185,8 @@ def run(program: Program | StepFn, model: str | Model | None = None, *,
     view, fn = View(state), program.step
     limit = getattr(fn, "processors_at", None)   # phases() knows which processors idle
     n_steps = program.steps if steps is None else steps
+    if n_steps is not None:   # a loop bound of -1 or 1.5 would run 0 or 2 steps without a word
+        check_count(f"{program.name}: steps", n_steps, minimum=0)
     per_step, snapshots, work, ops = [], [] if trace else None, 0, Counter()
     max_r = max_w = Concurrency()
     step = 0

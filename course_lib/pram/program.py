@@ -10,6 +10,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from course_lib.utils import check_count
+
 from .shared_memory import Memory, flatten, value_text
 from .trace import format_table
 
@@ -37,6 +39,9 @@ def phases(*parts: tuple) -> StepFn:
     """
     starts, total = [], 0
     for fn, n, *procs in parts:
+        check_count(f"phases: steps of {getattr(fn, '__name__', fn)}", n, minimum=0)
+        if procs:
+            check_count(f"phases: processors of {getattr(fn, '__name__', fn)}", procs[0])
         starts.append((total, fn, procs[0] if procs else None))
         total += n
 

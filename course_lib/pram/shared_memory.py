@@ -55,7 +55,34 @@ def flatten(value: Any) -> Array:
     while isinstance(node, (list, tuple)):
         shape.append(len(node))
         node = node[0] if node else None
+    _check_rectangular(value, shape)
     return Array(tuple(shape), _flat_list(value, len(shape)))
+
+
+def _check_rectangular(nested: Any, shape: list[int]) -> None:
+    """A ValueError naming the first row that does not match ``shape``, the shape read off the
+    first element at each depth: without it [[1, 2], [3, 4, 5], [6]] (6 values) would load
+    silently as a (3, 2) array with its values shifted between rows."""
+
+    def index(position: int, depth: int) -> list[int]:   # row-major position -> [i, j, ...]
+        out = []
+        for size in reversed(shape[:depth]):
+            position, r = divmod(position, size)
+            out.append(r)
+        return out[::-1]
+
+    level = [nested]
+    for depth, n in enumerate(shape):
+        for k, node in enumerate(level):
+            if not isinstance(node, (list, tuple)) or len(node) != n:
+                got = f"a list of {len(node)}" if isinstance(node, (list, tuple)) else repr(node)
+                raise ValueError(f"ragged nested list: element {index(k, depth)} is {got}, "
+                                 f"expected a list of {n} like element {[0] * depth}")
+        level = [x for node in level for x in node]
+    for k, leaf in enumerate(level):
+        if isinstance(leaf, (list, tuple)):
+            raise ValueError(f"ragged nested list: element {index(k, len(shape))} is the list "
+                             f"{leaf!r}, expected a single value like element {[0] * len(shape)}")
 
 
 def _flat_list(nested: Any, depth: int) -> list:
@@ -83,11 +110,17 @@ class Memory:
             if not isinstance(name, str) or not name.isidentifier():
                 raise ValueError(f"array names must be identifiers like 'A' or 'dweight', "
                                  f"got {name!r}")
-            array = flatten(value)
+            try:
+                array = flatten(value)
+            except ValueError as e:   # say which array: memory often holds several
+                raise ValueError(f"array {name!r}: {e}") from None
             self.shapes[name] = array.shape
             self.bases[name] = len(self.cells)
             self.cells.extend(array.data)
-        self._starts = sorted((base, name) for name, base in self.bases.items())
+        # an empty array owns no address but shares its base with the next array: leave it
+        # out, or location() could pick it for that array's first cell (and divide by 0)
+        self._starts = sorted((base, name) for name, base in self.bases.items()
+                              if self.size(name))
 
     def __contains__(self, name: str) -> bool:
         return name in self.shapes
