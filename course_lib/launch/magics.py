@@ -199,15 +199,19 @@ def _line_parser() -> _Parser:
     p.add_argument("action", choices=("start", "stop", "restart", "status", "teaching", "flight",
                                       "check_replicas"))
     p.add_argument("arg", nargs="?", help="ranks (start), on|off (teaching), the model's name (check_replicas)")
-    p.add_argument("--no-check", dest="check", action="store_false", help="start without teaching mode")
     p.add_argument("--optimizer", help="check_replicas: the optimizer's name on the ranks")
     p.add_argument("--batch", help="check_replicas: the name of the batch each rank read")
     p.add_argument("--local", help="check_replicas: the name of the gradients before the sync (local_grads)")
-    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--timeout", type=_seconds, default=DEFAULT_TIMEOUT_S,
-                   help="seconds a cell may run, and the collective timeout")
+    # start's own options: None when not given, so that another action given one refuses it
+    p.add_argument("--no-check", dest="check", action="store_false", default=None,
+                   help="start without teaching mode")
+    p.add_argument("--backend", choices=("auto", "gloo", "nccl"))
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--timeout", type=_seconds, help="seconds a cell may run, and the collective timeout")
     return p
+
+
+START_ONLY = {"check": "--no-check", "backend": "--backend", "device": "--device", "timeout": "--timeout"}
 
 
 def _cell_parser() -> _Parser:
@@ -239,10 +243,17 @@ class RankPoolMagics(Magics):
         a = _cell_parser().parse_args(shlex.split(line))
         if self.pool is None or not self.pool.running:
             raise UsageError("no ranks are running: %ranks start N first")
-        self.pool.run(cell, ranks=parse_ranks(a.ranks), timeout=a.timeout)
+        try:
+            self.pool.run(cell, ranks=parse_ranks(a.ranks), timeout=a.timeout)
+        except LaunchConfigError as e:  # ranks that are not in the pool: one line, nothing run
+            raise UsageError(f"%%ranks: {e}") from None
         return None
 
     def _line(self, a):
+        given = [flag for name, flag in START_ONLY.items() if getattr(a, name) is not None]
+        if a.action != "start" and given:  # it would do nothing: the pool keeps what start gave it
+            raise UsageError(f"%ranks {a.action} takes no {', '.join(given)}: only %ranks start does "
+                             "(%ranks stop, then %ranks start N with them)")
         if a.action == "start":
             if a.arg is None or not a.arg.isdigit():
                 raise UsageError("%ranks start N: how many ranks?")
@@ -250,7 +261,8 @@ class RankPoolMagics(Magics):
             if self.pool is not None and self.pool.running:
                 raise UsageError(f"{self.pool.world_size} ranks are running: %ranks stop first, or %ranks restart")
             try:
-                self.pool = RankPool(a.n, backend=a.backend, device=a.device, timeout=a.timeout, check=a.check)
+                self.pool = RankPool(a.n, backend=a.backend or "auto", device=a.device or "auto",
+                                     timeout=a.timeout or DEFAULT_TIMEOUT_S, check=a.check is not False)
             except (LaunchConfigError, ValueError) as e:  # a PlanError too: devices that cannot work
                 raise UsageError(str(e)) from None
             self.pool.start()

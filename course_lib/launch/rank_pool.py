@@ -147,6 +147,9 @@ class RankPool:
 
     # -- life cycle --------------------------------------------------------------------------
     def start(self, log=print) -> RankPool:
+        if self.running:  # a second cluster would replace the first, whose processes stop() then no longer knows
+            raise RankPoolError(f"the pool is running already ({self.world_size} ranks): restart() starts it "
+                                "again, stop() first for another one")
         # ipyparallel (0.25 s) only when ranks start, not on %load_ext course_lib
         import ipyparallel as ipp
 
@@ -237,8 +240,8 @@ class RankPool:
     def run(self, code: str, ranks=None, timeout: float | None = None, show: bool = True) -> None:
         """Run ``code`` on ``ranks`` (default all), showing each rank's output as it comes
         (``show=False``: only if a rank writes to stderr or fails)."""
-        targets = self._targets(ranks)
         limit = self.timeout if timeout is None else check_seconds("timeout", timeout, error=LaunchConfigError)
+        targets = self._targets(ranks)  # after every check: it may start a dead rank again
         prompt = _prompt()
         self.history.append((f"In [{prompt}]" if prompt is not None else f"#{len(self.history) + 1}", targets, code))
         if prompt is not None:  # a rank's traceback then says "Cell In[7]" for the notebook's In [7]
@@ -327,7 +330,7 @@ class RankPool:
                 raise ValueError(f"{name}: give one value per rank, such as [a, b] for 2 ranks, got {values!r}")
             if len(values) != self.world_size:
                 raise ValueError(f"{name}: {len(values)} values for {self.world_size} ranks")
-        for r in range(self.world_size):
+        for r in self._targets(None):  # as push: a rank that died since the last cell is started again first
             self._client[self._engines[r]].push({k: v[r] for k, v in per_rank.items()}, block=True)
 
     # -- a cell past its limit: interrupt the ranks, a new process group --------------------------
@@ -449,10 +452,6 @@ class RankPool:
     def _targets(self, ranks) -> list[int]:
         if not self.running:
             raise RankPoolError("the pool is not running: %ranks start N (or pool.start())")
-        dead = self.dead_ranks()
-        if dead:  # died since the last cell (killed from outside, out of memory): start it again first
-            print("\n".join(f"rank {r} DIED since the last cell ({how})" for r, how in dead.items()))
-            self.restart_ranks(list(dead))
         if isinstance(ranks, int) and not isinstance(ranks, bool):  # one rank: ranks=1 means [1]
             ranks = [ranks]
         if ranks is not None and (isinstance(ranks, (str, bytes)) or not isinstance(ranks, Iterable)):
@@ -461,6 +460,10 @@ class RankPool:
         bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < self.world_size)]
         if bad or not ranks:
             raise LaunchConfigError(f"ranks must be between 0 and {self.world_size - 1}, got {ranks}")
+        dead = self.dead_ranks()  # checked first: a refused call starts nothing
+        if dead:  # died since the last cell (killed from outside, out of memory): start it again first
+            print("\n".join(f"rank {r} DIED since the last cell ({how})" for r, how in dead.items()))
+            self.restart_ranks(list(dead))
         return ranks
 
     def _apply_each(self, fn_name: str, args_of) -> list:

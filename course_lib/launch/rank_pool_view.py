@@ -53,7 +53,9 @@ class RankBoard:
 
     def __init__(self, ranks: list[int], out=None, quiet: bool = False):
         self.ranks, self.quiet = ranks, quiet
-        self._seen: dict[int, int] = dict.fromkeys(ranks, 0)
+        # how much of each rank's stdout, stderr, traceback and 'stopped' line is printed: counted
+        # apart, as stderr arriving between two stdout lines goes in the middle of their concatenation
+        self._seen: dict[int, tuple[int, ...]] = dict.fromkeys(ranks, (0, 0, 0, 0))
         self._last = None
         self._handle = None
         self._out = out
@@ -94,10 +96,11 @@ class RankBoard:
     def _print_new(self, parts, stopped: dict[int, str]) -> None:
         out = self._out or sys.stdout
         for rank, (stdout, stderr, tb) in parts.items():
-            text = stdout + stderr + tb + (f"stopped ({stopped[rank]})\n" if rank in stopped else "")
-            new, self._seen[rank] = text[self._seen[rank]:], len(text)
-            for line in new.splitlines():
-                out.write(f"[rank {rank}] {line}\n")
+            texts = (stdout, stderr, tb, f"stopped ({stopped[rank]})\n" if rank in stopped else "")
+            for text, seen in zip(texts, self._seen[rank], strict=True):
+                for line in text[seen:].splitlines():
+                    out.write(f"[rank {rank}] {line}\n")
+            self._seen[rank] = tuple(map(len, texts))
         out.flush()
 
 
