@@ -92,7 +92,11 @@ def test_pbs_script_text():
                               activate=None)
     lines = text.splitlines()
     assert "#PBS -l select=3:ncpus=24:mpiprocs=1:ngpus=2" in lines and "#PBS -q workq" in lines
-    assert lines[-1].startswith('"$mpiexec_bin" -n 3 -ppn 1 torchrun --nnodes=3 --nproc-per-node=2 ')
+    assert "#PBS -l place=scatter" in lines  # one chunk per host: two torchruns would share its GPUs
+    assert "export OMP_NUM_THREADS=12" in lines  # 24 cpus, 2 ranks: not PBS's 24 threads for each
+    assert "export OMP_NUM_THREADS=4" in cluster.pbs_script(1, 2, activate=None).splitlines()  # 4 per rank asked
+    assert lines[-1].startswith('"$mpiexec_bin" -n 3 "${per_node[@]}" torchrun --nnodes=3 --nproc-per-node=2 ')
+    assert "per_node=(-ppn 1)" in lines  # MPICH's spelling unless mpiexec --version says Open MPI
     assert '--rdzv-id="$PBS_JOBID"' in lines[-1]
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
 
@@ -142,8 +146,9 @@ def test_pbs_script_runs_with_arguments_intact(tmp_path):
     env = dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}", RECORD=str(record), PBS_JOBID="99.pbs",
                PBS_NODEFILE=str(nodefile), PBS_O_WORKDIR=str(tmp_path))
     subprocess.run(["bash", str(script)], env=env, check=True)
-    (call,) = [json.loads(line) for line in record.read_text().splitlines()]
-    assert call[:4] == ["mpiexec", "-n", "2", "-ppn"] and call[5:7] == ["torchrun", "--nnodes=2"]
+    version, call = [json.loads(line) for line in record.read_text().splitlines()]  # the stand-in: no Open MPI
+    assert version == ["mpiexec", "--version"]
+    assert call[:5] == ["mpiexec", "-n", "2", "-ppn", "1"] and call[5:7] == ["torchrun", "--nnodes=2"]
     assert "--rdzv-endpoint=cn3:29599" in call and "--rdzv-id=99.pbs" in call  # 29500 + 99
     assert call[-len(TRAIN_ARGS):] == TRAIN_ARGS
 

@@ -1,8 +1,9 @@
 """course submit --scheduler slurm|pbs --nodes N --gpus-per-node G [--dry-run] -- TRAIN ARGS
 
 Batch scripts that run the trainer on N nodes x G GPUs (what the scheduler gave a running job is
-:mod:`course_lib.launch.placement`, :func:`~course_lib.launch.placement.detect_allocation`). SLURM starts one ``torchrun`` per node with ``srun``; PBS
-with ``mpiexec -n N -ppn 1`` (MPICH / Cray PALS / Intel MPI syntax). The torchrun agents meet
+:mod:`course_lib.launch.placement`, :func:`~course_lib.launch.placement.detect_allocation`). SLURM
+starts one ``torchrun`` per node with ``srun``; PBS with ``mpiexec -n N -ppn 1`` (MPICH / Cray PALS / Intel MPI syntax; Open MPI's
+``--map-by ppr:1:node`` where its ``mpiexec --version`` says Open MPI). The torchrun agents meet
 in a c10d rendezvous on the first node of the allocation, under the job id, at a port derived
 from it (unless --port), with an explicit join timeout. The trainer's arguments are checked before
 anything is submitted. Training arguments are quoted for the shell (``shlex.quote``), so spaces and ``;``
@@ -66,6 +67,12 @@ def _env_lines(nproc: int, cpus_per_node: int | None, nccl_debug: str | None,
     return lines
 
 
+# What a PBS job must be given by name: qsub passes it none of the submitter's environment but the
+# PBS_O_* copies (POSIX qsub; https://pubs.opengroup.org/onlinepubs/9699919799/utilities/qsub.html).
+# Not -V: the submitter's PATH would come too, and its venv's mpich wheel would shadow the system MPI.
+_PBS_CARRIED_ENV = ("COURSE_DATA_DIR",)  # where `course submit` checked that the dataset is prepared
+
+
 _NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
 _TIME = re.compile(r"^(\d+-)?\d{1,3}(:\d{2}){0,2}$")
 
@@ -101,6 +108,23 @@ def _activate(activate: str | None) -> str | None:
 def _check_time(time_limit: str) -> None:
     if not _TIME.match(time_limit):
         raise ValueError(f"time limit {time_limit!r} must look like HH:MM:SS (or D-HH:MM:SS)")
+
+
+def _pbs_walltime(time_limit: str) -> str:
+    """``--time``, read as sbatch reads it (sbatch(1), --time: minutes, minutes:seconds,
+    hours:minutes:seconds, days-hours, days-hours:minutes, days-hours:minutes:seconds), as PBS's
+    walltime hours:minutes:seconds (PBS Professional Reference Guide, "Duration":
+    [[hours:]minutes:]seconds). qsub refuses a day count, and reads a bare 30 as seconds."""
+    days, _, clock = time_limit.rpartition("-")
+    parts = [int(x) for x in clock.split(":")]
+    if days:
+        hours, minutes, seconds = (*parts, 0, 0)[:3]
+    elif len(parts) == 3:
+        hours, minutes, seconds = parts
+    else:
+        hours, minutes, seconds = 0, parts[0], (parts[1] if len(parts) == 2 else 0)
+    total = ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds
+    return f"{total // 3600:02d}:{total // 60 % 60:02d}:{total % 60:02d}"
 
 
 def slurm_script(nodes: int, gpus_per_node: int, train_args: Sequence[str] = (), *,
@@ -159,27 +183,40 @@ def pbs_script(nodes: int, gpus_per_node: int, train_args: Sequence[str] = (), *
                nproc_per_node: int | None = None, port: int | None = None,
                join_timeout: int = 300, nccl_debug: str | None = None,
                activate: str | None = "auto") -> str:
-    """A qsub script: mpiexec starts one torchrun per node (-ppn 1), each with G workers."""
+    """A qsub script: mpiexec starts one torchrun per node (-ppn 1, Open MPI: --map-by ppr:1:node),
+    each with G workers."""
     nproc = _validate(nodes, gpus_per_node, nproc_per_node, job_name=job_name,
                       queue=partition, account=account, port=port,
                       cpus_per_node=cpus_per_node)
     _check_time(time_limit)
-    select = f"select={nodes}:ncpus={cpus_per_node or max(1, nproc) * 4}:mpiprocs=1"
+    ncpus = cpus_per_node or max(1, nproc) * 4
+    select = f"select={nodes}:ncpus={ncpus}:mpiprocs=1"
     if gpus_per_node:
         select += f":ngpus={gpus_per_node}"
-    d = [f"-N {job_name}", f"-l {select}", f"-l walltime={time_limit}", "-j oe"]
+    # place=scatter: each chunk on a host of its own (PBS Professional Reference Guide, "place"):
+    # under the default "free" two chunks could share a host, two torchruns its GPUs
+    d = [f"-N {job_name}", f"-l {select}", "-l place=scatter", f"-l walltime={_pbs_walltime(time_limit)}",
+         "-j oe"]
     d += [f"-q {partition}"] if partition else []
     d += [f"-A {account}"] if account else []
     lines = ["#!/bin/bash", *(f"#PBS {x}" for x in d),
              "# The system's MPI, found before the venv's mpich wheel could shadow it.",
              ('mpiexec_bin=$(command -v mpiexec) || { echo "mpiexec not found: load your MPI '
               '(module load ...)" >&2; exit 1; }'),
-             *_env_lines(nproc, cpus_per_node, nccl_debug, _activate(activate)),
+             # always: PBS sets OMP_NUM_THREADS to the chunk's ncpus, which torchrun keeps for each rank
+             *_env_lines(nproc, ncpus, nccl_debug, _activate(activate)),
+             *(f"export {name}={shlex.quote(os.environ[name])}" for name in _PBS_CARRIED_ENV
+               if os.environ.get(name)),
              "set -euo pipefail", 'cd "$PBS_O_WORKDIR"', "",
              "# The first node of the allocation hosts the rendezvous store.",
              'head_node=$(head -n 1 "$PBS_NODEFILE")', 'job_number=${PBS_JOBID%%[!0-9]*}',
              *_port_lines(port, "job_number"), "",
-             f'"$mpiexec_bin" -n {nodes} -ppn 1 ' + _torchrun_line(
+             "# One torchrun per node: -ppn 1 for MPICH, Cray PALS and Intel MPI; Open MPI has no -ppn.",
+             'per_node=(-ppn 1)',
+             'case "$("$mpiexec_bin" --version 2>&1 || true)" in',
+             '  *"Open MPI"* | *OpenRTE*) per_node=(--map-by ppr:1:node) ;;',
+             'esac',
+             f'"$mpiexec_bin" -n {nodes} "${{per_node[@]}}" ' + _torchrun_line(
                  nodes, nproc, "$head_node", "$PBS_JOBID", join_timeout, target, train_args)]
     return "\n".join(lines) + "\n"
 

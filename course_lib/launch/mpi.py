@@ -34,6 +34,11 @@ MPICH, OPEN_MPI = "MPICH", "Open MPI"
 # one-process group) holds: inherited, every MPI rank read RANK=0 and WORLD_SIZE=1 before its own
 # PMI_RANK (bootstrap.RANK_ENVS), and all of them were rank 0, writing one rank's log files.
 TORCH_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+# Another launcher's rank variables that bootstrap reads before Open MPI's OMPI_COMM_WORLD_*, and which
+# Open MPI does not overwrite (Hydra does): a kernel started by `srun --mpi=pmi2` (batchspawner) holds
+# PMI_RANK=0 and PMI_SIZE=1 (Slurm's mpi/pmi2 plugin sets them in every task), so every Open MPI rank
+# was rank 0 of 1 again.
+_INHERITED_RANK_VARS = (*TORCH_RANK_VARS, "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID")
 # mpi4py.rc: load the MPI library without starting MPI (MPI_Get_library_version may be called
 # before MPI_Init: MPI 4.1 standard, section 9.1.1), in a process of its own, as each rank would.
 _LIBRARY_PROBE = ("import mpi4py; mpi4py.rc.initialize = mpi4py.rc.finalize = False; "
@@ -155,7 +160,8 @@ def mpirun(target, args: Sequence[str] = (), *, n: int = 2, module: bool | None 
 
     MPI has no collective timeout of its own: ``timeout`` (wall clock) is what ends a hang. The
     ranks get this process's environment without torchrun's rank variables (RANK, WORLD_SIZE, ...)
-    unless ``env`` sets them: each rank's own are MPI's.
+    or another launcher's (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID) unless ``env`` sets them: each rank's
+    own are MPI's.
     """
     check_count("n (MPI ranks)", n, error=checks.LaunchConfigError)
     timeout = check_seconds("timeout", timeout, error=checks.LaunchConfigError)
@@ -164,7 +170,7 @@ def mpirun(target, args: Sequence[str] = (), *, n: int = 2, module: bool | None 
     target, is_module = checks.resolve_target(target, module)
     run_id = torchrun.new_run_id()
     full_env = base_env(env, n, run_id, local=True)
-    for name in TORCH_RANK_VARS:  # this process's own, if it is a rank: bootstrap reads RANK before PMI_RANK
+    for name in _INHERITED_RANK_VARS:  # this process's own, if it is a rank: bootstrap reads them first
         if name not in (env or {}):
             full_env.pop(name, None)
     mpiexec, fam = find_mpiexec(full_env)  # the one that matches mpi4py's library, else refused here
