@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 CELL_TIMEOUT_ENV = "COURSE_GRADING_CELL_TIMEOUT"
+MAX_CELL_TIMEOUT_S = 2**31 - 1  # the longest signal.alarm takes (a C int): beyond it the alarm raises
 CELL_LOG_ENV = "COURSE_GRADING_CELL_LOG"  # a file the kernel writes each cell to as it starts: its first line, then all of it
 
 

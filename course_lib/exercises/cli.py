@@ -12,6 +12,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from course_lib.exercises.build import build_exercise, check_exercise, course_wheel, zip_package_differences
+from course_lib.exercises.cell_limit import MAX_CELL_TIMEOUT_S
 from course_lib.exercises.colab import setup_cell_problems, sync_setup_cell
 from course_lib.exercises.grade import (
     CELL_TIMEOUT_ENV,
@@ -188,6 +189,19 @@ def grade_cli(argv: list[str] | None = None) -> int:
         if not s.is_file():
             print(f"course grade: {s} does not exist", file=sys.stderr)
             return 2
+    if args.csv or args.feedback:
+        # the gradebook's student and the feedback file's name are the file's name without .ipynb
+        # (GradeReport.student, of the resolved path): two submissions with one name would overwrite
+        # each other's feedback (also where they differ in case only, on a case-insensitive disk)
+        # and leave gradebook rows that no one can tell apart
+        by_name: dict[str, list[Path]] = {}
+        for s in args.submissions:
+            by_name.setdefault(s.resolve().stem.casefold(), []).append(s)
+        if clash := next((paths for paths in by_name.values() if len(paths) > 1), None):
+            print(f"course grade: {' and '.join(map(str, clash))} would have one student name, "
+                  f"{clash[0].resolve().stem!r}, in the gradebook and feedback; give each submission "
+                  "a file name of its own (e.g. the student's)", file=sys.stderr)
+            return 2
     if args.autograder is not None and not args.autograder.is_file():
         print(f"course grade: autograder zip {args.autograder} does not exist", file=sys.stderr)
         return 2
@@ -198,8 +212,12 @@ def grade_cli(argv: list[str] | None = None) -> int:
         print("course grade: --jobs must be >= 1", file=sys.stderr)
         return 2
     if args.cell_timeout is not None:
-        if args.cell_timeout <= 0:
-            print("course grade: --cell-timeout must be > 0 seconds", file=sys.stderr)
+        # each cell's limit is signal.alarm(int(seconds)) in the kernel: nan and inf fail that
+        # conversion (every submission would score zero), and past a C int the alarm raises in
+        # each cell's hook, which leaves every cell unbounded
+        if not 0 < args.cell_timeout <= MAX_CELL_TIMEOUT_S:
+            print(f"course grade: --cell-timeout must be > 0 and at most {MAX_CELL_TIMEOUT_S} seconds",
+                  file=sys.stderr)
             return 2
         os.environ[CELL_TIMEOUT_ENV] = str(args.cell_timeout)
     try:

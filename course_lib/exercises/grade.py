@@ -139,8 +139,14 @@ def assignment_name(submission: Path) -> str | None:
     # nbformat (0.15 s) only where a notebook is read: importing course_lib.exercises stays light
     import nbformat
 
-    nb = nbformat.read(submission, as_version=4)
-    return nb.metadata.get("otter", {}).get("assignment_name")
+    try:
+        nb = nbformat.read(submission, as_version=4)
+    except Exception as e:  # noqa: BLE001 - not JSON, not UTF-8, no cells (jsonschema's ValidationError): name the file
+        said = (str(e).strip().splitlines() or [""])[0]  # one line: a batch's error names the file first
+        raise ValueError(f"{submission} is not a notebook that can be read ({type(e).__name__}: {said}); "
+                         "fix or remove it, or pass --autograder ZIP to grade it as it is (it scores zero)") from None
+    otter = nb.metadata.get("otter", {})
+    return otter.get("assignment_name") if isinstance(otter, dict) else None  # a student's metadata may be anything
 
 
 def find_autograder(submission: Path, root: Path | None = None) -> Path:
