@@ -83,3 +83,29 @@ def test_two_submissions_with_one_student_name_are_refused_where_it_is_written(t
     # the reports on stdout name each file by its path: without a gradebook or feedback, both are graded
     assert cli.grade_cli([*map(str, subs), "--autograder", str(zip_)]) == 0
     assert graded == [[str(s) for s in subs]]
+
+
+@pytest.mark.timeout(30)
+def test_a_cell_timeout_set_in_the_environment_is_checked_like_the_flag(tmp_path, capsys, graded, monkeypatch):
+    """COURSE_GRADING_CELL_TIMEOUT set by hand bypassed the flag's check: nan reached every cell's
+    alarm (every submission scored zero). The plugin reads it through the same check."""
+    from course_lib.exercises.cell_limit import CellTimeLimit
+
+    sub, zip_ = tmp_path / "ada.ipynb", tmp_path / "ag.zip"
+    sub.write_text("{}")
+    zip_.write_text("")
+    for value in ("nan", "-3", "soon"):
+        monkeypatch.setenv(CELL_TIMEOUT_ENV, value)
+        assert cli.grade_cli([str(sub), "--autograder", str(zip_)]) == 2
+        err = capsys.readouterr().err
+        assert f"{CELL_TIMEOUT_ENV} must be seconds > 0" in err and err.count("\n") == 1, err
+        with pytest.raises(ValueError, match=CELL_TIMEOUT_ENV):
+            CellTimeLimit(sub, {}, {}).seconds()
+    assert graded == []
+    monkeypatch.setenv(CELL_TIMEOUT_ENV, "30")
+    assert cli.grade_cli([str(sub), "--autograder", str(zip_)]) == 0 and len(graded) == 1
+    assert CellTimeLimit(sub, {}, {}).seconds() == 30
+    monkeypatch.delenv(CELL_TIMEOUT_ENV)
+    assert CellTimeLimit(sub, {}, {"cell_timeout": 45}).seconds() == 45
+    with pytest.raises(ValueError, match="cell_timeout must be"):
+        CellTimeLimit(sub, {}, {"cell_timeout": float("inf")}).seconds()

@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 CELL_TIMEOUT_ENV = "COURSE_GRADING_CELL_TIMEOUT"
 MAX_CELL_TIMEOUT_S = 2**31 - 1  # the longest signal.alarm takes (a C int): beyond it the alarm raises
 CELL_LOG_ENV = "COURSE_GRADING_CELL_LOG"  # a file the kernel writes each cell to as it starts: its first line, then all of it
+
+
+def check_cell_timeout(value, source: str) -> float:
+    """A cell's time limit in seconds, from ``source`` (a flag, the environment variable, the
+    assignment's config): a number > 0 that ``signal.alarm`` can hold, else a ValueError naming
+    it (nan or inf failed the alarm's conversion in every cell: every submission scored zero)."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if not 0 < seconds <= MAX_CELL_TIMEOUT_S:  # also false for nan
+        raise ValueError(f"{source} must be seconds > 0 and at most {MAX_CELL_TIMEOUT_S}, got {value!r}")
+    return seconds
 
 
 def running_cell_log(environ=os.environ) -> tuple[str, str]:
@@ -82,8 +96,9 @@ if hasattr(_course_signal, "SIGALRM"):
         self.plugin_config = plugin_config or {}
 
     def seconds(self) -> int:
-        value = os.environ.get(CELL_TIMEOUT_ENV) or self.plugin_config.get("cell_timeout", 120)
-        return max(1, int(float(value)))
+        if os.environ.get(CELL_TIMEOUT_ENV):
+            return max(1, int(check_cell_timeout(os.environ[CELL_TIMEOUT_ENV], CELL_TIMEOUT_ENV)))
+        return max(1, int(check_cell_timeout(self.plugin_config.get("cell_timeout", 120), "cell_timeout")))
 
     def before_execution(self, submission):
         # nbformat only inside otter's grading run, where a submission is read

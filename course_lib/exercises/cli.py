@@ -12,7 +12,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from course_lib.exercises.build import build_exercise, check_exercise, course_wheel, zip_package_differences
-from course_lib.exercises.cell_limit import MAX_CELL_TIMEOUT_S
+from course_lib.exercises.cell_limit import check_cell_timeout
 from course_lib.exercises.colab import setup_cell_problems, sync_setup_cell
 from course_lib.exercises.grade import (
     CELL_TIMEOUT_ENV,
@@ -211,15 +211,18 @@ def grade_cli(argv: list[str] | None = None) -> int:
     if args.jobs < 1:
         print("course grade: --jobs must be >= 1", file=sys.stderr)
         return 2
-    if args.cell_timeout is not None:
-        # each cell's limit is signal.alarm(int(seconds)) in the kernel: nan and inf fail that
-        # conversion (every submission would score zero), and past a C int the alarm raises in
-        # each cell's hook, which leaves every cell unbounded
-        if not 0 < args.cell_timeout <= MAX_CELL_TIMEOUT_S:
-            print(f"course grade: --cell-timeout must be > 0 and at most {MAX_CELL_TIMEOUT_S} seconds",
-                  file=sys.stderr)
+    # each cell's limit is signal.alarm(int(seconds)) in the kernel: nan and inf fail that
+    # conversion (every submission would score zero), and past a C int the alarm raises in each
+    # cell's hook, which leaves every cell unbounded; the variable set by hand is checked the same way
+    flag, value = (("--cell-timeout", args.cell_timeout) if args.cell_timeout is not None
+                   else (CELL_TIMEOUT_ENV, os.environ.get(CELL_TIMEOUT_ENV) or None))
+    if value is not None:
+        try:
+            check_cell_timeout(value, flag)
+        except ValueError as e:
+            print(f"course grade: {e}", file=sys.stderr)
             return 2
-        os.environ[CELL_TIMEOUT_ENV] = str(args.cell_timeout)
+        os.environ[CELL_TIMEOUT_ENV] = str(value)
     try:
         zips = [args.autograder or find_autograder(s, args.root) for s in args.submissions]
         if args.csv:
