@@ -31,10 +31,13 @@ def load_model(out_dir: str | Path, which: str = "best", device: str = "cpu"):
     return model.to(device).eval(), ck["meta"], ck["iter_num"]
 
 
-def _check(start, num_samples, max_new_tokens, temperature, top_k, device: str) -> str:
+def _check(start, num_samples, max_new_tokens, temperature, top_k, seed, device: str) -> str:
     """sample()'s arguments, each with what to change; returns the device ("auto" resolved)."""
     if not isinstance(start, str):
         raise ValueError(f"start must be text (or 'FILE:path'), got {start!r}")
+    # torch.Generator.manual_seed takes 64 bits (a negative seed is only another name for one of them)
+    if check_count("seed", seed, minimum=0) >= 2**64:
+        raise ValueError(f"seed must be below 2**64, got {seed!r}")
     check_count("num_samples", num_samples)
     check_count("max_new_tokens", max_new_tokens)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
@@ -52,18 +55,29 @@ def _check(start, num_samples, max_new_tokens, temperature, top_k, device: str) 
     return device
 
 
+def _mask_from(vocab_size: int):
+    """A forward hook for the LM head: logits of the ids from ``vocab_size`` on become -inf."""
+    def hook(_module, _inputs, logits):
+        return logits.masked_fill(torch.arange(logits.size(-1), device=logits.device) >= vocab_size, float("-inf"))
+    return hook
+
+
 def sample(out_dir: str | Path, start: str = "\n", num_samples: int = 1, max_new_tokens: int = 500,
            temperature: float = 0.8, top_k: int | None = 200, seed: int = 1337, which: str = "best",
            device: str = "auto") -> list[str]:
     """``num_samples`` continuations of ``start`` (``FILE:path`` reads the prompt from a file).
     Bad arguments raise ValueError before the checkpoint is read."""
-    device = _check(start, num_samples, max_new_tokens, temperature, top_k, device)
+    device = _check(start, num_samples, max_new_tokens, temperature, top_k, seed, device)
     if start.startswith("FILE:"):
         try:
             start = Path(start[5:]).read_text()
         except OSError as e:
             raise ValueError(f"cannot read the prompt file {start[5:]!r} ({e.strerror or e})") from None
     model, meta, _ = load_model(out_dir, which, device)
+    if model.config.vocab_size > meta["vocab_size"]:
+        # GPT-2's 50257 tokens have 50304 logits (padded for speed, data.model_vocab_size): the
+        # padding ids are no tokens and cannot be decoded, so they must never be drawn
+        model.lm_head.register_forward_hook(_mask_from(meta["vocab_size"]))
     encode, decode = tokenizer(meta)
     ids = encode(start)
     if not ids:
