@@ -79,7 +79,9 @@ def make_fabric(strategy: str, *, accelerator: str = "cpu", devices: int | None 
     1; ``parallelize`` replaces :func:`fsdp2_parallelize` as its ``parallelize_fn``). Lightning's
     own names "dp", "fsdp" and "deepspeed" are passed to Fabric as they are, for a GPU machine
     (:func:`refusals` says what a CPU machine answers); "dp" is one process driving ``devices``
-    GPUs, so it runs on one rank.
+    GPUs, so it runs on one rank. An argument the strategy would not use (``parallelize`` but for
+    "fsdp2", ``ddp_kwargs`` but for "ddp", ``devices`` other than the ranks there are, "single" on
+    one of several ranks) is a ValueError or TypeError, not another run than the one asked for.
     """
     fabric_pkg = fabric_package()
     # lightning is the optional extra: imported when used (fabric_package says what to install)
@@ -89,6 +91,21 @@ def make_fabric(strategy: str, *, accelerator: str = "cpu", devices: int | None 
     if strategy not in FABRIC_STRATEGIES + LIGHTNING_NAMED:
         raise ValueError(f"strategy must be one of {FABRIC_STRATEGIES + LIGHTNING_NAMED}, got {strategy!r}")
     world = dist.get_world_size() if dist.is_initialized() else 1
+    # An argument the chosen strategy would not use is an error: dropped silently, another run
+    # than the one asked for would train (DDP instead of the caller's FSDP2, say).
+    if strategy == "single" and world > 1:
+        raise ValueError(f'"single" is one process alone, but this process is one of {world} ranks: each rank '
+                         'would train its own model on its share of the batch, no gradient exchanged; '
+                         'run it on 1 rank, or use "ddp" or "fsdp2" here')
+    if parallelize is not None and strategy != "fsdp2":
+        raise ValueError(f'parallelize is the parallelize_fn of "fsdp2"; {strategy!r} would not call it')
+    if ddp_kwargs and strategy != "ddp":
+        raise TypeError(f'{sorted(ddp_kwargs)} go to DistributedDataParallel, under "ddp" only; '
+                        f'{strategy!r} would ignore them')
+    ranks_of = {"single": 1, "ddp": world, "fsdp2": world}  # the devices these strategies train on
+    if strategy in ranks_of and devices not in (None, ranks_of[strategy]):
+        raise ValueError(f'{strategy!r} trains on the {ranks_of[strategy]} ranks there are (one device each), '
+                         f'not devices={devices}')
     if strategy == "single":
         chosen, devices = "auto", 1
     elif strategy == "ddp":
@@ -109,7 +126,14 @@ def make_fabric(strategy: str, *, accelerator: str = "cpu", devices: int | None 
 
 def fabric_setup(fabric, model: torch.nn.Module, make_optimizer: Callable):
     """Fabric's order for sharded strategies: the module first, then an optimizer of its (now
-    sharded) parameters. Returns (fabric module, fabric optimizer)."""
+    sharded) parameters. DeepSpeed (and XLA) take the two only together, ``fabric.setup(model,
+    optimizer)``: ``setup_optimizers`` refuses them (Lightning's ``Fabric._validate_setup_optimizers``),
+    and DeepSpeed's engine shards the optimizer itself. Returns (fabric module, fabric optimizer)."""
+    # lightning is the optional extra: imported when used (fabric_package says what to install)
+    from lightning.fabric.strategies import DeepSpeedStrategy, XLAStrategy
+
+    if isinstance(fabric.strategy, (DeepSpeedStrategy, XLAStrategy)):
+        return fabric.setup(model, make_optimizer(model))
     module = fabric.setup_module(model)
     return module, fabric.setup_optimizers(make_optimizer(module))
 
@@ -132,6 +156,13 @@ def fabric_step(fabric, model, optimizer, *inputs, **named) -> torch.Tensor:
     as Hugging Face's ``Trainer`` takes it with several GPUs in one process."""
     out = model(*inputs, **named)
     loss = out.loss if hasattr(out, "loss") else out[1]
+    # A loss is a scalar, or one per DataParallel replica. More dimensions: out[1] was not a loss
+    # (a Hugging Face model called with return_dict=False puts its loss first and logits second),
+    # and a step on its mean would train the model on the logits.
+    if loss is None or loss.dim() > 1:
+        raise ValueError("fabric_step needs the model's loss: (logits, loss) like the course GPT, or an output "
+                         "with .loss (a Hugging Face model given its labels, with return_dict=True); got "
+                         + ("loss=None" if loss is None else f"a tensor of shape {tuple(loss.shape)} in its place"))
     if loss.dim():  # (devices,): one loss per DataParallel replica
         loss = loss.mean()
     fabric.backward(loss)
