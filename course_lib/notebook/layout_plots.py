@@ -32,7 +32,7 @@ def _load(run_dir) -> dict:
 
 def layout_table(runs: dict[str, str | Path]):
     """One row per run: final losses, ms/iter, the bubble, memory per rank and bytes per group
-    per step (the most over ranks); a pandas DataFrame."""
+    per step (the most over ranks); a pandas DataFrame. The ``*_MB`` columns are in MiB (2**20 bytes)."""
     out = []
     for name, run_dir in runs.items():
         r = _load(run_dir)
@@ -67,13 +67,14 @@ def plot_layouts(runs: dict[str, str | Path]):
     x = range(len(names))
     ax_mem.bar([i - 0.2 for i in x], table["model_states_MB"], width=0.4, label="model states")
     ax_mem.bar([i + 0.2 for i in x], table["activations_MB"], width=0.4, label="activations (peak)")
-    ax_mem.set(ylabel="MB on the fullest rank", title="memory per rank")
+    # the table's *_MB columns are bytes / 2**20: MiB, not the course's MB (1e6, course_lib.hardware)
+    ax_mem.set(ylabel="MiB on the fullest rank", title="memory per rank")
     bottom = [0.0] * len(names)
     for g in GROUPS:
         values = table[f"{g}_MB"].fillna(0.0)
         ax_bytes.bar(x, values, bottom=bottom, label=g)
         bottom = [b + v for b, v in zip(bottom, values)]
-    ax_bytes.set(ylabel="MB sent per step (busiest rank)", title="communication per group")
+    ax_bytes.set(ylabel="MiB sent per step (busiest rank)", title="communication per group")
     # plain data parallelism (no tp/pp/cp) writes no per-rank figures: say so instead of an empty slot
     for i, missing in enumerate(table["model_states_MB"].isna()):
         for ax in (ax_mem, ax_bytes) if missing else ():

@@ -8,7 +8,9 @@ turned into Markdown, so a student does not read ``:func:`~x.y``` markup).
 
 from __future__ import annotations
 
+import ast
 import inspect
+import linecache
 import re
 
 # :func:`~course_lib.a.b` -> `b`; :mod:`course_lib.a` -> `course_lib.a`; :data:`X` -> `X`
@@ -36,11 +38,47 @@ def doc_markdown(obj, paragraphs: slice | None = None) -> str:
     return re.sub(r"(\S)::$", r"\1:", text, flags=re.M)
 
 
+def _class_in_cell(cls) -> str | None:
+    """The source of a class defined in a notebook cell, found through its methods' code.
+
+    Before Python 3.13, ``inspect.getsource`` looks for a class in its module's file, and a
+    notebook's ``__main__`` has none; but each method's code names the cell it was compiled from
+    (IPython keeps the cells in linecache), and that cell holds the ``class`` statement.
+    """
+    for attr in vars(cls).values():
+        func = inspect.unwrap(getattr(attr, "__func__", getattr(attr, "fget", attr)))
+        code = getattr(func, "__code__", None)
+        lines = linecache.getlines(code.co_filename) if code is not None else []
+        if not lines:  # not a function, or one made from a string (a dataclass's __init__)
+            continue
+        try:
+            tree = ast.parse("".join(lines))
+        except SyntaxError:  # a cell kept as typed, with IPython's magics: not Python
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and node.name == cls.__name__ and \
+                    node.lineno <= code.co_firstlineno <= node.end_lineno:
+                start = min([d.lineno for d in node.decorator_list] + [node.lineno])
+                return "".join(lines[start - 1:node.end_lineno])
+    return None
+
+
+def _source(obj) -> str:
+    """``obj``'s source: ``inspect.getsource``, which also finds a class defined in a notebook."""
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        found = _class_in_cell(obj) if inspect.isclass(obj) else None
+        if found is None:
+            raise
+        return found
+
+
 def show_source(obj) -> None:
     """Display ``obj``'s source (a function, method or class) as highlighted Python."""
     from IPython.display import Code, display  # IPython only where a notebook shows it
 
-    display(Code(inspect.getsource(obj), language="python"))
+    display(Code(_source(obj), language="python"))
 
 
 def show_doc(obj, paragraphs: slice | None = None) -> None:
