@@ -67,6 +67,10 @@ def test_layouts_train_like_one_process_and_resume_across_layouts(tmp_path):
     rows = [r for r in _csv(tmp_path / "tp2-pp2" / "metrics.csv") if r["bubble"]]
     assert len(rows) == ITERS and all(float(r["bubble"]) == pytest.approx(1 / 3) for r in rows)
     assert all(float(r["bubble_theory"]) == pytest.approx(1 / 3) for r in rows)
+    # every step moves the same bytes: each row's comm_mb (one step each) is that, also the rows
+    # after an evaluation (its traffic is not a step's; once counted as -1.04 MB there, 0.79 elsewhere)
+    sent = [float(r["comm_mb"]) for r in rows]
+    assert sent[0] > 0 and sent == pytest.approx([sent[0]] * ITERS, rel=1e-6), sent
     ranks = json.loads((tmp_path / "tp2+sp-cp2" / "ranks.json").read_text())["ranks"]
     assert len(ranks) == 4 and all(r["sent_bytes_sp"] > 0 and r["sent_bytes_cp"] > 0 for r in ranks)
     info = json.loads((tmp_path / "tp2+sp-cp2" / "run.json").read_text())

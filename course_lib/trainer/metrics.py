@@ -252,10 +252,10 @@ class RunMeter:
     def _restart(self) -> None:
         """Start a new timing window (after a row, or after an evaluation: that is not step time)."""
         self.t_last, self.steps, self.comm_start, self.comm_in_compute = time.perf_counter(), 0, self.strategy.comm_s, 0.0
-        self.bytes_start = self._comm_bytes()
         self.timer.reset()
         if self.layout:
             self.strategy.figures()  # restart its byte counts too (an evaluation's traffic is not a step's)
+        self.bytes_start = self._comm_bytes()  # after that restart: read before it, comm_mb went negative
         if self.moe_columns:
             moe_stats(self.strategy.module)  # and the router's counts
 
