@@ -21,8 +21,11 @@ experts:
 * everything else (embeddings, attention, dense feed-forward networks, shared experts, routers,
   norms) is replicated over all dp ranks, so ZeRO shards it over dp;
 * tp divides every matrix (the small norm vectors ignored, as :func:`model_state_bytes` does),
-  pp divides the layers evenly (the first and last stages' embeddings ignored). With context
-  parallelism, count dp x cp as dp (the ranks that hold other tokens of the batch).
+  the experts' too as Megatron-LM may split them; but not the course GPT's routers and routed
+  experts (``MoEShape.experts_split_by_tp`` False, :meth:`MoEShape.of_gpt`), which every tp rank
+  holds whole (:mod:`course_lib.parallel.expert.layer`); pp divides the layers evenly (the first
+  and last stages' embeddings ignored). With context parallelism, count dp x cp as dp (the ranks
+  that hold other tokens of the batch).
 
 Bytes per parameter are those of :mod:`course_lib.analysis.memory` (the ZeRO paper's 2 + 2 + 12
 in mixed precision, 4 + 4 + 8 in fp32); ``expert_stage`` lets the experts use another ZeRO stage
@@ -89,6 +92,9 @@ class MoEShape:
     norm_bias: bool = False  # LayerNorm with a bias (GPT); False: RMSNorm or a bias-free LayerNorm
     router_bias: bool = False  # a bias per expert in the router (DeepSeek-V3's balancing bias)
     tied_embeddings: bool = False  # the output head shares the token embedding's weight
+    # False: every tp rank holds the routers and the routed experts whole (the course GPT's
+    # ExpertParallelMoE: tp splits the shared expert only); True: tp splits them as every matrix
+    experts_split_by_tp: bool = True
     positions: int = 0  # rows of a learned position embedding (GPT: block_size; RoPE: 0)
     source: str = ""  # where each number comes from
 
@@ -116,6 +122,7 @@ class MoEShape:
                    n_experts=cfg.n_expert, top_k=cfg.top_k, expert_hidden=4 * h,
                    n_shared=getattr(cfg, "n_shared_expert", 0), ffn_matrices=2, ffn_bias=cfg.bias,
                    norm_bias=cfg.bias, tied_embeddings=True, positions=cfg.block_size,
+                   experts_split_by_tp=False,
                    source="course_lib.gpt.model and gpt.moe: the module's own parameters")
 
     @property
@@ -205,11 +212,19 @@ def rank_states(shape: MoEShape | dict, *, dp: int = 1, ep: int = 1, tp: int = 1
     if isinstance(shape, MoEShape) and shape.n_experts % ep:
         raise ValueError(f"{shape.n_experts} experts cannot be split evenly over ep={ep} ranks")
     experts = float(parts.pop("experts"))
+    # the course GPT's routers and routed experts are whole on every tp rank (experts_split_by_tp)
+    whole_on_tp = isinstance(shape, MoEShape) and not shape.experts_split_by_tp
+    routers = float(parts.pop("routers")) if whole_on_tp else 0.0
     rest = float(sum(parts.values()))
     expert_stage = stage if expert_stage is None else expert_stage
+    non_experts = model_state_bytes(rest / pp, dp, stage, k, dtype, tp)
+    if routers:
+        r = model_state_bytes(routers / pp, dp, stage, k, dtype)
+        non_experts = ModelStates(non_experts.params + r.params, non_experts.grads + r.grads,
+                                  non_experts.optimizer + r.optimizer)
     return RankStates(
-        experts=model_state_bytes(experts / (ep * pp), dp // ep, expert_stage, k, dtype, tp),
-        non_experts=model_state_bytes(rest / pp, dp, stage, k, dtype, tp),
+        experts=model_state_bytes(experts / (ep * pp), dp // ep, expert_stage, k, dtype, 1 if whole_on_tp else tp),
+        non_experts=non_experts,
     )
 
 

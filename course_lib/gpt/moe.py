@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from fractions import Fraction
 
 import torch
 import torch.nn.functional as F
@@ -73,7 +74,9 @@ def capacity(n_tokens: int, n_expert: int, top_k: int, capacity_factor: float) -
     GShard); None when dropless (``capacity_factor == 0``)."""
     if not capacity_factor:
         return None
-    return math.ceil(capacity_factor * top_k * n_tokens / n_expert)
+    # exact arithmetic on the factor as written (its shortest decimal, repr): in floats
+    # 1.1 * 100 / 2 = 55.00000000000001, which ceil would round up to one slot more than the rule
+    return math.ceil(Fraction(repr(float(capacity_factor))) * top_k * n_tokens / n_expert)
 
 
 class Experts(nn.Module):
