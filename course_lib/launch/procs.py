@@ -128,6 +128,25 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def descendants(pid: int) -> list[psutil.Process]:
+    """The live children of process ``pid``, theirs, and so on (none if it is gone). Ask while it
+    lives: once it is killed its children belong to init, and no walk from ``pid`` finds them."""
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def kill_quietly(procs: list[psutil.Process]) -> None:
+    """SIGKILL each of ``procs``, where one already gone is not an error (psutil checks that a pid
+    is still the process it was, so a reused pid is left alone)."""
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
 def signal_quietly(pid: int, sig: int) -> None:
     """``os.kill(pid, sig)``, where a process already gone is not an error."""
     try:

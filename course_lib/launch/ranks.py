@@ -64,10 +64,11 @@ from typing import Any
 
 import cloudpickle
 
-from course_lib.launch.procs import signal_quietly
+from course_lib.launch.procs import descendants, kill_quietly, signal_quietly
 from course_lib.launch.rank_child import by_value, code_key, code_objects, functions_sent, rank_main
 from course_lib.utils import check_count, traceback_to_caller
 
+LAST_WORDS_S = 1.0  # how long a run that has every result waits for its ranks' final output
 START_LIMIT_S = 120.0  # the fork server's first start imports torch: seconds on a busy machine
 # What the fork server imports once, so that no rank does: torch, its distributed package, the
 # optimizers' lazy torch._dynamo (about 1 s), this runner and cloudpickle.
@@ -368,16 +369,42 @@ class _Run:
                     if conn is ready:
                         self.handle(rank)
             self.check_deaths()
+        self.last_words()
         return [self.results[r] for r in range(n)]
 
+    def last_words(self) -> None:
+        """Read what the ranks print after their result until they exit (a few ms; at most
+        LAST_WORDS_S): a rank sends its value first and flushes its streams after, so its last
+        line printed without a newline (``print(..., end="")``, a progress line) came after the
+        result and was dropped when the run stopped at the last result."""
+        deadline = time.monotonic() + LAST_WORDS_S
+        while self.conns:
+            exited = all(p.exitcode is not None for p in self.procs)  # before reading: then all is there
+            for rank in list(self.conns):
+                while rank in self.conns and self.conns[rank].poll():
+                    self.handle(rank)
+            left = deadline - time.monotonic()
+            if exited or left <= 0:
+                return
+            live = [p.sentinel for p in self.procs if p.exitcode is None]
+            wait([*self.conns.values(), *live], timeout=left)
+
     def stop(self) -> None:
-        for p in self.procs:
-            if p.exitcode is None:
-                p.kill()
+        _kill_ranks(self.procs)
         for p in self.procs:
             p.join(5.0)
         for conn in self.conns.values():
             conn.close()
+
+
+def _kill_ranks(procs: list) -> None:
+    """SIGKILL the ranks still running and the processes they started themselves (DataLoader
+    workers, a subprocess): a rank killed alone leaves those running, with nobody to stop them."""
+    alive = [p for p in procs if p.exitcode is None and p.pid is not None]
+    children = [c for p in alive for c in descendants(p.pid)]  # before the kill: then init owns them
+    for p in alive:
+        p.kill()
+    kill_quietly(children)
 
 
 def check_call(fn, args, kwargs, pass_rank: bool, threads, method) -> None:
@@ -451,7 +478,7 @@ def run_local(fn: Callable[..., Any], nproc: int, args: tuple = (), kwargs: dict
             finally:
                 run.stop()
         finally:
+            _kill_ranks(procs)
             for p in procs:
-                if p.exitcode is None and p.pid is not None:
-                    p.kill()
+                if p.pid is not None:
                     p.join(5.0)

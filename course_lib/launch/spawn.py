@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from course_lib.launch.bootstrap import diagnose
 from course_lib.launch.ranks import RankError, RanksTimeoutError, SendError, run_local
 from course_lib.utils import check_count, check_seconds
 
@@ -74,8 +75,10 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "gl
         raise RanksTimeoutError(_hang_message(nproc, timeout, e.stuck), e.stuck) from None
     except RankError as e:
         # When one rank's collective times out it raises, and the ranks still waiting on it see
-        # their connection close: which report arrives first is a race, so judge by the clock.
-        if timeout is not None and e.elapsed >= timeout:
+        # their connection close: which report arrives first is a race, so judge by the clock. Only
+        # a collective's failure (timed out, or a peer gone) is a hang: a ValueError raised after
+        # ``timeout`` seconds of computing is the student's ValueError.
+        if timeout is not None and e.elapsed >= timeout and diagnose(e.what, "run", timeout)[0] != "error":
             stuck = e.waiting or [e.rank]
             raise RanksTimeoutError(_hang_message(nproc, timeout, stuck, str(e)), stuck) from None
         raise
