@@ -7,6 +7,7 @@ processes stop with the rank; the last words a rank prints without a newline rea
 
 from __future__ import annotations
 
+import faulthandler
 import subprocess
 import sys
 import time
@@ -67,3 +68,15 @@ def test_the_last_line_a_rank_prints_without_a_newline_reaches_the_caller(capfd)
     assert run_ranks(_prints_without_a_newline, 2) == [0, 1]
     out = capfd.readouterr().out
     assert "[rank0] progress of rank 0: 100%" in out and "[rank1] progress of rank 1: 100%" in out
+
+
+def _faulthandler_and_encoding(rank: int, world_size: int) -> tuple:
+    faulthandler.enable()  # as a student debugging a hang might: needs sys.stderr.fileno() (AttributeError before)
+    enabled = faulthandler.is_enabled()
+    faulthandler.disable()
+    return enabled, sys.stdout.encoding, sys.stderr.fileno()
+
+
+@pytest.mark.timeout(60)
+def test_faulthandler_can_be_enabled_inside_a_rank():
+    assert run_ranks(_faulthandler_and_encoding, 2, timeout=30) == [(True, "utf-8", 2)] * 2

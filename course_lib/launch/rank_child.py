@@ -72,6 +72,14 @@ class _Lines:
     def isatty(self) -> bool:
         return False
 
+    # What code that wants a real stream asks of sys.stdout/sys.stderr (faulthandler.enable(), a
+    # subprocess given stdout=sys.stdout): the process's own file descriptor 1 or 2, as Jupyter's
+    # streams answer; what goes there bypasses the prefixes and reaches the parent's own stream.
+    encoding, errors = "utf-8", "strict"
+
+    def fileno(self) -> int:
+        return self.stream
+
 
 def by_value(fn: types.FunctionType) -> bool:
     """Whether cloudpickle sends ``fn`` by value because it cannot import it by name: a function
