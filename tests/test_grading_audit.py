@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 
 import pytest
 
@@ -23,7 +24,8 @@ def graded(monkeypatch):
     """The submissions ``course grade`` went on to grade (none are graded: a batch takes minutes)."""
     calls = []
     monkeypatch.setattr(cli, "grade_many", lambda subs, *a, **k: calls.append([str(s) for s in subs]) or [])
-    monkeypatch.delenv(CELL_TIMEOUT_ENV, raising=False)  # grade_cli sets it: restored after the test
+    monkeypatch.setenv(CELL_TIMEOUT_ENV, "")  # recorded, so the test's own setenv is undone after it
+    monkeypatch.delenv(CELL_TIMEOUT_ENV)
     return calls
 
 
@@ -42,6 +44,7 @@ def test_a_cell_timeout_the_alarm_cannot_hold_is_refused(tmp_path, capsys, grade
     assert graded == []
     assert cli.grade_cli([str(sub), "--autograder", str(zip_), "--cell-timeout", "0.5"]) == 0  # still fine
     assert len(graded) == 1
+    assert CELL_TIMEOUT_ENV not in os.environ  # the grading's only: it once leaked into the next call (1 s cells)
 
 
 @pytest.mark.timeout(30)

@@ -222,7 +222,6 @@ def grade_cli(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"course grade: {e}", file=sys.stderr)
             return 2
-        os.environ[CELL_TIMEOUT_ENV] = str(value)
     try:
         zips = [args.autograder or find_autograder(s, args.root) for s in args.submissions]
         if args.csv:
@@ -239,8 +238,17 @@ def grade_cli(argv: list[str] | None = None) -> int:
         if args.csv:
             write_csv(done, args.csv)
 
-    reports = grade_many(args.submissions, zips, args.root, jobs=args.jobs, time_limit=args.time_limit,
-                         seed=args.seed, on_report=save, progress=len(args.submissions) > 1)
+    before = os.environ.get(CELL_TIMEOUT_ENV)
+    if value is not None:  # what the grading processes inherit, for this call only (a notebook's
+        os.environ[CELL_TIMEOUT_ENV] = str(value)  # or a test's next call must not find it)
+    try:
+        reports = grade_many(args.submissions, zips, args.root, jobs=args.jobs, time_limit=args.time_limit,
+                             seed=args.seed, on_report=save, progress=len(args.submissions) > 1)
+    finally:
+        if before is None:
+            os.environ.pop(CELL_TIMEOUT_ENV, None)
+        else:
+            os.environ[CELL_TIMEOUT_ENV] = before
     if args.json:
         print(json.dumps([r.to_dict() for r in reports], indent=2))
     else:
