@@ -8,6 +8,8 @@ processes stop with the rank; the last words a rank prints without a newline rea
 from __future__ import annotations
 
 import faulthandler
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -80,3 +82,32 @@ def _faulthandler_and_encoding(rank: int, world_size: int) -> tuple:
 @pytest.mark.timeout(60)
 def test_faulthandler_can_be_enabled_inside_a_rank():
     assert run_ranks(_faulthandler_and_encoding, 2, timeout=30) == [(True, "utf-8", 2)] * 2
+
+
+def _killed_by_a_real_time_signal(rank: int, world_size: int) -> None:
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGRTMIN + 1)  # default action: terminate; no name in signal.Signals
+    time.sleep(30)
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_killed_by_a_signal_without_a_name_is_reported():
+    """signal.Signals(-exitcode) raised ValueError for a real-time signal: the report itself crashed."""
+    with pytest.raises(RankError, match=rf"rank 1 failed: the process was killed by signal {int(signal.SIGRTMIN) + 1} "):
+        run_ranks(_killed_by_a_real_time_signal, 2, timeout=30)
+
+
+class _TwoArgumentError(Exception):
+    def __init__(self, a, b):  # pickles (args = (a,)) but does not unpickle: __init__ needs two
+        super().__init__(a)
+
+
+def _returns_what_cannot_be_rebuilt(rank: int, world_size: int):
+    return _TwoArgumentError("x", "y") if rank == 1 else rank
+
+
+@pytest.mark.timeout(60)
+def test_a_result_that_cannot_be_rebuilt_names_its_rank():
+    """pickle.loads' raw TypeError came out of the runner, naming no rank."""
+    with pytest.raises(RankError, match=r"rank 1 failed: its result was sent but cannot be rebuilt here \(TypeError"):
+        run_ranks(_returns_what_cannot_be_rebuilt, 2, timeout=30)

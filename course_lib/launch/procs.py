@@ -147,6 +147,17 @@ def kill_quietly(procs: list[psutil.Process]) -> None:
             pass
 
 
+def signal_name(exitcode: int | None) -> str | None:
+    """'SIGKILL' for -9 (a process killed by a signal has a negative exit code); a signal without
+    a name (a real-time one, SIGRTMIN + n) is 'signal N'."""
+    if exitcode is None or exitcode >= 0:
+        return None
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
 def signal_quietly(pid: int, sig: int) -> None:
     """``os.kill(pid, sig)``, where a process already gone is not an error."""
     try:

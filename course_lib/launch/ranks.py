@@ -64,7 +64,7 @@ from typing import Any
 
 import cloudpickle
 
-from course_lib.launch.procs import descendants, kill_quietly, signal_quietly
+from course_lib.launch.procs import descendants, kill_quietly, signal_name, signal_quietly
 from course_lib.launch.rank_child import by_value, code_key, code_objects, functions_sent, rank_main
 from course_lib.utils import check_count, traceback_to_caller
 
@@ -325,7 +325,12 @@ class _Run:
             if len(self.ready) == len(self.procs):
                 self.run_start = time.monotonic()
         elif msg[0] == "ok":
-            self.results[rank] = pickle.loads(msg[2])
+            try:
+                self.results[rank] = pickle.loads(msg[2])
+            except Exception as e:  # noqa: BLE001 - anything its class's unpickling raises: name the rank
+                what = f"its result was sent but cannot be rebuilt here ({type(e).__name__}: {e})"
+                raise RankError(f"rank {rank} failed: {what}; return plain values (numbers, lists, dicts, "
+                                "tensors)", rank, what, "", self.waiting(but=rank), self.elapsed()) from None
         else:
             _, rank, what, text, elapsed = msg  # the rank's own clock: the parent hears late
             raise RankError(f"rank {rank} failed: {what}\n{text}", rank, what, text,
@@ -351,8 +356,8 @@ class _Run:
             while rank in self.conns and self.conns[rank].poll():  # its last words first
                 self.handle(rank)
             if rank not in self.results:
-                sig = -p.exitcode if p.exitcode < 0 else None
-                how = f"was killed by {signal.Signals(sig).name}" if sig else f"exited with code {p.exitcode}"
+                sig = signal_name(p.exitcode)
+                how = f"was killed by {sig}" if sig else f"exited with code {p.exitcode}"
                 what = f"the process {how} without reporting a result"
                 raise RankError(f"rank {rank} failed: {what}", rank, what, "",
                                 self.waiting(but=rank), self.elapsed())

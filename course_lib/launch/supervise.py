@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from course_lib.launch.bootstrap import diagnose
-from course_lib.launch.procs import ProcessTree, spawn
+from course_lib.launch.procs import ProcessTree, signal_name, spawn
 from course_lib.utils import progress_bar  # ipywidgets only once a notebook bar is shown
 
 # --- what the ranks write: output, states, failures, where a rank waits ---------------------------
@@ -164,16 +164,6 @@ def launcher_exit_codes(agent_err: str, status: dict[int, dict]) -> dict[int, in
             code = int(code)
             codes[by_pid[int(pid)]] = -code if code in (6, 9, 11, 15) else code
     return codes
-
-
-def signal_name(exitcode: int | None) -> str | None:
-    """'SIGKILL' for -9 (a process killed by a signal has a negative exit code)."""
-    if exitcode is None or exitcode >= 0:
-        return None
-    try:
-        return signal.Signals(-exitcode).name
-    except ValueError:
-        return f"signal {-exitcode}"
 
 
 def _is_user_file(path: str) -> bool:
