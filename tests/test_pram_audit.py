@@ -95,3 +95,14 @@ def test_a_phase_of_zero_processors_or_a_bad_step_count_is_refused():
     program = pram.Program("two of three", pram.phases((write, 1, 2)), processors=3, memory={"A": [0, 0, 0]},
                            steps=1)
     assert run(program, "EREW")["A"] == [1, 1, 0]  # the third idles
+
+
+def test_an_index_that_is_no_whole_number_names_the_processor_and_the_array():
+    """mem["A"][pid / 2] failed with a bare 'list indices must be integers'; mem["A"][True] wrote A[1]."""
+    for index in (lambda pid: pid / 2, lambda pid: pid == 1, lambda pid: (0, 0.0)):
+        def write(pid, step, mem, index=index):
+            mem["A"][index(pid)] = pid
+
+        program = pram.Program("halves", write, processors=2, memory={"A": [[0, 0], [0, 0]]}, steps=1)
+        with pytest.raises(TypeError, match=r"processor 0 at step 0: index .* of A is not a whole number"):
+            run(program, "CRCW-arbitrary")

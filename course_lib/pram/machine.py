@@ -23,6 +23,7 @@ without naming one counts as one ``"op"``.
 
 from __future__ import annotations
 
+import numbers
 import random
 from collections import Counter
 from collections.abc import Mapping
@@ -106,6 +107,11 @@ class ArrayView:
         self._strides = tuple(reversed(strides))
 
     def _address(self, index: Any) -> int:
+        for i in index if isinstance(index, tuple) else (index,):
+            if isinstance(i, bool) or not isinstance(i, numbers.Integral):  # 2.0 from pid / 2; True as 1
+                s = self._state
+                raise TypeError(f"processor {s.pid} at step {s.step}: index {index!r} of {self.name} is not "
+                                "a whole number (pid // 2, not pid / 2)")
         if isinstance(index, tuple):
             if len(index) != len(self.shape):
                 self._bad(index)
