@@ -107,10 +107,17 @@ def test_cpu_nodes_and_bad_requests():
     for kwargs, msg in [({"nodes": 0, "gpus_per_node": 1}, "--nodes must be >= 1"),
                         ({"nodes": 1, "gpus_per_node": -1}, "--gpus-per-node must be >= 0"),
                         ({"nodes": 1, "gpus_per_node": 2, "nproc_per_node": 4}, "one rank per GPU"),
-                        ({"nodes": 1, "gpus_per_node": 2, "job_name": "x; rm"}, "may only use"),
+                        ({"nodes": 1, "gpus_per_node": 2, "job_name": "x; rm"}, "must be a name of letters"),
+                        ({"nodes": 1, "gpus_per_node": 2, "partition": "gpu,"}, "names separated by commas"),
                         ({"nodes": 1, "gpus_per_node": 2, "time_limit": "soon"}, "HH:MM:SS")]:
         with pytest.raises(ValueError, match=msg):
             cluster.slurm_script(**kwargs)
+    # what the schedulers take beyond one name: sbatch's list of partitions, qsub's queue@server
+    assert "#SBATCH --partition=gpu,gpu2" in cluster.slurm_script(1, 1, partition="gpu,gpu2", activate=None)
+    for queue in ("workq@pbs01", "@pbs01"):
+        assert f"#PBS -q {queue}" in cluster.pbs_script(1, 1, partition=queue, activate=None).splitlines()
+    with pytest.raises(ValueError, match="queue@server"):
+        cluster.pbs_script(1, 1, partition="a@b@c", activate=None)
 
 
 def test_slurm_script_runs_with_arguments_intact(tmp_path):

@@ -74,6 +74,11 @@ _PBS_CARRIED_ENV = ("COURSE_DATA_DIR",)  # where `course submit` checked that th
 
 
 _NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
+_WORD = r"[A-Za-z0-9_.+-]+"
+# what each scheduler takes beyond one name: sbatch -p a list of partitions (the first free runs the
+# job); qsub -q a queue at a server, "queue@server" or "@server" (that server's default queue)
+_PATTERNS = {"partition": (re.compile(rf"^{_WORD}(,{_WORD})*$"), "a name, or names separated by commas"),
+             "queue": (re.compile(rf"^({_WORD})?(@{_WORD})?$"), "a name, queue@server or @server")}
 _TIME = re.compile(r"^(\d+-)?\d{1,3}(:\d{2}){0,2}$")
 
 
@@ -82,8 +87,9 @@ def _validate(nodes: int, gpus_per_node: int, nproc_per_node: int | None, *, por
     """The job's numbers and names, checked before a script is written: what the scheduler or the
     nodes' torchrun would refuse only once the job has waited in the queue."""
     for name, value in words.items():
-        if value is not None and not _NAME.match(str(value)):
-            raise ValueError(f"{name} {value!r} may only use letters, digits and _.+-")
+        pattern, form = _PATTERNS.get(name, (_NAME, "a name"))
+        if value is not None and (not str(value) or not pattern.match(str(value))):
+            raise ValueError(f"{name} {value!r} must be {form} of letters, digits and _.+-")
     if nodes < 1:
         raise ValueError(f"--nodes must be >= 1, got {nodes}")
     if gpus_per_node < 0:
