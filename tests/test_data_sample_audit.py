@@ -77,3 +77,9 @@ def test_finetune_refuses_data_in_another_vocabulary(tmp_path):
     (tmp_path / "same.txt").write_text("ab\nba\n" * 50)
     data.prepare("shakespeare_char", tmp_path / "same", source=tmp_path / "same.txt", quiet=True)
     assert finetune_config(tmp_path / "pre", tmp_path / "ft", tmp_path / "same", iters=5).max_iters == 45
+
+
+def test_a_split_that_is_not_there_is_named():
+    """load_tokens(..., "test") failed with a bare KeyError: 'test_tokens'."""
+    with pytest.raises(ValueError, match="split must be one of train, val, got 'test'"):
+        data.load_tokens(None, "shakespeare_char", "test")

@@ -34,6 +34,7 @@ from course_lib.utils import atomic_write_bytes, default_data_dir, shipped_file
 DATASETS = ("shakespeare_char", "shakespeare")
 DATA_FORMAT_VERSION = 1
 TEXT_FILE = "tinyshakespeare.txt"
+SPLITS = ("train", "val")  # nanoGPT's 90 % / 10 %
 TEXT_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 GPT2_RANKS_FILE = "gpt2.tiktoken"
 GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
@@ -100,7 +101,7 @@ def _is_prepared(out: Path, source_sha: str) -> bool:
     try:
         meta = json.loads((out / "meta.json").read_text())
         return (meta.get("format") == DATA_FORMAT_VERSION and meta.get("source_sha256") == source_sha
-                and all((out / f"{s}.bin").stat().st_size == 2 * meta[f"{s}_tokens"] for s in ("train", "val")))
+                and all((out / f"{s}.bin").stat().st_size == 2 * meta[f"{s}_tokens"] for s in SPLITS))
     except (OSError, ValueError, KeyError):
         return False
 
@@ -167,6 +168,8 @@ def load_tokens(data_dir: str | os.PathLike | None, name: str, split: str):
     """The token ids of one split as an int64 torch tensor (Tiny Shakespeare fits in memory)."""
     import torch  # here: `course data` and the configurations import this module without torch
 
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
     meta = load_meta(data_dir, name)
     path = Path(data_dir or default_data_dir()) / name / f"{split}.bin"
     arr = np.fromfile(path, dtype=np.uint16) if path.is_file() else None
