@@ -26,11 +26,11 @@ def _run(path, world_size, ranks=None):
 
 
 def test_table_takes_the_fullest_rank_and_the_figure_explains_a_missing_one(tmp_path):
-    mib = 2**20
+    mb = 1e6  # the table's MB (hardware.MB)
     runs = {"dp2": _run(tmp_path / "dp2", 2),
             "tp2": _run(tmp_path / "tp2", 2, [
-                {"model_state_bytes": 3 * mib, "peak_activation_bytes": 5 * mib, "sent_bytes_tp": 2 * mib},
-                {"model_state_bytes": 4 * mib, "peak_activation_bytes": 6 * mib, "sent_bytes_tp": 1 * mib}])}
+                {"model_state_bytes": 3 * mb, "peak_activation_bytes": 5 * mb, "sent_bytes_tp": 2 * mb},
+                {"model_state_bytes": 4 * mb, "peak_activation_bytes": 6 * mb, "sent_bytes_tp": 1 * mb}])}
     table = layout_table(runs)
     assert table.loc["tp2", "model_states_MB"] == 4 and table.loc["tp2", "activations_MB"] == 6
     assert table.loc["tp2", "tp_MB"] == 2 and math.isnan(table.loc["tp2", "dp_MB"])

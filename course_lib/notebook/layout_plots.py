@@ -17,6 +17,7 @@ from pathlib import Path
 import pandas as pd
 
 from course_lib.analysis.parallel_comm import sent_bytes_per_step
+from course_lib.hardware import MB
 from course_lib.trainer.metrics import read_metrics
 
 GROUPS = ("tp", "sp", "cp", "pp", "dp")
@@ -32,7 +33,7 @@ def _load(run_dir) -> dict:
 
 def layout_table(runs: dict[str, str | Path]):
     """One row per run: final losses, ms/iter, the bubble, memory per rank and bytes per group
-    per step (the most over ranks); a pandas DataFrame. The ``*_MB`` columns are in MiB (2**20 bytes)."""
+    per step (the most over ranks); a pandas DataFrame. The ``*_MB`` columns are in MB (1e6 bytes, ``hardware.MB``)."""
     out = []
     for name, run_dir in runs.items():
         r = _load(run_dir)
@@ -44,9 +45,9 @@ def layout_table(runs: dict[str, str | Path]):
                  "val_loss": evals[-1]["val_loss"] if evals else None,
                  "step_ms": sorted(s["step_ms"] for s in steps)[len(steps) // 2] if steps else None,
                  "bubble": last.get("bubble"), "bubble_theory": last.get("bubble_theory"),
-                 "model_states_MB": max(x.get("model_state_bytes", math.nan) for x in ranks) / 2**20,
-                 "activations_MB": max(x.get("peak_activation_bytes", math.nan) for x in ranks) / 2**20}
-        entry.update({f"{g}_MB": max(x.get(f"sent_bytes_{g}", math.nan) for x in ranks) / 2**20 for g in GROUPS})
+                 "model_states_MB": max(x.get("model_state_bytes", math.nan) for x in ranks) / MB,
+                 "activations_MB": max(x.get("peak_activation_bytes", math.nan) for x in ranks) / MB}
+        entry.update({f"{g}_MB": max(x.get(f"sent_bytes_{g}", math.nan) for x in ranks) / MB for g in GROUPS})
         out.append(entry)
     return pd.DataFrame(out).set_index("layout")
 
@@ -67,14 +68,13 @@ def plot_layouts(runs: dict[str, str | Path]):
     x = range(len(names))
     ax_mem.bar([i - 0.2 for i in x], table["model_states_MB"], width=0.4, label="model states")
     ax_mem.bar([i + 0.2 for i in x], table["activations_MB"], width=0.4, label="activations (peak)")
-    # the table's *_MB columns are bytes / 2**20: MiB, not the course's MB (1e6, course_lib.hardware)
-    ax_mem.set(ylabel="MiB on the fullest rank", title="memory per rank")
+    ax_mem.set(ylabel="MB on the fullest rank", title="memory per rank")  # the table's MB: 1e6 bytes
     bottom = [0.0] * len(names)
     for g in GROUPS:
         values = table[f"{g}_MB"].fillna(0.0)
         ax_bytes.bar(x, values, bottom=bottom, label=g)
         bottom = [b + v for b, v in zip(bottom, values)]
-    ax_bytes.set(ylabel="MiB sent per step (busiest rank)", title="communication per group")
+    ax_bytes.set(ylabel="MB sent per step (busiest rank)", title="communication per group")
     # plain data parallelism (no tp/pp/cp) writes no per-rank figures: say so instead of an empty slot
     for i, missing in enumerate(table["model_states_MB"].isna()):
         for ax in (ax_mem, ax_bytes) if missing else ():
@@ -105,6 +105,6 @@ def comm_model_table(runs: dict[str, str | Path], vocab_size: int):
                                    cfg["batch_size"], cfg["gradient_accumulation_steps"], dp=lay["dp"], tp=lay["tp"],
                                    pp=lay["pp"], cp=lay["cp"], sequence_parallel=lay["sequence_parallel"],
                                    pp_rank=0, zero_stage=zero)
-        rows += [{"layout": name, "group": group, "model MB": b / 2**20,
-                  "measured MB": run["ranks"][0][f"sent_bytes_{group}"] / 2**20} for group, b in want.items()]
+        rows += [{"layout": name, "group": group, "model MB": b / MB,
+                  "measured MB": run["ranks"][0][f"sent_bytes_{group}"] / MB} for group, b in want.items()]
     return pd.DataFrame(rows).set_index(["layout", "group"])
