@@ -45,12 +45,14 @@ def plan_layouts(model: str = "gpt2-xl", *, n_nodes: int = 2, gpus_per_node: int
                  sequence_parallel: bool = True, recompute: str = "none", mfu: float = 0.4) -> list[dict]:
     """Every layout of the model on ``n_nodes`` x ``gpus_per_node`` GPUs; those that fit first,
     fastest estimated step first."""
-    from course_lib.hardware import PROFILES  # the GPU's bf16 peak
+    from course_lib.hardware import PROFILES  # the GPU's peak in the dtype it trains in
 
     shape = get_preset(model)
     name, memory = resolve_gpu(gpu)
     world = n_nodes * gpus_per_node
-    compute_s = 6 * shape.num_params() * global_batch * shape.block_size / world / (mfu * PROFILES[name].peak("bfloat16"))
+    profile = PROFILES[name]  # bf16 where the GPU has it; a T4 or V100 trains in fp16 (no bf16 peak)
+    peak = profile.training_peak(profile.train_dtype)
+    compute_s = 6 * shape.num_params() * global_batch * shape.block_size / world / (mfu * peak)
     L, a, s = shape.n_layer, shape.n_head, shape.block_size
     rows = []
     for tp in _divisors(world):
@@ -62,6 +64,8 @@ def plan_layouts(model: str = "gpt2-xl", *, n_nodes: int = 2, gpus_per_node: int
             for cp in cp_options:
                 if (world // (tp * pp)) % cp or s % (2 * cp):
                     continue
+                if sequence_parallel and tp > 1 and (s // cp) % tp:
+                    continue  # sp splits each cp rank's s/cp tokens over tp (registry.layout_error)
                 dp = world // (tp * pp * cp)
                 if global_batch % (dp * micro_batch):
                     continue

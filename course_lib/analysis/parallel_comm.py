@@ -42,6 +42,10 @@ def sent_bytes_per_step(n_layer: int, n_embd: int, vocab_size: int, block_size: 
     1 or 2: the optimizer holds gradient shards, so the sp and tied-gradient exchanges move
     1/(dp cp) of them. Stage 2 sends what stage 1 does: under gradient accumulation its ``no_sync``
     keeps the micro-batches' gradients and reduce-scatters once, on the last one (as FSDP's no_sync)."""
+    if n_layer % pp:  # as the trainer (registry.layout_error): a floor would count another model
+        raise ValueError(f"n_layer ({n_layer}) must be divisible by pp ({pp}): each stage holds n_layer/pp blocks")
+    if not 0 <= pp_rank < pp:
+        raise ValueError(f"pp_rank must be in 0..{pp - 1}, got {pp_rank!r}")
     zero = zero_stage > 0
     e, h, m, L = bytes_per_value, n_embd, micro_batches, n_layer // pp
     v_pad = -(-vocab_size // tp) * tp

@@ -23,6 +23,7 @@ A memory estimate only answers "can it run"; what is fastest must still be measu
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from html import escape
 
@@ -71,10 +72,6 @@ class Advice:
         notes = "".join(f"<br/><i>{escape(n)}</i>" for n in self.notes)
         return (f'<div class="course-strategy-advice"><ol>{items}</ol>&rArr; '
                 f'<b>{escape(self.description)}</b>{" (" + deg + ")" if deg else ""}{notes}</div>')
-
-
-def _largest_divisor(n: int, at_most: int) -> int:
-    return max(d for d in range(1, at_most + 1) if n % d == 0)
 
 
 def choose_strategy(model: str | float, n_gpus: int, gpus_per_node: int | None = None,
@@ -152,9 +149,11 @@ def _gpus_per_node(n_gpus: int, gpus_per_node: int | None) -> int:
 
 def _split_model(advice: Advice, shape, what: dict, dtype: str, n_gpus: int, per_node: int,
                  gpu_bytes: float) -> Advice:
-    """The guide's last question: tensor parallel inside a node (the heads must divide), then the
-    fewest pipeline stages that make one GPU's share fit; ZeRO-1 over the model replicas."""
-    tp = _largest_divisor(shape.n_head, per_node) if shape is not None else per_node
+    """The guide's last question: tensor parallel inside a node (it must divide the heads and the
+    node's GPUs), then the fewest pipeline stages that make one GPU's share fit; ZeRO-1 over the
+    model replicas."""
+    # tp divides the heads and the node's GPUs: each tp group inside one node, tp x pp x dp = n_gpus
+    tp = math.gcd(shape.n_head, per_node) if shape is not None else per_node
     n_layer = shape.n_layer if shape is not None else None
     for pp in range(1, (n_gpus // tp) + 1):
         if (n_gpus // tp) % pp or (n_layer is not None and n_layer % pp):
