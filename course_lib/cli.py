@@ -30,16 +30,27 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def _usage() -> str:
     width = max(map(len, COMMANDS))
-    lines = ["usage: course COMMAND [ARGS...]", "", "commands:"]
+    lines = ["usage: course COMMAND [ARGS...]", "       course --version", "", "commands:"]
     lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
     lines += ["", "Run 'course COMMAND --help' for a command's options."]
     return "\n".join(lines)
+
+
+def _version() -> str:
+    """The installed package's version, the one pyproject.toml gives."""
+    # importlib.metadata takes ~20 ms to import, as long as the rest of `course --help`: only when asked
+    from importlib.metadata import version
+
+    return version("course-lib")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"course {_version()}")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 from course_lib.analysis.activations import RECOMPUTE
 from course_lib.analysis.memory import (
@@ -26,17 +27,28 @@ from course_lib.analysis.memory import (
 )
 
 
+def _finite(text: str) -> float:
+    """A float option's value; float() alone reads "inf" and "1e400" as infinity: a table of inf."""
+    try:
+        value = float(text)
+    except ValueError:  # argparse would name this function in its message: say what float() says
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if math.isinf(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="course memory",
         description="Per-device memory of data parallelism and ZeRO stages 1-3 (Rajbhandari et "
                     "al. 2020), plus activations for a model preset (Korthikanti et al. 2022).")
     what = p.add_argument_group("model")
-    what.add_argument("--params", type=float, help="parameter count Psi, e.g. 7.5e9")
+    what.add_argument("--params", type=_finite, help="parameter count Psi, e.g. 7.5e9")
     what.add_argument("--preset", choices=sorted(PRESETS),
                       help="a model shape: parameter count and activations")
     p.add_argument("--dp", type=int, default=1, help="data-parallel degree N_d (default 1)")
-    p.add_argument("--k", type=float, default=None,
+    p.add_argument("--k", type=_finite, default=None,
                    help="optimizer bytes per parameter (default 12 for mixed, 8 for fp32)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="mixed",
                    help="mixed/fp16/bf16: 2-byte weights and gradients (ZeRO paper); fp32: 4-byte; "

@@ -232,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
                    "keep it under --out, print its wall time as JSON; build nothing (course check-gpu runs each "
                    "lesson this way)")
     args = p.parse_args(argv)
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        # else the lessons run first (minutes) and saving them into it ends in a traceback
+        p.error(f"--out {args.out} is a file; give a folder (it is made if missing)")
     if args.lesson:
         try:  # before a kernel starts
             lesson = find_lesson(args.lesson, repo_root())
