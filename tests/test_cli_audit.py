@@ -16,6 +16,7 @@ import nbformat
 import pytest
 
 from course_lib.analysis import memory_cli
+from course_lib.gpt.sample import cli as sample_cli
 from course_lib.notebook import book
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,3 +85,38 @@ def test_memory_still_names_a_number_it_cannot_read(capsys):
         memory_cli.cli(["--params", "abc"])
     assert e.value.code == 2
     assert "argument --params: invalid float value: 'abc'" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bad", [["--num_samples", "0"], ["--max_new_tokens", "-3"], ["--temperature", "-1"],
+                                 ["--top_k", "-2"], ["--seed", "-1"]])
+def test_sample_names_a_bad_number_as_a_usage_error(tmp_path, capsys, bad):
+    """They exited 1 (a failure) after looking for the checkpoint; a wrong argument is a usage error, 2."""
+    with pytest.raises(SystemExit) as e:
+        sample_cli(["--out_dir", str(tmp_path / "no-run"), *bad])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert bad[0].lstrip("-") in err and "no-run" not in err  # the argument, not the missing run
+
+
+def test_sample_help_explains_every_option(capsys):
+    with pytest.raises(SystemExit):
+        sample_cli(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for option, says in (("--ckpt", "lowest validation loss"), ("--num_samples", "how many texts"),
+                         ("--max_new_tokens", "tokens generated"), ("--temperature", "sharpens"),
+                         ("--seed", "the same texts"), ("--device", "auto, cpu or cuda")):
+        assert option in text and says in text, option
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("argv", [["data", "prepare", "--help"], ["exercises", "publish", "--help"],
+                                  ["exercises", "new", "--help"], ["exercises", "check", "--help"]])
+def test_every_argument_of_these_commands_is_explained(argv):
+    """Their positional arguments and --root came with no help text at all."""
+    out = _course(*argv).stdout
+    listed = re.findall(r"^  (\S+)(?:  +|\n)", out, flags=re.M)  # argparse's argument column
+    assert listed, out
+    blank = [a for a in listed if re.search(rf"^  {re.escape(a)}\s*$", out, flags=re.M)
+             and not re.search(rf"^  {re.escape(a)}\n {{10,}}\S", out, flags=re.M)]
+    assert not blank, (blank, out)

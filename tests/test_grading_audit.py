@@ -17,6 +17,7 @@ from course_lib.exercises.cell_limit import CELL_TIMEOUT_ENV
 
 # the module: `from course_lib.exercises import cli` is its function of that name (the package re-exports it)
 cli = importlib.import_module("course_lib.exercises.cli")
+exercises_cli = cli.cli  # `course exercises ...`
 
 
 @pytest.fixture
@@ -112,3 +113,14 @@ def test_a_cell_timeout_set_in_the_environment_is_checked_like_the_flag(tmp_path
     assert CellTimeLimit(sub, {}, {"cell_timeout": 45}).seconds() == 45
     with pytest.raises(ValueError, match="cell_timeout must be"):
         CellTimeLimit(sub, {}, {"cell_timeout": float("inf")}).seconds()
+
+
+def test_a_folder_given_as_a_submission_or_as_publish_s_target_is_named(tmp_path, capsys):
+    """`course grade FOLDER` said the folder "does not exist"; `course exercises publish FILE` ended
+    in a NotADirectoryError traceback."""
+    assert cli.grade_cli([str(tmp_path)]) == 2
+    assert f"{tmp_path} is a folder: give its notebooks" in capsys.readouterr().err
+    target = tmp_path / "a_file"
+    target.write_text("")
+    assert exercises_cli(["publish", str(target)]) == 1
+    assert f"{target} is a file; publish into a new folder" in capsys.readouterr().err

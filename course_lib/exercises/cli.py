@@ -39,21 +39,21 @@ def cli(argv: list[str] | None = None) -> int:
     b.add_argument("--jobs", type=int, default=2, help="gradings at once for --verify (default 2)")
     b.add_argument("-v", "--verbose", action="store_true", help="show otter's output")
     c = sub.add_parser("check", help="fail if a student release is stale or was edited by hand")
-    c.add_argument("names", nargs="*")
-    c.add_argument("--root", type=Path)
+    c.add_argument("names", nargs="*", help="exercises (NN or NN_topic; default: all)")
+    c.add_argument("--root", type=Path, help="folder of instructor sources (default: instructor/ of this clone)")
     ls = sub.add_parser("list", help="list the exercises")
-    ls.add_argument("--root", type=Path)
+    ls.add_argument("--root", type=Path, help="folder of instructor sources (default: instructor/ of this clone)")
     sy = sub.add_parser("sync", help="rewrite each source's setup cell from course_lib.utils.GITHUB_REPO")
-    sy.add_argument("names", nargs="*")
-    sy.add_argument("--root", type=Path)
+    sy.add_argument("names", nargs="*", help="exercises (NN or NN_topic; default: all)")
+    sy.add_argument("--root", type=Path, help="folder of instructor sources (default: instructor/ of this clone)")
     pb = sub.add_parser("publish", help="write what students get (student notebooks, public tests, "
                                          "data, README) into OUT: no solution, no hidden test")
-    pb.add_argument("out", type=Path)
-    pb.add_argument("names", nargs="*")
-    pb.add_argument("--root", type=Path)
+    pb.add_argument("out", type=Path, help="a new (or empty) folder: the students' repository")
+    pb.add_argument("names", nargs="*", help="exercises (NN or NN_topic; default: all)")
+    pb.add_argument("--root", type=Path, help="folder of instructor sources (default: instructor/ of this clone)")
     pb.add_argument("--data", type=Path, help="a data folder to include (default: data/ next to the sources' folder)")
     nw = sub.add_parser("new", help="a new exercise source NN_topic from a template")
-    nw.add_argument("name")
+    nw.add_argument("name", help="NN_topic: two digits, then the topic in lowercase (e.g. 07_mean)")
     nw.add_argument("--root", type=Path, help="folder of instructor sources (default: instructor/ of this clone)")
     args = p.parse_args(argv)
 
@@ -187,7 +187,8 @@ def grade_cli(argv: list[str] | None = None) -> int:
 
     for s in args.submissions:
         if not s.is_file():
-            print(f"course grade: {s} does not exist", file=sys.stderr)
+            why = "is a folder: give its notebooks (FOLDER/*.ipynb)" if s.is_dir() else "does not exist"
+            print(f"course grade: {s} {why}", file=sys.stderr)
             return 2
     if args.csv or args.feedback:
         # the gradebook's student and the feedback file's name are the file's name without .ipynb

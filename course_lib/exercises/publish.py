@@ -33,6 +33,8 @@ def publish(exercises: list[Exercise], out: str | Path, data: Path | None = None
     tests, manifest) for each exercise, ``data/`` (the files of ``data``, if given) and README.md.
     Refuses a stale release (build it first) and an ``out`` that is not empty."""
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} is a file; publish into a new folder")
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} is not empty; publish into a new folder")
     stale = [msg for ex in exercises for msg in check_exercise(ex)]

@@ -274,7 +274,8 @@ def cli(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="course data", description="Prepare the course's datasets (offline).")
     sub = p.add_subparsers(dest="action", required=True)
     pp = sub.add_parser("prepare", help="tokenise Tiny Shakespeare into train.bin / val.bin / meta.json")
-    pp.add_argument("name", choices=DATASETS)
+    pp.add_argument("name", choices=DATASETS, help="shakespeare_char (characters, nanoGPT's char recipe) or "
+                    "shakespeare (GPT-2's BPE tokens)")
     pp.add_argument("--data-dir", default=None, help=f"where to write NAME/ (default: {default_data_dir()})")
     pp.add_argument("--force", action="store_true", help="prepare again even if already done")
     args = p.parse_args(argv)

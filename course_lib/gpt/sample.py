@@ -91,15 +91,22 @@ def sample(out_dir: str | Path, start: str = "\n", num_samples: int = 1, max_new
 def cli(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="course sample", description="Generate text from a trained run.")
     p.add_argument("--out_dir", "--out-dir", required=True, help="the run directory (holds best.pt / last.pt)")
-    p.add_argument("--ckpt", choices=("best", "last"), default="best")
+    p.add_argument("--ckpt", choices=("best", "last"), default="best",
+                   help="best.pt (lowest validation loss, default) or last.pt (the latest iteration)")
     p.add_argument("--start", default="\n", help='prompt text, or FILE:path (default "\\n")')
-    p.add_argument("--num_samples", type=int, default=1)
-    p.add_argument("--max_new_tokens", type=int, default=500)
-    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--num_samples", type=int, default=1, help="how many texts (default 1)")
+    p.add_argument("--max_new_tokens", type=int, default=500, help="tokens generated per text (default 500)")
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="> 0; below 1 sharpens the distribution, above 1 flattens it (default 0.8)")
     p.add_argument("--top_k", type=int, default=200, help="keep the k likeliest tokens; 0 = all")
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=1337, help="the same seed, the same texts (default 1337)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto: a GPU if there is one)")
     args = p.parse_args(argv)
+    try:  # a usage error (exit 2) before the checkpoint is read; what the run holds is checked after
+        _check(args.start, args.num_samples, args.max_new_tokens, args.temperature, args.top_k or None, args.seed,
+               args.device)
+    except ValueError as e:
+        p.error(str(e))
     try:
         texts = sample(args.out_dir, args.start, args.num_samples, args.max_new_tokens, args.temperature,
                        args.top_k or None, args.seed, args.ckpt, args.device)
