@@ -32,7 +32,8 @@ ITEMSIZE = 4  # float32
 
 
 def bench_plan(ops, sizes, p: int) -> list[tuple[str, int]]:
-    """(op, S in bytes) pairs actually measured: S rounded down to whole elements per rank."""
+    """(op, S in bytes) pairs actually measured: S rounded down to whole elements per rank (up
+    to one element per rank where it is smaller)."""
     out = []
     for op in ops:
         unit = ITEMSIZE * (p if op in ("reduce_scatter", "all_gather") else 1)

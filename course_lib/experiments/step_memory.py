@@ -9,7 +9,10 @@ On a CPU there is no allocator to ask, so :class:`LiveTensorBytes` counts the st
 tensor alive: it sees each op's outputs (a ``TorchDispatchMode``, which backward's ops go through
 too) and drops a storage's bytes when Python frees it; the highest count, and the op that reached
 it, is the peak. On a GPU the same step is read from ``torch.cuda.max_memory_allocated``.
-Both count tensors only: what the model predicts (no allocator rounding, no workspaces).
+The CPU count holds tensors only, what the model predicts (no allocator rounding, no workspaces);
+the GPU's counts what the caching allocator handed out, its rounding to 512-byte blocks, cuBLAS's
+workspaces and whatever was already on the device included (``course check-gpu``'s memory step
+subtracts the device's own baseline first).
 """
 
 from __future__ import annotations
