@@ -24,7 +24,13 @@ time (seconds computing vs seconds per step; waits include the OS scheduling the
 
 Tied weights across stages (GPT's wte on the first stage, lm_head on the last): each stage keeps
 a copy; after backward the two gradients are exchanged and summed, as Megatron-LM does with its
-embedding group, so both copies stay equal. The messages are in :mod:`course_lib.parallel.pipeline.comms`.
+embedding group, so both copies stay equal (only this step's gradients are exchanged, so steps
+accumulated without zero_grad count each once; a frozen tied weight is frozen on both stages). The
+messages are in :mod:`course_lib.parallel.pipeline.comms`.
+
+Dropout: each stage draws its masks from its own random stream, micro-batch by micro-batch, so
+with dropout > 0 the masks are not one process's (the model-parallel GPTStage refuses dropout);
+the equality with one process holds for dropout = 0.
 
 A loss term computed on a stage that is not the last (a mixture of experts' load-balancing loss,
 :mod:`course_lib.gpt.moe`): a stage with ``has_extra_loss`` True and an ``extra_loss()`` method (a scalar of its last
@@ -113,7 +119,8 @@ class _GPTHead(nn.Module):
 
 def gpt_stage(model: nn.Module, pp_rank: int, pp_world_size: int) -> PipelineStage:
     """Stage ``pp_rank`` of a course_lib.gpt.model.GPT; the last stage gets its own copy of the tied
-    embedding as its LM head (unless there is only one stage)."""
+    embedding as its LM head (unless there is only one stage), frozen if the embedding is. With
+    ``dropout`` > 0 the masks differ from one process's (module docstring)."""
     tr, cfg = model.transformer, model.config
     blocks = [tr.h[i] for i in split_layers(cfg.n_layer, pp_world_size)[pp_rank]]
     first = _GPTEmbed(tr) if pp_rank == 0 else None
@@ -122,7 +129,9 @@ def gpt_stage(model: nn.Module, pp_rank: int, pp_world_size: int) -> PipelineSta
         lm_head = model.lm_head
         if pp_world_size > 1:
             lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-            lm_head.weight = tied = nn.Parameter(model.lm_head.weight.detach().clone())
+            # frozen if the embedding is: in one process they are one tensor
+            lm_head.weight = tied = nn.Parameter(model.lm_head.weight.detach().clone(),
+                                                 requires_grad=model.lm_head.weight.requires_grad)
         last = _GPTHead(tr.ln_f, lm_head)
     if pp_rank == 0 and pp_world_size > 1:
         tied = tr.wte.weight
@@ -226,6 +235,10 @@ class Pipeline:
         self.sends, saved, in_flight, peak, held, peak_bytes, micro_bytes = [], {}, 0, 0, 0, 0, {}
         params = {p.untyped_storage()._cdata for p in (self.stage.parameters() if params is None else params)}
         loss_sum = torch.zeros((), dtype=self.loss_dtype, device=self.device)
+        # gradients accumulated by earlier steps (no zero_grad between them): the tied copies
+        # already hold their sum, so only this step's part is exchanged
+        tied = self.stage.tied if self.sum_tied else None
+        tied_before = tied.grad.clone() if tied is not None and tied.grad is not None else None
         for op, i in schedule_ops(self.schedule, n_micro, self.pp_rank, self.pp_world_size):
             if op == "F":
                 ready = 0.0
@@ -264,7 +277,7 @@ class Pipeline:
                 with no_sync() if no_sync is not None and i < n_micro - 1 else contextlib.nullcontext():
                     if torch.is_tensor(extra):
                         torch.autograd.backward([out, extra], [grad, None])
-                    else:
+                    elif out.requires_grad:  # False: the first stage's parameters are all frozen
                         out.backward(grad)
                 busy_s += time.perf_counter() - t0
                 clock, busy = max(clock, ready) + BACKWARD_TICKS, busy + BACKWARD_TICKS
@@ -275,7 +288,7 @@ class Pipeline:
         for work in self.sends:
             self.comms.wait(work)
         if self.sum_tied:
-            self._sum_tied_grads()
+            self._sum_tied_grads(tied_before)
         total = torch.tensor([clock], dtype=torch.float64, device=self.device)
         self.comms.all_reduce(total, op=torch.distributed.ReduceOp.MAX)  # the step's makespan
         if extra_loss:  # every stage holds a part of the loss
@@ -303,11 +316,15 @@ class Pipeline:
         return loss
 
     @torch.no_grad()
-    def _sum_tied_grads(self) -> None:
-        """First and last stage hold copies of one weight: both get the sum of their gradients."""
+    def _sum_tied_grads(self, before: torch.Tensor | None = None) -> None:
+        """First and last stage hold copies of one weight: both get the sum of their gradients.
+        ``before``: the (already summed, equal) gradient the copies held before this step.
+        A frozen tied weight is frozen on both stages (gpt_stage): neither gets a gradient."""
         w = self.stage.tied
-        if w is None:
+        if w is None or not w.requires_grad:
             return
         other = 0 if self.is_last else self.pp_world_size - 1
-        mine = w.grad.clone() if w.grad is not None else torch.zeros_like(w)
-        w.grad = mine + exchange_tied_grad(self.comms, mine, other)
+        if w.grad is None:
+            w.grad = torch.zeros_like(w)
+        mine = w.grad - before if before is not None else w.grad.clone()  # this step's part
+        w.grad = w.grad + exchange_tied_grad(self.comms, mine, other)
