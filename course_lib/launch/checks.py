@@ -130,9 +130,13 @@ class TrainRequest:
     """A training run as asked for: the config (``nproc`` resolved), nodes, device and overwrite."""
     config: TrainConfig
     nnodes: int
-    device: str  # 'cpu' or 'cuda'
+    device: str  # 'cpu', 'cuda', or 'cuda:N' when the config names a GPU (the launcher plans with it again)
     overwrite: bool = False
     plan: RankPlan | None = None  # each rank's device and the backend (launch.placement)
+
+    @property
+    def device_type(self) -> str:  # 'cpu' or 'cuda'
+        return self.device.split(":")[0]
 
     @property
     def world_size(self) -> int:
@@ -152,7 +156,7 @@ def check_strategy_world(req: TrainRequest) -> None:
     if req.strategy == "single" and req.world_size > 1 and not (cfg.cp == 1 and req.world_size == cfg.tp * cfg.pp):
         raise LaunchConfigError(f"strategy 'single' runs one process but {req.world_size} ranks were asked for; "
                                 "use strategy 'auto' or 'ddp', or nproc=1")
-    if (STRATEGIES[req.strategy].needs_nccl_on_cuda and req.device == "cuda" and req.plan
+    if (STRATEGIES[req.strategy].needs_nccl_on_cuda and req.device_type == "cuda" and req.plan
             and req.plan.backend == "gloo"):
         # Seen on an H200 with torch 2.11 (issue 28): fsdp_grad_op on 2 ranks sharing the GPU over gloo
         # killed rank 0 with SIGSEGV, no Python error. FSDP2 all-gathers and reduce-scatters CUDA tensors,
@@ -182,8 +186,8 @@ def check_memory(req: TrainRequest) -> None:
     """The model fits: estimated bytes per rank vs the GPU's memory, or this host's RAM / ranks."""
     profile = detect(req.device)
     dtype = pick_dtype(profile, req.config.dtype)
-    need = estimate_bytes(req.config, req.world_size, dtype, req.device)
-    if req.device == "cuda":
+    need = estimate_bytes(req.config, req.world_size, dtype, req.device_type)
+    if req.device_type == "cuda":
         share = req.plan.ranks_per_device if req.plan else 1  # ranks sharing one GPU share its memory
         have, where = profile.memory_bytes / share, f"the GPU ({profile.name})" + (f" / {share} ranks" if share > 1 else "")
     else:
@@ -219,7 +223,7 @@ def check_layout(req: TrainRequest) -> None:
         raise LaunchConfigError(str(e)) from None
     if pick_dtype(detect(req.device), cfg.dtype) == "float16":
         raise LaunchConfigError(FP16_ON_GRID)
-    if (cfg.pp > 1 or cfg.cp > 1) and req.device == "cuda" and req.plan and req.plan.backend == "gloo":
+    if (cfg.pp > 1 or cfg.cp > 1) and req.device_type == "cuda" and req.plan and req.plan.backend == "gloo":
         # torch.distributed docs, "Backends": gloo has no send/recv of CUDA tensors
         raise LaunchConfigError(f"pp/cp send activations point to point, which gloo cannot do with CUDA tensors "
                                 f"({req.plan.line()}); use one rank per GPU (NCCL) or --device=cpu")
@@ -227,7 +231,7 @@ def check_layout(req: TrainRequest) -> None:
 
 def check_job(req: TrainRequest) -> None:
     """Inside a SLURM/PBS job: the nodes and GPUs it was given."""
-    placement.check_scheduler(req.nnodes, (req.plan and req.plan.gpus_per_node) or req.config.nproc, req.device)
+    placement.check_scheduler(req.nnodes, (req.plan and req.plan.gpus_per_node) or req.config.nproc, req.device_type)
 
 
 CHECKS: list[Callable[[TrainRequest], None]] = [check_job, check_strategy_world, check_dtype, check_layout,
@@ -249,7 +253,9 @@ def check_request(config: TrainConfig, *, nproc=None, nnodes: int = 1, overwrite
     nproc = config.nproc if nproc is None else nproc
     plan = placement.plan(nproc, config.device, backend, recipe=recipe or config.name, nnodes=check_nnodes(nnodes),
                           same_host=True)
-    req = TrainRequest(config.replace(nproc=plan.nproc), plan.nnodes, plan.device_type, overwrite, plan)
+    # 'cuda:N' stays: run_training hands req.device to the launcher, whose own plan would start at cuda:0
+    device = config.device if config.device.startswith("cuda:") else plan.device_type
+    req = TrainRequest(config.replace(nproc=plan.nproc), plan.nnodes, device, overwrite, plan)
     for check in CHECKS:
         check(req)
     return req

@@ -115,13 +115,13 @@ def plan_ranks(n_gpu: int, nproc="auto", device: str = "auto", backend: str = "a
     same_host: the ``nnodes`` nodes are agents on this one host (the course's stand-in for a
     cluster), so all their ranks share its GPUs.
 
-    device: 'auto' (the GPUs if there are any, else the CPU), 'cpu', 'cuda' (or 'cuda:N').
-    nproc: 'auto' is one rank per GPU, else 2 CPU ranks. backend: 'auto' is NCCL for one rank per
-    GPU, gloo for CPU ranks and for ranks that share a GPU. Raises PlanError before anything starts.
+    device: 'auto' (the GPUs if there are any, else the CPU), 'cpu', 'cuda', or 'cuda:N' (one rank
+    on GPU N). nproc: 'auto' is one rank per GPU, else 2 CPU ranks. backend: 'auto' is NCCL for one
+    rank per GPU, gloo for CPU ranks and for ranks that share a GPU. Raises PlanError before anything starts.
     """
-    kind = device.split(":")[0] if isinstance(device, str) else device
-    if kind not in DEVICES:
-        raise PlanError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    kind, _, index = device.partition(":") if isinstance(device, str) else (device, "", "")
+    if kind not in DEVICES or index and not (kind == "cuda" and index.isdigit()):
+        raise PlanError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
     if backend not in BACKENDS:
         raise PlanError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
     if kind == "auto":
@@ -134,7 +134,15 @@ def plan_ranks(n_gpu: int, nproc="auto", device: str = "auto", backend: str = "a
         if backend == "nccl":
             raise PlanError("NCCL runs on GPUs only: use backend 'gloo' for CPU ranks")
         return RankPlan(("cpu",) * here, "gloo", recipe, nnodes, nproc)
-    devices = tuple(f"cuda:{k % n_gpu}" for k in range(here))
+    if index:  # 'cuda:N': that GPU, not the ranks' turn from cuda:0
+        gpus = f"{n_gpu} GPU{'s' if n_gpu > 1 else ''} ({', '.join(f'cuda:{k}' for k in range(n_gpu))})"
+        if int(index) >= n_gpu:
+            raise PlanError(f"device={device!r} but this machine has {gpus}; use --device=cuda, "
+                            "or one of those")
+        if here > 1:
+            raise PlanError(f"device={device!r} names one GPU, for one rank; for {here} ranks use --device=cuda "
+                            f"(rank k on GPU k mod {n_gpu}), or choose their GPUs with CUDA_VISIBLE_DEVICES")
+    devices = (device,) if index else tuple(f"cuda:{k % n_gpu}" for k in range(here))
     shared = here > n_gpu
     if shared and backend == "nccl":
         fits = f"--nproc={n_gpu}" if not same_host or nnodes == 1 else f"--nnodes=1 --nproc={n_gpu}"

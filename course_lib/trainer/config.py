@@ -72,6 +72,9 @@ INIT_FROM = ("scratch", "resume")
 RESUME_MAY_CHANGE = frozenset({"out_dir", "init_from", "max_iters", "eval_interval", "log_interval", "eval_iters",
                                "device", "compile", "strategy", "threads", "timeout_s", "run_name", "data_dir",
                                "recompute", "grad_comm_dtype",  # memory and wire format, not the model
+                               # the precision: dtype=auto changes it with the device anyway (T4 fp16 ->
+                               # CPU fp32), and the trainer loads the loss scaler only where both scale
+                               "dtype",
                                "check_collectives", "check_replicas_every",  # checks, not the arithmetic
                                # the layout: any, if the global batch stays the same (check_layout_change)
                                "nproc", "tp", "pp", "cp", "ep", "ep_dispatch", "sequence_parallel", "pp_schedule",
@@ -455,12 +458,13 @@ def config_from_args(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[
     overrides = parse_overrides(rest)
     if args.resume:
         overrides["init_from"] = "resume"
+    resume = overrides.get("init_from") == "resume"  # --resume or --init_from=resume: one meaning (--help)
     if args.config and args.config_file:
         raise ConfigError("give either --config or --config-file, not both")
     base = None
     if args.config_file:
         base = TrainConfig.load(args.config_file)
-    elif args.resume and not args.config:
+    elif resume and not args.config:
         out_dir = overrides.get("out_dir")
         if not out_dir:
             raise ConfigError("--resume needs --out_dir=DIR (the run to continue)")
