@@ -489,9 +489,12 @@ def test_teaching_mode_reads_the_root_of_scatter_and_gather_by_position():
                                  "the root's list has 1 tensors, 2 ranks need 2"), said
 
 
-def branch_replicas_worker(rank: int, world_size: int) -> list[str]:
+def branch_replicas_worker(rank: int, world_size: int) -> dict[str, str]:
     """A model whose layer ``b`` runs on rank 0 only (a data-dependent branch): check_replicas after
-    the course's DDP, after a sum and after a sync that leaves ``c.weight`` out."""
+    the course's DDP, after a sum, after a sync that leaves ``c.weight`` out, and after syncs of
+    ``b.weight``, the parameter only rank 0 used: left out (None on rank 1, or zeros where the sync
+    filled missing gradients first), and averaged on rank 1 while rank 0 keeps its own (then on
+    rank 0 its own gradient is also the sum, and nothing on rank 1 tells which: the report says both)."""
     import torch
     from torch import nn
 
@@ -513,8 +516,9 @@ def branch_replicas_worker(rank: int, world_size: int) -> list[str]:
     torch.manual_seed(0)
     reference = Branch()  # one process, both ranks' batches: the mean loss's gradients
     sum(reference(batch(r), use_b=r == 0) for r in range(world_size)).div(world_size).backward()
-    said = []
-    for sync in ("ddp", "sum", "skip c.weight"):
+    said = {}
+    for sync in ("ddp", "sum", "skip c.weight", "skip b.weight, none elsewhere", "skip b.weight, zeros elsewhere",
+                 "rank 0 keeps b.weight"):
         torch.manual_seed(0)
         model = Branch()
         ddp = DataParallelNaive(model)
@@ -526,26 +530,48 @@ def branch_replicas_worker(rank: int, world_size: int) -> list[str]:
                 assert torch.allclose(p.grad, q.grad, atol=1e-6), n
         else:
             for n, p in model.named_parameters():
-                if n == "c.weight" and sync == "skip c.weight":
+                if p.grad is None and sync.endswith("zeros elsewhere"):
+                    p.grad = torch.zeros_like(p)
+                if sync.startswith("skip") and n == sync.split()[1].rstrip(","):
                     continue
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                torch.distributed.all_reduce(p.grad)
-                p.grad /= 1 if sync == "sum" else world_size
-        said.append(str(check_replicas(model, batch=batch(rank), local=mine)))
+                synced = p.grad.clone()
+                torch.distributed.all_reduce(synced)
+                if sync == "rank 0 keeps b.weight" and rank == 0 and n == "b.weight":
+                    continue  # rank 0 took part in the all-reduce, but kept its own gradient
+                p.grad.copy_(synced / (1 if sync == "sum" else world_size))
+        said[sync] = str(check_replicas(model, batch=batch(rank), local=mine))
     return said
 
 
 def test_check_replicas_with_a_branch_taken_on_one_rank():
+    """Also: on the rank that used it, a parameter's own gradient *is* the sum of the ranks' local
+    gradients (the others' are zero); left out of the sync it was named a sum. The other ranks tell."""
     from course_lib.launch.spawn import run_ranks
 
-    for ddp, summed, skipped in run_ranks(branch_replicas_worker, 2, timeout=20):
+    own = "is this rank's own gradient: the parameter is missing from the gradient sync"
+    for rank, said in enumerate(run_ranks(branch_replicas_worker, 2, timeout=30)):
+        ddp, summed, skipped = said["ddp"], said["sum"], said["skip c.weight"]
         assert ddp == "replicas agree on 2 ranks: 6 parameters, 6 gradients, 1 batch compared", ddp
         assert "gradient 'b.weight' (rank 0, 1) is the SUM of the ranks' gradients" in summed, summed
         assert "gradient 'c.bias' (rank 0, 1) is the SUM" in summed, summed
+        assert "missing from the gradient sync" not in summed, summed
         assert "gradient 'c.weight' differs: rank 0 norm" in skipped, skipped
-        assert ("gradient 'c.weight' (rank 0, 1) is this rank's own gradient: the parameter is missing "
-                "from the gradient sync") in skipped, skipped
+        assert f"gradient 'c.weight' (rank 0, 1) {own}" in skipped, skipped
+        # rank 1 holds no gradient of b.weight: the sets differ, and rank 0's is its own, not a sum
+        none = said["skip b.weight, none elsewhere"]
+        assert "the ranks hold different sets of tensors" in none, (rank, none)
+        assert f"gradient 'b.weight' (rank 0) {own}" in none and "SUM" not in none, (rank, none)
+        # rank 1 holds zeros (its own): both ranks named, no sum anywhere
+        zeros = said["skip b.weight, zeros elsewhere"]
+        assert "gradient 'b.weight' differs: rank 0 norm" in zeros, (rank, zeros)
+        assert f"gradient 'b.weight' (rank 0, 1) {own}" in zeros and "SUM" not in zeros, (rank, zeros)
+        # rank 1 averaged, rank 0 kept its own: both bugs named, neither claimed
+        kept = said["rank 0 keeps b.weight"]
+        assert ("gradient 'b.weight' (rank 0) is both this rank's own gradient and the SUM of the ranks' "
+                "gradients") in kept, (rank, kept)
+        assert kept.count("gradient 'b.weight' (rank") == 1, (rank, kept)
 
 
 # ------------------------------------------------------------------ all_to_all_single's split sizes, pair by pair
