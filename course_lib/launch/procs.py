@@ -177,10 +177,10 @@ class ProcessTree:
     def refresh(self) -> None:
         try:
             root = psutil.Process(self.popen.pid)
-            for p in [root, *root.children(recursive=True)]:
-                self.known.setdefault(p.pid, p)
         except psutil.Error:
-            pass
+            return
+        for p in [root, *descendants(root.pid)]:
+            self.known.setdefault(p.pid, p)
 
     def alive(self) -> list[psutil.Process]:
         return [p for p in self.known.values() if _alive(p)]
