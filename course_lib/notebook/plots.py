@@ -81,6 +81,14 @@ def plot_collective_model(nbytes: Sequence[float], p: int, alpha: float, bandwid
                           op: str = "all_reduce", algorithms: Sequence[str] | None = None, ax=None):
     """Alpha-beta model time against message size for each algorithm of ``op``
     (see :mod:`course_lib.analysis.comm_cost`)."""
+    # both axes are logarithmic: a 0-byte message or a one-rank "collective" (every time 0) has
+    # no place on them, and matplotlib would silently leave it out (p = 1: an empty figure)
+    if p < 2:
+        raise ValueError(f"plot_collective_model needs p >= 2 ranks, got p = {p}: "
+                         "on one rank a collective moves nothing and takes no time")
+    if len(nbytes) == 0 or min(nbytes) <= 0:  # len, not truth: nbytes may be a numpy array
+        raise ValueError("plot_collective_model needs message sizes > 0 bytes (a log axis), "
+                         f"got {list(nbytes)}")
     fig, ax = _axes(ax)
     for algo in algorithms or COLLECTIVE_ALGORITHMS[op]:
         times = [collective_time(op, n, p, alpha=alpha, bandwidth=bandwidth, algorithm=algo)
@@ -130,8 +138,10 @@ def plot_speedup(speedup: Mapping[str, float], ranks: int, title: str | None = N
     is "as fast as one process": a bar below it is *slower* than one process (drawn in red). The
     line at ``ranks``x is the ideal when every rank brings its own device (Gustafson 1988).
     """
-    fig, ax = _axes(ax)
     pairs = dict(speedup.items())  # a dict or a pandas Series (index = strategy)
+    if not pairs:
+        raise ValueError("plot_speedup needs at least one strategy's speedup (strategy -> speedup)")
+    fig, ax = _axes(ax)
     names, values = list(pairs), [float(v) for v in pairs.values()]
     colors = ["#c0392b" if v < 1 else "#2e86c1" for v in values]
     ax.bar(names, values, color=colors)
@@ -204,6 +214,8 @@ def plot_step_timeline(results: list[dict], title: str | None = None, ax=None):
     """The profiled step of every rank: a lane of phases, one of compute, one of communication.
 
     results: :func:`course_lib.experiments.profiling.profile_training_step`'s, one dict per rank."""
+    if not results:
+        raise ValueError("plot_step_timeline needs the results of profile_training_step, one dict per rank")
     if ax is None:
         ax = Figure(figsize=(9, 0.6 + 1.2 * len(results)), layout="constrained").add_subplot()
     colors = {"compute": "#4c72b0", "comm": "#dd8452"}

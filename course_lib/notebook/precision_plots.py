@@ -100,7 +100,10 @@ def plot_state_bytes(bars: Mapping[str, Mapping[str, float]], ax=None, unit: flo
 
 
 def plot_recompute(rows: Sequence[Mapping], ax=None):
-    """Two panels: measured and modelled activation MB per recompute mode, and compute ms/step."""
+    """Two panels: measured and modelled activation MB per recompute mode, and compute ms/step
+    (written over each bar as a multiple of the first mode's, when that is a positive time)."""
+    if not rows:
+        raise ValueError("plot_recompute needs the rows of recompute_runs, one per recompute mode")
     fig = Figure(figsize=(9, 3.5), layout="constrained")
     a1, a2 = fig.subplots(1, 2)
     modes = [r["recompute"] for r in rows]
@@ -112,8 +115,9 @@ def plot_recompute(rows: Sequence[Mapping], ax=None):
     a1.legend(fontsize=8)
     a2.bar(modes, [r["compute_ms"] for r in rows], color="#55a868")
     base = rows[0]["compute_ms"]
-    for i, r in enumerate(rows):
-        a2.text(i, r["compute_ms"], f"{r['compute_ms'] / base:.2f}x", ha="center", va="bottom")
+    if base > 0:  # a 0 or NaN ms baseline has no ratios (the bars still show the times)
+        for i, r in enumerate(rows):
+            a2.text(i, r["compute_ms"], f"{r['compute_ms'] / base:.2f}x", ha="center", va="bottom")
     a2.set_ylabel("compute ms per step")
     fig.suptitle("Activation recomputation: memory for compute")
     return fig
