@@ -21,7 +21,9 @@ H200 with ``torch.compile``, GPT-2 small's step took 26.43 ms against the plain 
 (benchmarks/RESULTS.md), so the course's default stays the plain head and loss.
 
 Under autocast the matrix multiplies run in the autocast dtype, as ``nn.Linear`` would, and the
-softmax, the loss and the weight gradient's sum over chunks in fp32. Rows whose target is -1 are
+softmax, the loss and the weight gradient's sum over chunks in fp32 (fp64 for fp64 inputs, so
+``torch.autograd.gradcheck`` applies). Under fp16 the saved gradients are kept near 1 in size, not
+divided by the token count, until backward brings the loss scale. Rows whose target is -1 are
 ignored (``ignore_index=-1``, the course's convention).
 """
 
@@ -46,34 +48,39 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         dtype = _compute_dtype(x)
         with torch.autocast(x.device.type, enabled=False):  # the casts are explicit below
             xc, wc = x.to(dtype), weight.to(dtype)  # (N, C), (V, C)
+            acc = torch.promote_types(dtype, torch.float32)  # softmax, loss, sums: fp32, or fp64 for fp64
             valid = targets != -1  # (N,)
-            count = valid.sum().clamp(min=1).float()  # the rows the mean is over
-            loss = torch.zeros((), device=x.device, dtype=torch.float32)
+            count = valid.sum().clamp(min=1).to(acc)  # the rows the mean is over
+            # a power of two >= count: the saved gradients are the mean's times it, scaled back in
+            # backward, where the loss scale comes too. Exact (a power of two only moves the exponent),
+            # and it keeps softmax / count (e.g. 1e-5 / 12,288 tokens) from underflowing in fp16
+            unit = torch.exp2(torch.ceil(torch.log2(count)))
+            loss = torch.zeros((), device=x.device, dtype=acc)
             grad_x = torch.empty_like(xc)  # (N, C) in the compute dtype, as Linear's backward makes it
-            grad_w = torch.zeros(weight.shape, device=x.device, dtype=torch.float32)  # (V, C), summed in fp32
+            grad_w = torch.zeros(weight.shape, device=x.device, dtype=acc)  # (V, C), summed in fp32 (or fp64)
             n = -(-x.shape[0] // chunks)  # rows per chunk (the last may have fewer)
             for lo in range(0, x.shape[0], n):
                 hi = min(lo + n, x.shape[0])
-                logits = (xc[lo:hi] @ wc.T).float()  # (n, V)
+                logits = (xc[lo:hi] @ wc.T).to(acc)  # (n, V)
                 t, keep = targets[lo:hi].clamp(min=0), valid[lo:hi]
                 lse = torch.logsumexp(logits, dim=-1)  # (n,)
                 picked = logits.gather(1, t[:, None]).squeeze(1)  # z_t, (n,)
                 loss = loss + torch.where(keep, lse - picked, 0.0).sum()
                 g = torch.exp(logits - lse[:, None])  # softmax, (n, V)
                 g.scatter_add_(1, t[:, None], torch.full_like(picked[:, None], -1.0))  # - onehot
-                g = (g * (keep.float() / count)[:, None]).to(dtype)  # dL/dz of the mean, ignored rows 0
+                g = (g * (keep.to(acc) / count * unit)[:, None]).to(dtype)  # unit x dL/dz, ignored rows 0
                 grad_x[lo:hi] = g @ wc  # (n, C)
-                grad_w += (g.T @ xc[lo:hi]).float()  # (V, C)
-        ctx.save_for_backward(grad_x, grad_w)
+                grad_w += (g.T @ xc[lo:hi]).to(acc)  # (V, C)
+        ctx.save_for_backward(grad_x, grad_w, unit)
         ctx.dtypes = (x.dtype, weight.dtype)
         return loss / count
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        grad_x, grad_w = ctx.saved_tensors
+        grad_x, grad_w, unit = ctx.saved_tensors  # unit times the mean's gradients
         x_dtype, w_dtype = ctx.dtypes
-        # grad_loss is 0-dim: it does not change the dtype of what it scales
-        return grad_x.to(x_dtype) * grad_loss, (grad_w * grad_loss).to(w_dtype), None, None
+        scale = grad_loss / unit  # 0-dim: it does not change the dtype of what it scales
+        return grad_x.to(x_dtype) * scale, (grad_w * scale).to(w_dtype), None, None
 
 
 def chunked_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
