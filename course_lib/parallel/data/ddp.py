@@ -9,6 +9,8 @@ Two versions behind one interface (``forward``, ``no_sync()``, ``finish_gradient
   asynchronous all-reduce for a bucket as soon as the last gradient in it is ready (a
   ``register_post_accumulate_grad_hook`` per parameter), so communication overlaps with the rest
   of backward and there are few, large messages (Li et al. 2020, "PyTorch Distributed", Sec. 3.2).
+  Hence one backward per synchronisation, the others under ``no_sync()``: a second one would
+  refill buckets already on the wire, so it raises (as PyTorch's DDP does).
 
 Both broadcast rank 0's parameters and buffers at construction, so every rank starts from the
 same state whatever its seed. Gradients are averaged (divided by ``dp_world_size``), so each rank
@@ -69,8 +71,10 @@ class DataParallelNaive(nn.Module):
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 wire = p.grad.to(self.grad_comm_dtype or p.grad.dtype)  # no copy without a dtype
-                self.comms.all_reduce(wire)
-                p.grad.copy_(wire).div_(self.dp_world_size)
+                # divide before the sum (as the bucketed version and PyTorch's fp16_compress_hook):
+                # a 16-bit sum of p undivided gradients overflows fp16 long before their mean does
+                self.comms.all_reduce(wire.div_(self.dp_world_size))
+                p.grad.copy_(wire)
 
 
 class Bucket:
@@ -146,6 +150,14 @@ class DataParallelBucket(nn.Module):
         if not self.require_backward_grad_sync:
             return
         bucket = self.bucket_of[p]
+        if bucket.work is not None:
+            # a second backward before finish_gradient_synchronization: this bucket's buffer is
+            # already being all-reduced, so refilling it would race with the collective (each rank
+            # ends with different gradients). PyTorch's DDP refuses this too.
+            raise RuntimeError(
+                f"DataParallelBucket: a gradient for a parameter of shape {tuple(p.shape)} arrived "
+                "after its bucket's all-reduce was launched (a second backward before "
+                "finish_gradient_synchronization()); run every backward but the last under no_sync()")
         bucket.fill(p, 1.0 / self.dp_world_size)  # pre-divide: sum -> mean
         bucket.ready.add(p)
         while self.next_bucket < len(self.buckets) and \
