@@ -16,17 +16,20 @@ through: Dai et al. 2024, "DeepSeekMoE", Sec. 3.2. Each expert is a GPT-2 MLP (C
 tanh GELU); the E experts' weights are stacked, (E, 4C, C) and (E, C, 4C), so expert parallelism
 shards them along their first dimension.
 
-The load-balancing loss, Switch Transformers eq. 4 (GShard's l_aux, Sec. 2.2, is the same with
-a differentiable proxy for f):
+The load-balancing loss, Switch Transformers eq. 4 (GShard's l_aux, Sec. 2.2 and Algorithm 1,
+has the same form: the fraction of tokens whose first choice is expert e, which has no gradient,
+times the mean gate of e, which stands in for it in the differentiable term; summed and divided by
+E where Switch multiplies by it):
 
     aux = E * sum_i f_i * P_i,   f_i = share of the N*k assignments routed to expert i (no gradient),
                                  P_i = mean router probability of expert i over the N tokens
 
 It is 1 when the router is uniform; ``GPT.forward`` adds ``aux_loss_coef * sum over blocks of aux``
 to the cross-entropy in training (Switch: alpha = 0.01), so the training loss includes it; in
-evaluation (``model.eval()``) the loss is the cross-entropy alone, comparable with a dense model's. f counts the tokens of ALL data-parallel ranks (the
-router's ``token_counts`` hook gives the global counts); P is this rank's mean, so the data-parallel
-average of the ranks' losses is the global batch's loss (aux is linear in P once f is fixed).
+evaluation (``model.eval()``) the loss is the cross-entropy alone, comparable with a dense model's.
+f counts the tokens of ALL data-parallel ranks (the router's ``token_counts`` hook gives the global
+counts); P is this rank's mean, so the data-parallel average of the ranks' losses is the global
+batch's loss (aux is linear in P once f is fixed).
 
 Capacity (Switch Transformers, eq. 3; GShard, Sec. 2.2): with ``capacity_factor`` c > 0 each expert
 takes at most
