@@ -19,7 +19,10 @@ import torch
 from torch import nn
 
 from course_lib.launch.spawn import run_ranks
+from course_lib.parallel.comms import Comms
 from course_lib.parallel.data.ddp import DataParallelBucket, DataParallelNaive
+from course_lib.parallel.zero.zero3 import FullyShardedDataParallel
+from course_lib.parallel.zero.zero12 import ShardedOptimizer
 
 
 def _twice_rank(rank: int, world_size: int):
@@ -121,3 +124,81 @@ def _corners_rank(rank: int, world_size: int, micro: int):
 
 def test_data_parallel_corners_equal_one_process():
     assert run_ranks(_corners_rank, 2, 3, timeout=60) == [{}, {}]
+
+
+# --- wrapping a module again (a re-run notebook cell) ---------------------------------------------
+# The first wrapper's gradient hooks used to stay on the parameters: with DataParallelBucket each
+# backward all-reduced twice (6 all-reduces instead of 3 here, twice the bytes, half never waited
+# for); with ZeRO-2 the old optimizer's hook freed the gradients before the new one packed them, so
+# the step used none. FSDP, wrapped again, broadcast rank 0's shards into rank 1's shards of other
+# sizes: gloo aborted the ranks.
+
+def _rewrap_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+
+
+def _rewrap_batch() -> torch.Tensor:
+    return torch.randn(4, 4, generator=torch.Generator().manual_seed(3))
+
+
+def _rewrap_rank(rank: int, world_size: int):
+    x = _rewrap_batch()[2 * rank: 2 * rank + 2]
+    out = {}
+    for times in (1, 2):  # wrapped once, and the same model wrapped twice
+        model, comms = _rewrap_model(), Comms()
+        for _ in range(times):  # 1e-5 MiB buckets: one per parameter, 3 by backward's order
+            ddp = DataParallelBucket(model, comms=comms, bucket_cap_mb=1e-5)
+        comms.reset()  # the step's collectives only, both wrappers' (they share comms)
+        ddp(x).pow(2).mean().backward()
+        ddp.finish_gradient_synchronization()
+        out[("ddp", times)] = (dict(comms.calls), [p.grad.clone() for p in model.parameters()])
+    for times in (1, 2):
+        model, comms = _rewrap_model(), Comms()
+        for _ in range(times):
+            opt = ShardedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, shard_gradients=True,
+                                   comms=comms, bucket_cap_mb=1e-5)
+        comms.reset()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        out[("zero2", times)] = (dict(comms.calls), [p.detach().clone() for p in model.parameters()])
+    return out
+
+
+def test_wrapping_a_module_again_replaces_the_first_wrappers_hooks():
+    reference = _rewrap_model()
+    reference(_rewrap_batch()).pow(2).mean().backward()
+    grads = [p.grad for p in reference.parameters()]
+    stepped = [p.detach() - 0.1 * p.grad for p in reference.parameters()]  # one SGD step
+    for out in run_ranks(_rewrap_rank, 2, timeout=60):
+        assert out[("ddp", 2)][0] == out[("ddp", 1)][0] == {"all_reduce": 3}  # not 6
+        assert out[("zero2", 2)][0] == out[("zero2", 1)][0] == {"reduce_scatter": 3, "all_gather": 3}
+        for times in (1, 2):
+            for kind, want in (("ddp", grads), ("zero2", stepped)):
+                for got, w in zip(out[(kind, times)][1], want):
+                    assert torch.allclose(got, w, atol=1e-6), (kind, times)
+
+
+def _fsdp_rewrap_rank(rank: int, world_size: int):
+    model = _rewrap_model()
+    fsdp = FullyShardedDataParallel(model)
+    try:
+        FullyShardedDataParallel(model)  # a re-run cell
+        refused = ""
+    except RuntimeError as e:
+        refused = str(e)
+    opt = torch.optim.SGD(fsdp.parameters(), lr=0.1)  # the first wrapper still works
+    fsdp(_rewrap_batch()[2 * rank: 2 * rank + 2]).pow(2).mean().backward()
+    fsdp.finish_gradient_synchronization()
+    opt.step()
+    with fsdp.summon_full_params():
+        return refused, [p.detach().clone() for p in model.parameters()]
+
+
+def test_fsdp_refuses_a_module_wrapped_already():
+    reference = _rewrap_model()
+    reference(_rewrap_batch()).pow(2).mean().backward()
+    for refused, params in run_ranks(_fsdp_rewrap_rank, 2, timeout=60):
+        assert "wrapped already" in refused
+        for got, r in zip(params, reference.parameters()):
+            assert torch.allclose(got, r.detach() - 0.1 * r.grad, atol=1e-6)

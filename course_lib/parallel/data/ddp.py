@@ -26,6 +26,11 @@ a 16-bit buffer before the all-reduce and back to the parameter's dtype after it
 the wire halve (what PyTorch DDP's ``bf16_compress_hook`` does, and Megatron's bf16 gradient
 reduction); the sum over ranks is then rounded to 16 bits, a small change in the loss (measured
 in tests/test_grad_comm.py).
+
+Wrapping a module again (a notebook cell re-run) replaces the previous wrapper: a parameter carries
+one gradient hook of ours, the newest (:func:`register_grad_sync_hook`, also ZeRO-2's). Otherwise
+the old wrapper's hooks kept firing in every backward, all-reducing its own buckets as well (twice
+the traffic, collectives nobody waits for, its buffers kept alive).
 """
 
 from __future__ import annotations
@@ -34,10 +39,25 @@ import contextlib
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from course_lib.parallel.comms import Comms, broadcast_module, ep_sharded
 from course_lib.parallel.data.buckets import bucket_params, common_dtype
 from course_lib.parallel.strategy import CommsStrategy
+
+
+def register_grad_sync_hook(p: nn.Parameter, hook) -> RemovableHandle:
+    """``p.register_post_accumulate_grad_hook(hook)``, removing the one a previous wrapper of ours
+    (DataParallelBucket, ZeRO-2's ShardedOptimizer) registered on ``p``: a module wrapped again, as a
+    re-run notebook cell does, is synchronised by the new wrapper only. The old wrapper's hooks would
+    otherwise fire too, launching its own collectives (and ZeRO-2's frees the gradients the new one
+    then finds missing). The handle lives on the parameter (a private attribute): the wrappers see
+    the same parameter objects, whatever module or optimizer they were given."""
+    previous = getattr(p, "_course_grad_sync_hook", None)
+    if previous is not None:
+        previous.remove()  # a no-op where it was removed already
+    p._course_grad_sync_hook = p.register_post_accumulate_grad_hook(hook)
+    return p._course_grad_sync_hook
 
 
 class DataParallelNaive(nn.Module):
@@ -131,7 +151,7 @@ class DataParallelBucket(nn.Module):
                         for b in bucket_params(params, bucket_cap_mb, first_bucket_cap_mb)]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.next_bucket = 0  # launched in bucket order: every rank issues the same sequence
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+        self._hooks = [register_grad_sync_hook(p, self._on_grad_ready) for p in params]  # replaces an old wrapper's
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

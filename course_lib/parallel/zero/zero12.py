@@ -36,6 +36,7 @@ experts of expert parallelism (``ep_sharded``: stepped whole, unsharded; :mod:`c
 no gradient on any rank keeps ``grad=None`` (flags travel with the gradients, see sharding), so
 AdamW leaves it alone; tied weights are one Parameter; under ``no_sync()`` gradients accumulate
 locally and are communicated once, after the last micro-batch (both stages; as FSDP's no_sync).
+A second ShardedOptimizer over the same parameters (a re-run cell) takes over their gradient hooks.
 
 ``state_dict()`` is the FULL state in the unsharded optimizer's format, identical on every rank (a
 collective); ``load_state_dict`` takes that format and keeps this rank's shards.
@@ -50,6 +51,7 @@ from torch import nn
 
 from course_lib.parallel.comms import Comms, broadcast_module, ep_sharded
 from course_lib.parallel.data.buckets import bucket_params
+from course_lib.parallel.data.ddp import register_grad_sync_hook
 from course_lib.parallel.strategy import CommsStrategy
 from course_lib.parallel.zero.sharding import (
     ShardLayout,
@@ -102,7 +104,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # rank's own gradients are not: one without any would skip the reduce-scatter the rest start)
         self.synchronized = False
         self.sync_grads = True
-        self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        # replacing the hooks of a previous ShardedOptimizer (or DataParallelBucket) over these
+        # parameters: its hook would free the gradients before ours packs them
+        self.hooks = [register_grad_sync_hook(p, self._on_grad_ready)
                       for p in self.params] if shard_gradients else []
 
     @classmethod

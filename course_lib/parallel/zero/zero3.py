@@ -51,6 +51,8 @@ Several forwards before their backwards (a pipeline schedule, AFAB or 1F1B: micr
 flight) work too: every unit is gathered again before each backward that needs it (the root by a
 hook on the forward's output, as the other units by hooks on theirs), and each backward
 reduce-scatters into the shards' gradients, which add up.
+
+Wrapping a module a second time (a re-run cell) raises: its parameters are shards by then.
 """
 
 from __future__ import annotations
@@ -85,6 +87,14 @@ class FullyShardedDataParallel(nn.Module):
                  replicate=None, prefetch: int = 1, max_in_flight: int | None = 2,
                  comms: Comms | None = None):
         super().__init__()
+        # A module wrapped already (a re-run cell) shows this rank's flat shards, not its parameters:
+        # a second wrapper would broadcast rank 0's shards into shards of other sizes (the ranks
+        # abort in gloo) and shard them again. Only the first wrapper can gather them: refuse.
+        if any(getattr(m, "_course_fsdp_sharded", False) for m in module.modules()):
+            raise RuntimeError(
+                "FullyShardedDataParallel: this module (or a part of it) is wrapped already, and its "
+                "parameters are now this rank's shards. Keep using the first wrapper, or build the "
+                "model again (re-run the cell that creates it) before wrapping it.")
         self.module = module
         self.comms = comms or Comms(process_group)
         self.state_comms = Comms(process_group)  # checkpoint traffic, kept out of the step figures
@@ -133,6 +143,8 @@ class FullyShardedDataParallel(nn.Module):
         copied = {id(p) for p in self.copies}  # whole in compute dtype: shown from forward to the end of backward
         self.copy_slots = [(m, attr, p, self.masters[p]) for m, attr, p in registered if id(p) in copied]
         self._show_copies(whole=False)
+        for m in module.modules():  # read by the check above: a part, or a module holding it, too
+            m._course_fsdp_sharded = True
         self.order: list[Unit] | None = None  # non-root units in forward order, after one forward
         self._recording: list[Unit] = []
         self.pending: list[tuple] = []  # (unit, work, grad row, packed input kept alive)
