@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 
-from course_lib.launch.rank_pool import RankPool, RankPoolError
+from course_lib.launch.rank_pool import RankHangError, RankPool, RankPoolError
 from course_lib.launch.rank_pool_view import RankBoard
 
 
@@ -110,3 +110,65 @@ def test_the_magic_refuses_options_an_action_would_ignore_and_ranks_not_in_the_p
         magics.ranks("0 --timeout 0", "print('never')")
     magics.ranks("1", "print('rank one here')")
     assert "[rank 1] rank one here" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(10)
+def test_terminal_view_prints_a_line_written_in_two_parts_as_one_line():
+    """``print('step 1...', end='')`` then ``print(' done')`` later: the terminal view once printed
+    the unfinished part as a line of its own, "[rank 0] step 1..." then "[rank 0]  done". A line is
+    now printed when it ends, or when the cell does."""
+    out = io.StringIO()
+    board = RankBoard([0], out=out)
+    for stdout in ("step 1...", "step 1... done\nstep 2...", "step 1... done\nstep 2..."):
+        board.update([{"stdout": stdout, "stderr": "", "completed": None}])
+    assert _lines(out.getvalue(), 0) == ["step 1... done"]
+    board.update([{"stdout": "step 1... done\nstep 2...", "stderr": "", "completed": "now"}], final=True)
+    assert _lines(out.getvalue(), 0) == ["step 1... done", "step 2..."]
+
+
+@pytest.mark.timeout(10)
+def test_terminal_view_prints_an_unfinished_line_of_a_rank_that_completed_before_the_last_update():
+    out = io.StringIO()
+    board = RankBoard([0], out=out)
+    md = [{"stdout": "no newline", "stderr": "", "completed": "now"}]
+    board.update(md)
+    board.update(md, final=True)  # the same metadata as before: only the cell's end tells the line is complete
+    assert _lines(out.getvalue(), 0) == ["no newline"]
+
+
+# the collective timeout of the default group and of teaching mode's side group, where a checked
+# collective waits first (the pool makes it also with teaching mode off)
+_COLLECTIVE_TIMEOUT = ("from course_lib.parallel.collective_check import _STATE\n"
+                       "print(*(g._get_backend(torch.device('cpu')).options._timeout.total_seconds()\n"
+                       "        for g in (dist.distributed_c10d._get_default_group(), _STATE.side)))")
+
+
+@pytest.mark.timeout(30)
+def test_a_cells_timeout_is_its_collectives_timeout(pool, capsys):
+    """``%%ranks --timeout 12`` on a pool started with ``--timeout 5``: the cell may run 12 s, but its
+    collectives once still timed out at the pool's 5 + 2 s, so an all_reduce waiting 8 s for a rank
+    that computes failed. The next cell without --timeout has the pool's again."""
+    pool.run(_COLLECTIVE_TIMEOUT, timeout=12)
+    pool.run(_COLLECTIVE_TIMEOUT)
+    out = capsys.readouterr().out
+    for r in (0, 1):
+        assert _lines(out, r) == ["14.0 14.0", "7.0 7.0"], out
+
+
+@pytest.mark.timeout(30)
+def test_the_lost_variables_message_names_pushed_variables_and_those_of_a_stopped_cell(pool, capsys):
+    """The list of a rank's variables was only taken after a cell that finished: a restarted rank's
+    message left out what push and push_each had defined, and what a cell stopped at its time
+    limit had defined before it was stopped."""
+    pool.push(pushed_w=1)
+    pool.push_each(pushed_each_v=[0, 1])
+    with pytest.raises(RankHangError):
+        pool.run("before_stop_y = RANK\nimport time\ntime.sleep(30)", timeout=0.5, show=False)
+    capsys.readouterr()
+    os.kill(pool._pids[1], signal.SIGKILL)
+    psutil.wait_procs([psutil.Process(pool._parent_pids[1])], timeout=10)  # its parent records the exit
+    pool.pull("RANK")
+    out = capsys.readouterr().out
+    lost = next((line for line in out.splitlines() if line.startswith(("rank 1 LOST", "rank 1 had"))), out)
+    for name in ("pushed_w (pushed)", "pushed_each_v (pushed)", "before_stop_y (#"):
+        assert name in lost, lost

@@ -23,7 +23,7 @@ kept in the notebook as ``torchrun_result`` / ``mpirun_result``.
     %ranks start 4 [--backend gloo|nccl] [--device cpu|cuda] [--timeout 30]
     %%ranks                 # the cell on every rank
     %%ranks 0,2             # on ranks 0 and 2 only
-    %%ranks --timeout 60    # this cell may run 60 s
+    %%ranks --timeout 60    # this cell may run 60 s, and wait that long in a collective
     %ranks status | restart | stop
     %ranks teaching on|off  # teaching mode: every collective compared across ranks first (default on)
     %ranks flight           # each rank's last collectives, side by side (the flight recorder)
@@ -217,7 +217,8 @@ START_ONLY = {"check": "--no-check", "backend": "--backend", "device": "--device
 def _cell_parser() -> _Parser:
     p = _Parser(prog="%%ranks", add_help=False)
     p.add_argument("ranks", nargs="?", default=None, help="e.g. 0,2 (default: every rank)")
-    p.add_argument("--timeout", type=_seconds, default=None)
+    p.add_argument("--timeout", type=_seconds, default=None,
+                   help="seconds this cell may run, and its collective timeout (default: the pool's)")
     return p
 
 

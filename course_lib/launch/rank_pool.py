@@ -117,7 +117,8 @@ class RankHangError(RankPoolError):
 
 class RankPool:
     """``world_size`` persistent ranks; see the module docstring. ``timeout``: seconds a cell may
-    run, and the process group's collective timeout."""
+    run, and the process group's collective timeout (plus ``PG_MARGIN_S``); ``run(timeout=...)``
+    sets both for one cell."""
 
     def __init__(self, world_size: int, backend: str = "auto", device: str = "auto",
                  timeout: float = DEFAULT_TIMEOUT_S, threads: int | None = None, gpus: int | None = None,
@@ -239,15 +240,18 @@ class RankPool:
     # -- running cells -------------------------------------------------------------------------
     def run(self, code: str, ranks=None, timeout: float | None = None, show: bool = True) -> None:
         """Run ``code`` on ``ranks`` (default all), showing each rank's output as it comes
-        (``show=False``: only if a rank writes to stderr or fails)."""
+        (``show=False``: only if a rank writes to stderr or fails). ``timeout``: this cell's limit
+        instead of the pool's; its collectives may wait as long (they time out ``PG_MARGIN_S``
+        later), so a longer limit lets an all_reduce wait for a rank that computes longer."""
         limit = self.timeout if timeout is None else check_seconds("timeout", timeout, error=LaunchConfigError)
         targets = self._targets(ranks)  # after every check: it may start a dead rank again
         prompt = _prompt()
         self.history.append((f"In [{prompt}]" if prompt is not None else f"#{len(self.history) + 1}", targets, code))
-        if prompt is not None:  # a rank's traceback then says "Cell In[7]" for the notebook's In [7]
-            # not waited for: each engine runs it before the cell (one queue), and a rank that does
-            # not answer is the cell's time limit's business, below
-            self._client[[self._engines[r] for r in targets]].apply_async(engine.set_execution_count, prompt)
+        # the cell's number (a rank's traceback then says "Cell In[7]" for the notebook's In [7]) and
+        # its collective timeout. Not waited for: each engine runs it before the cell (one queue),
+        # and a rank that does not answer is the cell's time limit's business, below
+        self._client[[self._engines[r] for r in targets]].apply_async(engine.before_cell, prompt,
+                                                                      limit + PG_MARGIN_S)
         self._log_from = {r: _log_size(self._log_file(r)) for r in targets}  # this cell's output starts there
         for r in targets:
             self._op_file(r).unlink(missing_ok=True)
@@ -259,24 +263,28 @@ class RankPool:
                 board.update(ar.metadata)
                 dead = [r for r in targets if not pid_alive(self._pids[r])]
                 if dead:
-                    self._after_death(ar, targets, dead, board)
+                    self._after_death(ar, targets, dead, board, limit)
                 if time.monotonic() - start > limit:
                     self._after_hang(ar, targets, limit, board)
                 time.sleep(0.1)
             dead = [r for r in targets if not pid_alive(self._pids[r])]
             if dead:
-                self._after_death(ar, targets, dead, board)
+                self._after_death(ar, targets, dead, board, limit)
             # a rank's stdout travels on IOPub and can arrive after its reply: wait for it, or the
             # last lines of a cell (all of a short one) would be missing from the board
             ar.wait_for_output(OUTPUT_WAIT_S)
         except KeyboardInterrupt:
             running = self._running(ar, targets)
-            for line in self._interrupt(ar, targets):
+            for line in self._interrupt(ar, targets, limit):
                 print(line)
             board.update(ar.metadata, final=True, stopped=dict.fromkeys(running, "interrupted"))
             raise KeyboardInterrupt(f"interrupted rank(s) {running}; the process group was made anew") from None
+        finally:
+            # also after a hang, a death or an interrupt (every rank answers again by then): what a
+            # rank defined before it was stopped is its own, and a later restart must name it as lost
+            if self.running:  # not if a dead rank could not be started again (the pool stopped)
+                self._remember_names(targets)
         board.update(ar.metadata, final=True)
-        self._remember_names(targets)
         failed = {r: error_line(md) or "failed" for r, md in zip(targets, ar.metadata, strict=True)
                   if md.get("status") == "error"}
         if failed:
@@ -321,7 +329,9 @@ class RankPool:
 
     def push(self, ranks=None, **values) -> None:
         """Define each name on the ranks, the same value on every rank."""
-        self._client[[self._engines[r] for r in self._targets(ranks)]].push(values, block=True)
+        targets = self._targets(ranks)
+        self._client[[self._engines[r] for r in targets]].push(values, block=True)
+        self._add_names(targets, values)
 
     def push_each(self, **per_rank) -> None:
         """Define each name on every rank, rank r getting ``values[r]``."""
@@ -330,8 +340,10 @@ class RankPool:
                 raise ValueError(f"{name}: give one value per rank, such as [a, b] for 2 ranks, got {values!r}")
             if len(values) != self.world_size:
                 raise ValueError(f"{name}: {len(values)} values for {self.world_size} ranks")
-        for r in self._targets(None):  # as push: a rank that died since the last cell is started again first
+        targets = self._targets(None)  # as push: a rank that died since the last cell is started again first
+        for r in targets:
             self._client[self._engines[r]].push({k: v[r] for k, v in per_rank.items()}, block=True)
+        self._add_names(targets, per_rank)
 
     # -- a cell past its limit: interrupt the ranks, a new process group --------------------------
     @staticmethod
@@ -348,7 +360,7 @@ class RankPool:
             except (OSError, ValueError):
                 waiting[r] = "running, not in a collective"
         finished = _finished(ar, targets, skip=running)
-        killed = self._interrupt(ar, targets)
+        killed = self._interrupt(ar, targets, limit)
         board.update(ar.metadata, final=True, stopped={r: f"past {limit:g} s, {w}" for r, w in waiting.items()})
         lines = [f"the cell ran past {limit:g} s and was stopped (did a rank skip a collective?)"]
         lines += [f"  rank {r}: {w}" for r, w in waiting.items()]
@@ -357,14 +369,15 @@ class RankPool:
         lines += killed or [kept]
         raise RankHangError("\n".join(lines), waiting)
 
-    def _interrupt(self, ar, targets: list[int]) -> list[str]:
+    def _interrupt(self, ar, targets: list[int], limit: float) -> list[str]:
         """SIGINT to the ranks still running; wait for them; a new process group for all ranks. A
         rank that does not come back (stuck in C++ past its collective's timeout) is killed and
         started again like a dead one; returns what to tell about that (nothing if all came back)."""
         for r, md in zip(targets, ar.metadata, strict=True):
             if md.get("completed") is None:
                 signal_quietly(self._pids[r], signal.SIGINT)
-        deadline = time.monotonic() + self.timeout + PG_MARGIN_S + GRACE_S  # a collective returns at its timeout
+        # a collective returns at its timeout: the cell's, or the pool's where torch could not set it
+        deadline = time.monotonic() + max(limit, self.timeout) + PG_MARGIN_S + GRACE_S
         while self._running(ar, targets) and time.monotonic() < deadline:
             time.sleep(0.1)
         stuck = self._running(ar, targets)
@@ -395,7 +408,7 @@ class RankPool:
             self._client[self._engines[r]].push({"ranks": None}, block=True)
 
     # -- dead ranks ------------------------------------------------------------------------------
-    def _after_death(self, ar, targets: list[int], dead: list[int], board: RankBoard) -> None:
+    def _after_death(self, ar, targets: list[int], dead: list[int], board: RankBoard, limit: float) -> None:
         """A rank's process died during a cell: let the others come back, start it again, say what was lost."""
         how = {r: _exit_status(self._dir, self._pids[r]) for r in dead}
         said = {r: _last_output(self._log_file(r), self._log_from.get(r, 0)) for r in dead}
@@ -407,7 +420,7 @@ class RankPool:
         stuck = [r for i, r in live if ar.metadata[i].get("completed") is None]
         for r in stuck:
             signal_quietly(self._pids[r], signal.SIGINT)
-        deadline = time.monotonic() + self.timeout + PG_MARGIN_S + GRACE_S
+        deadline = time.monotonic() + max(limit, self.timeout) + PG_MARGIN_S + GRACE_S  # as _interrupt's
         while any(ar.metadata[i].get("completed") is None for i, _ in live) and time.monotonic() < deadline:
             time.sleep(0.1)
         board.update(ar.metadata, final=True, stopped={r: f"DIED, {how[r]}" for r in dead})
@@ -480,6 +493,11 @@ class RankPool:
     def _remember_names(self, targets: list[int]) -> None:
         calls = {r: self._client[self._engines[r]].apply_async(_user_names) for r in targets}
         self._names.update({r: c.get(timeout=30) for r, c in calls.items()})
+
+    def _add_names(self, targets: list[int], names) -> None:
+        """Pushed names join each rank's variables (those of the last cell): a restart names them as lost."""
+        for r in targets:
+            self._names[r] = sorted(set(self._names.get(r, [])) | set(names))
 
     def _log_file(self, rank: int) -> str | None:
         """The engine's output file, written by its parent (rank_pool_engine's ``engine`` role)."""

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 
 import psutil
 
@@ -152,13 +153,29 @@ def set_check(check: bool) -> bool:
     return set_collective_check(check)
 
 
-def set_execution_count(prompt: int) -> None:
-    """Number this engine's next cell as the notebook's: its tracebacks say "Cell In[7]" for the
-    notebook's In [7] (an engine counts only the cells it ran)."""
-    # IPython: where this runs, on an engine, it has started already
+def before_cell(prompt: int | None, timeout_s: float) -> None:
+    """Run on each rank just before a cell. ``prompt``: number the cell as the notebook's, so that
+    its tracebacks say "Cell In[7]" for the notebook's In [7] (an engine counts only the cells it
+    ran). ``timeout_s``: the collective timeout of this cell (its time limit plus the pool's
+    margin), so a cell given a longer limit than the pool's may also wait that long in a collective
+    and a shorter one comes back sooner from a hang; the default group and teaching mode's side
+    group both get it, since a rank waits in the side group's exchange first."""
+    # IPython and torch on the engine only: the notebook's kernel imports this module to send it
     from IPython import get_ipython
+    from torch.distributed import distributed_c10d as c10d
 
-    get_ipython().execution_count = prompt
+    from course_lib.parallel.collective_check import _STATE as check_state  # its side group: no public accessor
+
+    if prompt is not None:
+        get_ipython().execution_count = prompt
+    # torch's own setter: gloo and NCCL read it for each collective that follows, no new group
+    # needed. Private (torch 2.9 to 2.13 have it): feature-detected; without it the pool's stays
+    set_timeout = getattr(c10d, "_set_pg_timeout", None)
+    if set_timeout is None or not c10d.is_initialized():
+        return
+    set_timeout(timedelta(seconds=timeout_s))
+    if check_state.side is not None:
+        set_timeout(timedelta(seconds=timeout_s), check_state.side)
 
 
 def flight() -> list[dict]:

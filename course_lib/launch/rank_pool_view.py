@@ -3,8 +3,8 @@ grouped by rank and updated while the cell runs.
 
 In a notebook it is one output, redrawn in place: a box per rank with its stdout, its stderr (in
 red) and, if it raised, its traceback; the plain-text version (what a terminal, nbconvert or a
-grader sees) is the same boxes as text. Outside IPython each new line is printed as it comes,
-prefixed ``[rank K]``.
+grader sees) is the same boxes as text. Outside IPython each line is printed once it ends (or
+the cell does), prefixed ``[rank K]``.
 """
 
 from __future__ import annotations
@@ -75,14 +75,15 @@ class RankBoard:
                 running.add(rank)
         if self.quiet and not any(err or tb for _, err, tb in parts.values()) and not stopped:
             return  # quiet: nothing to show unless something went wrong
-        key = (repr(parts), tuple(sorted(running)), repr(stopped))
+        # final too: a rank that completed before the last update may still hold an unfinished line
+        key = (repr(parts), tuple(sorted(running)), repr(stopped), final)
         if key == self._last:
             return
         self._last = key
         if self._notebook:
             self._show(_Boards(parts, running, stopped))
         else:
-            self._print_new(parts, stopped)
+            self._print_new(parts, stopped, final)
 
     def _show(self, boards: _Boards) -> None:
         # IPython's display only in a notebook: the terminal view prints
@@ -93,14 +94,19 @@ class RankBoard:
         else:
             self._handle.update(boards)
 
-    def _print_new(self, parts, stopped: dict[int, str]) -> None:
+    def _print_new(self, parts, stopped: dict[int, str], final: bool) -> None:
         out = self._out or sys.stdout
         for rank, (stdout, stderr, tb) in parts.items():
             texts = (stdout, stderr, tb, f"stopped ({stopped[rank]})\n" if rank in stopped else "")
+            # each line once it ends, or once the cell does: the start of a print(..., end="") printed
+            # as a line would split it in two "[rank K]" lines when the rest arrives
+            printed = []
             for text, seen in zip(texts, self._seen[rank], strict=True):
-                for line in text[seen:].splitlines():
+                end = len(text) if final else max(seen, text.rfind("\n") + 1)
+                for line in text[seen:end].splitlines():
                     out.write(f"[rank {rank}] {line}\n")
-            self._seen[rank] = tuple(map(len, texts))
+                printed.append(end)
+            self._seen[rank] = tuple(printed)
         out.flush()
 
 
