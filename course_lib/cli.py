@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+import course_lib
+
 # name -> (module:function, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "data": ("course_lib.gpt.data:cli", "prepare datasets (course data prepare shakespeare_char)"),
@@ -36,21 +38,13 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
-def _version() -> str:
-    """The installed package's version, the one pyproject.toml gives."""
-    # importlib.metadata takes ~20 ms to import, as long as the rest of `course --help`: only when asked
-    from importlib.metadata import version
-
-    return version("course-lib")
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
         return 0
     if argv[0] in ("-V", "--version"):
-        print(f"course {_version()}")
+        print(f"course {course_lib.__version__}")  # pyproject.toml's (tests/test_cli_audit.py)
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:

@@ -102,7 +102,7 @@ def test_a_cell_timeout_set_in_the_environment_is_checked_like_the_flag(tmp_path
         monkeypatch.setenv(CELL_TIMEOUT_ENV, value)
         assert cli.grade_cli([str(sub), "--autograder", str(zip_)]) == 2
         err = capsys.readouterr().err
-        assert f"{CELL_TIMEOUT_ENV} must be seconds > 0" in err and err.count("\n") == 1, err
+        assert f"{CELL_TIMEOUT_ENV} must be a number of seconds > 0" in err and err.count("\n") == 1, err
         with pytest.raises(ValueError, match=CELL_TIMEOUT_ENV):
             CellTimeLimit(sub, {}, {}).seconds()
     assert graded == []

@@ -27,6 +27,7 @@ from __future__ import annotations
 from course_lib.analysis.activations import activation_bytes_per_layer
 from course_lib.analysis.memory import get_preset, micro_batches_in_flight, resolve_gpu, stage_states
 from course_lib.analysis.parallel_comm import sent_bytes_per_step
+from course_lib.hardware import PROFILES
 
 NVLINK_BPS, NETWORK_BPS = 300e9, 25e9  # A100 NVLink 3 per direction; InfiniBand HDR 200 Gb/s
 
@@ -45,8 +46,6 @@ def plan_layouts(model: str = "gpt2-xl", *, n_nodes: int = 2, gpus_per_node: int
                  sequence_parallel: bool = True, recompute: str = "none", mfu: float = 0.4) -> list[dict]:
     """Every layout of the model on ``n_nodes`` x ``gpus_per_node`` GPUs; those that fit first,
     fastest estimated step first."""
-    from course_lib.hardware import PROFILES  # the GPU's peak in the dtype it trains in
-
     shape = get_preset(model)
     name, memory = resolve_gpu(gpu)
     world = n_nodes * gpus_per_node

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import math
 import os
+
+from course_lib.utils import check_seconds
 
 CELL_TIMEOUT_ENV = "COURSE_GRADING_CELL_TIMEOUT"
 MAX_CELL_TIMEOUT_S = 2**31 - 1  # the longest signal.alarm takes (a C int): beyond it the alarm raises
@@ -14,11 +15,12 @@ def check_cell_timeout(value, source: str) -> float:
     """A cell's time limit in seconds, from ``source`` (a flag, the environment variable, the
     assignment's config): a number > 0 that ``signal.alarm`` can hold, else a ValueError naming
     it (nan or inf failed the alarm's conversion in every cell: every submission scored zero)."""
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        seconds = math.nan
-    if not 0 < seconds <= MAX_CELL_TIMEOUT_S:  # also false for nan
+    try:  # the environment's and a flag's text: a number, the rest as given (check_seconds names it)
+        number = float(value) if isinstance(value, str) else value
+    except ValueError:
+        number = value
+    seconds = check_seconds(source, number, allow_none=False)  # the one rule: finite, > 0
+    if seconds > MAX_CELL_TIMEOUT_S:
         raise ValueError(f"{source} must be seconds > 0 and at most {MAX_CELL_TIMEOUT_S}, got {value!r}")
     return seconds
 

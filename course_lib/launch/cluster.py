@@ -2,8 +2,9 @@
 
 Batch scripts that run the trainer on N nodes x G GPUs (what the scheduler gave a running job is
 :mod:`course_lib.launch.placement`, :func:`~course_lib.launch.placement.detect_allocation`). SLURM
-starts one ``torchrun`` per node with ``srun``; PBS with ``mpiexec -n N -ppn 1`` (MPICH / Cray PALS / Intel MPI syntax; Open MPI's
-``--map-by ppr:1:node`` where its ``mpiexec --version`` says Open MPI). The torchrun agents meet
+starts one ``torchrun`` per node with ``srun``; PBS with ``mpiexec -n N -ppn 1`` (MPICH / Cray
+PALS / Intel MPI syntax; Open MPI's ``--map-by ppr:1:node`` where its ``mpiexec --version`` says
+Open MPI). The torchrun agents meet
 in a c10d rendezvous on the first node of the allocation, under the job id, at a port derived
 from it (unless --port), with an explicit join timeout. The trainer's arguments are checked before
 anything is submitted. Training arguments are quoted for the shell (``shlex.quote``), so spaces and ``;``
@@ -73,8 +74,8 @@ def _env_lines(nproc: int, cpus_per_node: int | None, nccl_debug: str | None,
 _PBS_CARRIED_ENV = ("COURSE_DATA_DIR",)  # where `course submit` checked that the dataset is prepared
 
 
-_NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
 _WORD = r"[A-Za-z0-9_.+-]+"
+_NAME = re.compile(rf"^{_WORD}$")
 # what each scheduler takes beyond one name: sbatch -p a list of partitions (the first free runs the
 # job); qsub -q a queue at a server, "queue@server" or "@server" (that server's default queue)
 _PATTERNS = {"partition": (re.compile(rf"^{_WORD}(,{_WORD})*$"), "a name, or names separated by commas"),

@@ -56,7 +56,7 @@ import psutil
 from course_lib.hardware import gpu_count, threads_per_rank
 from course_lib.launch import rank_pool_engine as engine
 from course_lib.launch.placement import LaunchConfigError, RankPlan, plan_ranks
-from course_lib.launch.procs import pid_alive, signal_quietly
+from course_lib.launch.procs import kill_quietly, pid_alive, signal_name, signal_quietly
 from course_lib.launch.rank_pool_view import RankBoard, error_line
 from course_lib.utils import check_count, check_seconds
 
@@ -118,7 +118,7 @@ class RankHangError(RankPoolError):
 class RankPool:
     """``world_size`` persistent ranks; see the module docstring. ``timeout``: seconds a cell may
     run, and the process group's collective timeout (plus ``PG_MARGIN_S``); ``run(timeout=...)``
-    sets both for one cell."""
+    sets both for one cell (the group keeps that timeout until the next cell sets its own)."""
 
     def __init__(self, world_size: int, backend: str = "auto", device: str = "auto",
                  timeout: float = DEFAULT_TIMEOUT_S, threads: int | None = None, gpus: int | None = None,
@@ -200,11 +200,7 @@ class RankPool:
                 pass
             for pid in self._pids:
                 signal_quietly(pid, signal.SIGKILL)
-            for p in leftover:  # the nannies, and whatever else of the pool is left (psutil: no reused pid)
-                try:
-                    p.kill()
-                except psutil.NoSuchProcess:
-                    pass
+            kill_quietly(leftover)  # the nannies, and whatever else of the pool is left (psutil: no reused pid)
         if self._client is not None:
             self._client.close()
         if self._dir is not None:
@@ -571,10 +567,8 @@ def _exit_status(run_dir: Path, pid: int) -> str:
     else:
         return "exit status unknown"
     if code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
+        name = signal_name(code)
+        return name if name.startswith("signal ") else f"signal {name}"
     return f"exit code {code}"
 
 

@@ -164,7 +164,7 @@ def before_cell(prompt: int | None, timeout_s: float) -> None:
     from IPython import get_ipython
     from torch.distributed import distributed_c10d as c10d
 
-    from course_lib.parallel.collective_check import _STATE as check_state  # its side group: no public accessor
+    from course_lib.parallel.collective_check import side_group
 
     if prompt is not None:
         get_ipython().execution_count = prompt
@@ -174,8 +174,8 @@ def before_cell(prompt: int | None, timeout_s: float) -> None:
     if set_timeout is None or not c10d.is_initialized():
         return
     set_timeout(timedelta(seconds=timeout_s))
-    if check_state.side is not None:
-        set_timeout(timedelta(seconds=timeout_s), check_state.side)
+    if side_group() is not None:
+        set_timeout(timedelta(seconds=timeout_s), side_group())
 
 
 def flight() -> list[dict]:

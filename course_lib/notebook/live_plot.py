@@ -223,7 +223,9 @@ def train_live(cfg, *, overwrite: bool = False, interval_s: float = 1.0, plot: L
     from course_lib.launch.checks import check_request
     from course_lib.launch.training import launch_training, train_in_process
 
-    req = check_request(cfg, overwrite=overwrite)  # clear errors before anything is shown or started
+    # clear errors before anything is shown or started; nproc/nnodes given here count as launch_training's
+    req = check_request(cfg, nproc=launch_kwargs.get("nproc"), nnodes=launch_kwargs.get("nnodes", 1),
+                        overwrite=overwrite)
     if req.world_size == 1 and req.strategy == "single" and launch_kwargs:
         raise TypeError(f"train_live trains one process right here: {', '.join(sorted(launch_kwargs))} "
                         "would go to launch_training, which runs only for nproc > 1")

@@ -15,7 +15,7 @@ from matplotlib.figure import Figure  # no pyplot: no global figure state
 from course_lib.analysis.comm_cost import COLLECTIVE_ALGORITHMS, collective_time
 from course_lib.analysis.memory import STAGE_NAMES, STAGES, breakdown, resolve_gpu
 from course_lib.analysis.scaling_laws import amdahl_speedup, gustafson_speedup
-from course_lib.hardware import GB
+from course_lib.hardware import GB, MB, GiB, MiB
 from course_lib.trainer.metrics import read_metrics
 
 _PART_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868",
@@ -29,7 +29,12 @@ def _axes(ax, figsize=(7, 4)):
     return fig, fig.add_subplot()
 
 
-_UNIT_NAMES = {GB: "GB", 1e6: "MB", 1e3: "kB", 1.0: "bytes", 2**30: "GiB", 2**20: "MiB"}
+_UNIT_NAMES = {GB: "GB", MB: "MB", 1e3: "kB", 1.0: "bytes", GiB: "GiB", MiB: "MiB"}
+
+
+def unit_name(unit: float) -> str:
+    """An axis label's unit for bars divided by ``unit`` bytes ("MB" for 1e6, "MiB" for 2**20)."""
+    return _UNIT_NAMES.get(unit, f"units of {unit:g} bytes")
 
 
 def plot_memory(items: Mapping[str, object], memory_bytes: float | None = None,
@@ -56,7 +61,7 @@ def plot_memory(items: Mapping[str, object], memory_bytes: float | None = None,
     if memory_bytes:
         ax.axhline(memory_bytes / unit, color="black", linestyle="--", linewidth=1,
                    label=memory_label or f"device memory ({memory_bytes / unit:g})")
-    ax.set_ylabel(_UNIT_NAMES.get(unit, f"units of {unit:g} bytes") + " per device")
+    ax.set_ylabel(unit_name(unit) + " per device")
     ax.set_title(title or "Memory per device")
     ax.legend(fontsize=8)
     return fig

@@ -15,7 +15,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from course_lib.hardware import MB
-from course_lib.notebook.plots import _UNIT_NAMES, _axes
+from course_lib.notebook.plots import _axes, unit_name
 
 _ROLE_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868",
                 "activations": "#c44e52"}
@@ -93,7 +93,7 @@ def plot_state_bytes(bars: Mapping[str, Mapping[str, float]], ax=None, unit: flo
         values = [bars[k].get(role, 0.0) / unit for k in labels]
         ax.bar(labels, values, bottom=bottom, color=color, label=role)
         bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set_ylabel(_UNIT_NAMES.get(unit, f"units of {unit:g} bytes"))  # the unit the bars are in
+    ax.set_ylabel(unit_name(unit))  # the unit the bars are in
     ax.legend(fontsize=8)
     ax.set_title("Where the bytes go")
     return fig

@@ -54,7 +54,7 @@ from torch.distributed import distributed_c10d as c10d
 from course_lib.utils import traceback_to_caller
 
 RECORD = 16  # calls kept by the flight recorder
-_WIDTH = 16  # int64 slots of one descriptor
+_WIDTH = 16  # int64 slots of a descriptor's fixed head (all_to_all_single's split sizes follow: _width)
 _MAX_NDIM = 6  # shape slots 6..11
 _SPLITS = 12  # slot of all_to_all_single's split sizes: 1 if given (row counts may then differ per rank)
 _RED = 14  # slot of the reduce op
@@ -110,6 +110,12 @@ def install_collective_check(enabled: bool = True, timeout_s: float | None = Non
     if generation != _STATE.generation:
         _STATE.generation, _STATE.seq = generation, 0
     _STATE.enabled = enabled
+
+
+def side_group():
+    """The gloo group the descriptors are exchanged on (None before :func:`install_collective_check`):
+    a rank pool sets its timeout with the default group's."""
+    return _STATE.side
 
 
 def forget_side_group() -> None:

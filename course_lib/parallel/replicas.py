@@ -16,9 +16,9 @@ gradients before the sync), each gradient is compared with the mean of the ranks
 (world size times the mean) is named as such, a gradient left as this rank's own too (a parameter
 missing from the sync). Where the two are the same tensor (a parameter used on one rank only: its
 own gradient is the sum), the other ranks decide, as :func:`_name_sync_bugs` explains. Not
-caught: a bug that is the same on every rank (a wrong learning rate everywhere), sharded states (ZeRO-3, FSDP, tensor parallel: they are meant to
-differ; the trainer refuses the check there, and a DTensor parameter, FSDP2's or PyTorch's tensor
-parallel's, is refused here by name).
+caught: a bug that is the same on every rank (a wrong learning rate everywhere), sharded states
+(ZeRO-3, FSDP, tensor parallel: they are meant to differ; the trainer refuses the check there, and
+a DTensor parameter, FSDP2's or PyTorch's tensor parallel's, is refused here by name).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ schedule), then ``finish_grads`` (blocking: the gradient communication), ``clip_
 all-gather for ZeRO) and ``zero_grad``. ``eval_loss`` is the loss of one batch for evaluation.
 
 ``comm_s`` accumulates the wall time spent waiting in collectives (exposed communication); the
-trainer reads and resets it each step to report ``comm_ms``.
+trainer reads and resets it each step to report ``comm_ms``. PyTorch's wrappers wait for theirs
+inside backward and step, where no one can time them apart: their ``comm_s`` stays 0 (TorchDDP).
 
 Our strategies are thin adapters over wrappers with PyTorch's shapes, usable without a trainer:
 ``DataParallelBucket`` (an nn.Module, like DistributedDataParallel), ``ShardedOptimizer`` (ZeRO-1/2,

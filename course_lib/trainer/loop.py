@@ -51,7 +51,7 @@ import torch.distributed as dist
 from course_lib import registry
 from course_lib.gpt import checkpoint as ckpt_io
 from course_lib.gpt.checkpoint import CheckpointError
-from course_lib.gpt.data import DataError, TrainBatches, eval_batches, load_meta, load_tokens, model_vocab_size
+from course_lib.gpt.data import SPLITS, DataError, TrainBatches, eval_batches, load_meta, load_tokens, model_vocab_size
 from course_lib.gpt.model import GPT, GPTConfig, make_adamw
 from course_lib.hardware import detect, pick_dtype, planned_device, planned_gpu_share
 from course_lib.parallel.collective_check import install_collective_check
@@ -154,7 +154,7 @@ class Run:
 def setup_run(cfg: TrainConfig, rt: Runtime) -> Run:
     data_dir = cfg.data_dir or None
     meta = load_meta(data_dir, cfg.dataset)
-    train_tokens, val_tokens = (load_tokens(data_dir, cfg.dataset, s) for s in ("train", "val"))
+    train_tokens, val_tokens = (load_tokens(data_dir, cfg.dataset, s) for s in SPLITS)
     torch.manual_seed(cfg.seed)  # the same seed on every rank gives the same initial weights
     gptconf = GPTConfig(block_size=cfg.block_size, vocab_size=model_vocab_size(meta), n_layer=cfg.n_layer,
                         n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias,
