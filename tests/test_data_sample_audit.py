@@ -21,7 +21,8 @@ from course_lib.gpt import checkpoint as ckpt_io
 from course_lib.gpt import data
 from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.gpt.sample import sample
-from course_lib.trainer.config import make_config
+from course_lib.registry import ConfigError
+from course_lib.trainer.config import check_resume, make_config
 from course_lib.trainer.finetune import finetune_config
 
 GPT2_META = {"dataset": "shakespeare", "tokenizer": "gpt2", "vocab_size": data.GPT2_EOT + 1}
@@ -83,3 +84,16 @@ def test_a_split_that_is_not_there_is_named():
     """load_tokens(..., "test") failed with a bare KeyError: 'test_tokens'."""
     with pytest.raises(ValueError, match="split must be one of train, val, got 'test'"):
         data.load_tokens(None, "shakespeare_char", "test")
+
+
+def test_a_resume_on_data_in_another_vocabulary_is_refused(tmp_path):
+    """data_dir may change on resume (RESUME_MAY_CHANGE): data of the same size in other characters
+    resumed silently, every id now another character. check_resume (launcher and workers) refuses it."""
+    for name, text in (("other", "ac\nca\n"), ("same", "ab\nba\n")):
+        (tmp_path / f"{name}.txt").write_text(text * 50)
+        data.prepare("shakespeare_char", tmp_path / name, source=tmp_path / f"{name}.txt", quiet=True)
+    saved = make_config("shakespeare_char_cpu", {"out_dir": str(tmp_path / "run")})
+    ck = {"config": saved.to_dict(), "world_size": 1, "iter_num": 40, "meta": CHAR_META}
+    with pytest.raises(ConfigError, match="another vocabulary than the checkpoint's"):
+        check_resume(ck, saved.replace(init_from="resume", data_dir=str(tmp_path / "other")), "last.pt", 1)
+    check_resume(ck, saved.replace(init_from="resume", data_dir=str(tmp_path / "same")), "last.pt", 1)

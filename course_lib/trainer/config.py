@@ -42,7 +42,7 @@ from pathlib import Path
 
 from course_lib.analysis.activations import RECOMPUTE  # none, selective, full
 from course_lib.analysis.dp_recipes import global_batch_size
-from course_lib.gpt.data import DATASETS
+from course_lib.gpt.data import DATASETS, load_meta
 from course_lib.hardware import default_nproc
 from course_lib.registry import (ConfigError, MoEConfig, ParallelConfig, at_least, check_types, choice, field_docs,
                                  layout_error)
@@ -380,12 +380,27 @@ def check_layout_change(saved: dict, saved_world: int, cfg: TrainConfig, world_s
                               f"dropout={cfg.dropout} the random streams differ: resume with --nproc={saved_world}")
 
 
+def check_same_vocabulary(model_meta: dict, data_meta: dict, folder) -> None:
+    """ConfigError unless the data's token ids mean what they meant when the checkpoint trained: a
+    vocabulary of the same size but other characters loads into the weights without complaint,
+    then trains on every id as another character (another --data_dir on resume, fine-tuning data)."""
+    for key in ("tokenizer", "vocab_size", "chars"):
+        if model_meta.get(key) != data_meta.get(key):
+            raise ConfigError(f"the data in {folder} uses another vocabulary than the checkpoint's ({key} "
+                              "differs); encode it with the checkpoint's tokenizer (fine-tuning: "
+                              "prepare_finetune_data(text, data_dir, base_meta=<the checkpoint's meta>))")
+
+
 def check_resume(ck: dict, cfg: TrainConfig, path: str | os.PathLike, world_size: int) -> None:
     """Can ``cfg`` on ``world_size`` ranks continue checkpoint ``ck``? (checked by the launcher
     before spawning, and again by each worker, which may have been started some other way).
-    The fields must match (but for the layout's), and the global batch (check_layout_change)."""
+    The fields must match (but for the layout's), and the global batch (check_layout_change), and
+    the data (``data_dir`` may change) must be in the checkpoint's vocabulary."""
     check_resumable(ck["config"], cfg, path, ck["iter_num"])
     check_layout_change(ck["config"], ck["world_size"], cfg, world_size, path)
+    if "meta" in ck:  # every trainer checkpoint has it (sampling reads it)
+        check_same_vocabulary(ck["meta"], load_meta(cfg.data_dir or None, cfg.dataset),
+                              Path(cfg.data_dir or "data") / cfg.dataset)
 
 
 # --- the command line, generated from the fields --------------------------------------------------

@@ -35,7 +35,7 @@ import numpy as np
 
 from course_lib.gpt import checkpoint as ckpt_io
 from course_lib.gpt.data import load_meta, tokenizer
-from course_lib.trainer.config import TrainConfig, check_resumable, clear_run
+from course_lib.trainer.config import TrainConfig, check_resumable, check_same_vocabulary, clear_run
 from course_lib.utils import atomic_write_bytes, check_count
 
 FINETUNE_SOURCE = "fine-tuning text"  # meta.json's source for a folder of prepare_finetune_data
@@ -84,17 +84,6 @@ def prepare_finetune_data(text: str, data_dir: str | os.PathLike, base_meta: dic
     return Path(data_dir)
 
 
-def _check_same_vocabulary(model_meta: dict, data_meta: dict, folder: Path) -> None:
-    """ValueError unless the data's token ids mean what they meant in pre-training: a vocabulary of
-    the same size but other characters loads into the weights without complaint, then trains on
-    every id as another character."""
-    for key in ("tokenizer", "vocab_size", "chars"):
-        if model_meta.get(key) != data_meta.get(key):
-            raise ValueError(f"the data in {folder} uses another vocabulary than the pre-trained model "
-                             f"({key} differs); encode the text with the model's tokenizer: "
-                             "prepare_finetune_data(text, data_dir, base_meta=<the pre-training meta>)")
-
-
 def finetune_config(pretrained_dir: str | os.PathLike, out_dir: str | os.PathLike, data_dir: str | os.PathLike,
                     iters: int, which: str = "best", overwrite: bool = True, **changes):
     """A config that continues ``pretrained_dir``'s checkpoint for ``iters`` more iterations on the
@@ -117,7 +106,7 @@ def finetune_config(pretrained_dir: str | os.PathLike, out_dir: str | os.PathLik
         run_name="", **changes)
     check_resumable(ck["config"], cfg, out / ckpt_io.LAST)  # ConfigError names a field it may not change
     if "meta" in ck:  # every trainer checkpoint has it (sampling reads it)
-        _check_same_vocabulary(ck["meta"], load_meta(data_dir, cfg.dataset), Path(data_dir) / cfg.dataset)
+        check_same_vocabulary(ck["meta"], load_meta(data_dir, cfg.dataset), Path(data_dir) / cfg.dataset)
     if ck["iter_num"] % cfg.eval_interval:  # the trainer evaluates at multiples of eval_interval
         raise ValueError(f"eval_interval={cfg.eval_interval} does not divide the checkpoint's iteration "
                          f"{ck['iter_num']}: choose one that does, so the run starts by evaluating the "
