@@ -1,7 +1,6 @@
 """Cluster launching as a real cluster would run it: MPI ranks under the rank variables a batch
 system leaves in a notebook's environment, and PBS jobs run with the environment PBS gives them."""
 
-import ctypes.util
 import io
 import json
 import os
@@ -12,24 +11,13 @@ import sys
 import textwrap
 
 import pytest
+from test_mpi_launch import OPEN_MPI_LIB, needs_open_mpi
 
-from course_lib.launch import cluster, mpi
-from course_lib.launch.mpi import OPEN_MPI, mpirun
-
-
-def _open_mpi_library():
-    """The system's Open MPI libmpi, when mpi4py can load it (Debian's openmpi-bin)."""
-    if shutil.which("ompi_info") is None:
-        return None
-    name = ctypes.util.find_library("mpi")
-    env = {**os.environ, "MPI4PY_LIBMPI": name or ""}
-    return name if name and mpi.library_family(env)[0] == OPEN_MPI else None
+from course_lib.launch import cluster
+from course_lib.launch.mpi import mpirun
 
 
-OPEN_MPI_LIB = _open_mpi_library()
-
-
-@pytest.mark.skipif(OPEN_MPI_LIB is None, reason="no Open MPI here (apt-get install openmpi-bin)")
+@needs_open_mpi  # the one rule: `make test` installs Open MPI as root (Makefile: mpi-deps)
 @pytest.mark.timeout(120)
 def test_open_mpi_ranks_are_distinct_under_srun_pmi2(tmp_path, monkeypatch):
     """A Jupyter server started by ``srun`` (batchspawner) on a cluster whose MpiDefault is pmi2 has
@@ -92,9 +80,8 @@ def test_pbs_walltime_means_what_sbatch_reads_in_the_same_time():
     assert walltime("30") == "00:30:00" and walltime("90:30") == "01:30:30"
 
 
-@pytest.mark.skipif(shutil.which("mpiexec.openmpi") is None, reason="no Open MPI here (apt-get install openmpi-bin)")
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("family", ["Open MPI", "MPICH"])
+@pytest.mark.parametrize("family", [pytest.param("Open MPI", marks=needs_open_mpi), "MPICH"])
 def test_pbs_job_starts_one_torchrun_per_node_with_open_mpi_and_mpich(tmp_path, family):
     """The PBS script said ``mpiexec -n N -ppn 1``: Open MPI's mpiexec has no -ppn ("unknown option"),
     so the job died at once on a site whose MPI is Open MPI. Run with each real mpiexec on one node
