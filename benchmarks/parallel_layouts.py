@@ -27,6 +27,8 @@ from contextlib import nullcontext
 
 import torch
 
+from course_lib.hardware import MiB
+
 LAYOUTS = {  # name -> (dp, tp, pp, cp, sequence_parallel)
     4: {"dp4": (4, 1, 1, 1, False), "tp4": (1, 4, 1, 1, False), "tp2+sp-dp2": (2, 2, 1, 1, True),
         "pp4": (1, 1, 4, 1, False), "pp2-dp2": (2, 1, 2, 1, False), "cp2-dp2": (2, 1, 1, 2, False),
@@ -80,8 +82,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--only", default="", help="comma-separated layout names")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    header = ("| ranks | layout | ms/iter | tokens/s | model states MB | peak act. MB | tp MB | sp MB | cp MB | "
-              "pp MB | dp MB | bubble (theory) |")
+    header = ("| ranks | layout | ms/iter | tokens/s | model states MiB | peak act. MiB | tp MiB | sp MiB | cp MiB | "
+              "pp MiB | dp MiB | bubble (theory) |")
     rows = [header, "|" + "---|" * 12]
     print("\n".join(rows), flush=True)
     for n in (int(r) for r in args.ranks.split(",")):
@@ -91,7 +93,7 @@ def main(argv: list[str]) -> int:
             res = run_ranks(worker, n, lay, args)
             ms = max(r["ms"] for r in res)
             f = [r["figures"] for r in res]
-            top = {k: max(x.get(k, 0) for x in f) / 2**20 for k in f[0] if k.startswith(("sent", "model", "peak"))}
+            top = {k: max(x.get(k, 0) for x in f) / MiB for k in f[0] if k.startswith(("sent", "model", "peak"))}
             tokens = args.micro * args.batch * 64
             bubble = f"{f[0]['bubble']:.2f} ({f[0]['bubble_theory']:.2f})"
             row = (f"| {n} | {name} | {ms:.0f} | {tokens / ms * 1e3:,.0f} | {top['model_state_bytes']:.2f} | "

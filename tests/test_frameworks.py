@@ -117,6 +117,8 @@ def test_bert_on_two_ranks_is_the_one_rank_program():
     assert fsdp[0]["model_state_bytes"] == pytest.approx(one[0]["model_state_bytes"] / 2, rel=0.01)
     table = strategy_table({"single": one, "ddp": two, "fsdp2": fsdp}, {"fsdp": "refused: ..."})
     assert table[0]["speedup vs 1 rank"] == 1.0
+    assert table[0]["peak MB / rank"] == one[0]["peak_bytes"] / 1e6  # MB as labelled, not MiB
+    assert table[1]["model states MB / rank"] == max(r["model_state_bytes"] for r in two) / 1e6
     assert table[1]["speedup vs 1 rank"] == pytest.approx(one[0]["seconds"] / max(r["seconds"] for r in two))
     assert table[-1]["strategy"] == "fsdp" and table[-1]["seconds"] is None
 

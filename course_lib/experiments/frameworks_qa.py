@@ -35,6 +35,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from course_lib.hardware import MB
 from course_lib.experiments.frameworks_fabric import fabric_setup, fabric_step, inner_optimizer, make_fabric
 from course_lib.parallel.footprint import measure_model_states
 from course_lib.utils import shipped_file
@@ -188,8 +189,8 @@ def strategy_table(runs: dict[str, list[dict]], refused: dict[str, str] | None =
     for name, per_rank in runs.items():
         seconds = max(r["seconds"] for r in per_rank)  # the job ends with its slowest rank
         table.append({"strategy": name, "ranks": per_rank[0]["ranks"], "seconds": seconds,
-                      "peak MB / rank": max(r["peak_bytes"] for r in per_rank) / 2**20,
-                      "model states MB / rank": max(r["model_state_bytes"] for r in per_rank) / 2**20,
+                      "peak MB / rank": max(r["peak_bytes"] for r in per_rank) / MB,
+                      "model states MB / rank": max(r["model_state_bytes"] for r in per_rank) / MB,
                       "speedup vs 1 rank": base / seconds, "final loss": per_rank[0]["losses"][-1],
                       "note": ""})
     for name, why in (refused or {}).items():
