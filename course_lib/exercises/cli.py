@@ -239,17 +239,9 @@ def grade_cli(argv: list[str] | None = None) -> int:
         if args.csv:
             write_csv(done, args.csv)
 
-    before = os.environ.get(CELL_TIMEOUT_ENV)
-    if value is not None:  # what the grading processes inherit, for this call only (a notebook's
-        os.environ[CELL_TIMEOUT_ENV] = str(value)  # or a test's next call must not find it)
-    try:
-        reports = grade_many(args.submissions, zips, args.root, jobs=args.jobs, time_limit=args.time_limit,
-                             seed=args.seed, on_report=save, progress=len(args.submissions) > 1)
-    finally:
-        if before is None:
-            os.environ.pop(CELL_TIMEOUT_ENV, None)
-        else:
-            os.environ[CELL_TIMEOUT_ENV] = before
+    # the workers' environment only: this process's (a notebook's, a test's) stays as it is
+    reports = grade_many(args.submissions, zips, args.root, jobs=args.jobs, time_limit=args.time_limit,
+                         seed=args.seed, on_report=save, progress=len(args.submissions) > 1, cell_timeout=value)
     if args.json:
         print(json.dumps([r.to_dict() for r in reports], indent=2))
     else:

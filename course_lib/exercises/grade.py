@@ -21,7 +21,6 @@ Hidden tests draw their inputs from a seed per submission (:mod:`.draws`), kept 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -37,13 +36,12 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import psutil
-
-from course_lib.exercises.cell_limit import (  # noqa: F401 - CELL_TIMEOUT_ENV and CellTimeLimit re-exported
-    CELL_LOG_ENV, CELL_TIMEOUT_ENV, CellTimeLimit, running_cell, running_cell_log)
+from course_lib.exercises.cell_limit import (  # noqa: F401 - CellTimeLimit re-exported
+    CELL_LOG_ENV, CELL_TIMEOUT_ENV, CellTimeLimit, check_cell_timeout, running_cell, running_cell_log)
 from course_lib.exercises.draws import seeded, submission_seed
 from course_lib.exercises.layout import quiet as silenced
 from course_lib.exercises.layout import select
+from course_lib.launch.procs import descendants, kill_quietly
 from course_lib.launch.ranks import socket_needs_tmp
 from course_lib.utils import progress_bar
 
@@ -300,17 +298,13 @@ def _kill_session(proc: subprocess.Popen) -> None:
     its kernel: jupyter_client starts a kernel in a session of its own. An orphaned kernel exits
     by itself (ipykernel watches its parent from a thread), unless a cell blocks in C code holding
     the GIL: then that thread never runs, and the kernel would run on, at full CPU for a busy loop."""
+    family = descendants(proc.pid)  # the kernel, and the ranks it started: before the kill, then init owns them
     try:
-        family = psutil.Process(proc.pid).children(recursive=True)  # the kernel, and the ranks it started
-    except psutil.NoSuchProcess:
-        family = []
-    try:
+        # the group too: it holds what the walk cannot find, a process of the worker's whose parent died
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    for child in family:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            child.kill()
+    kill_quietly(family)
 
 
 def _worker_argv(submission: str, autograder: str, report: Path, seed: int) -> list[str]:
@@ -412,20 +406,27 @@ def _grade_once(submission: str, autograder: str, time_limit: float, env: dict, 
         return _stopped_report(submission, autograder, why, seconds, seed), ""
 
 
-def grading_env(base: dict | None = None) -> dict:
-    """The environment of a grading worker: the grading timeout defaults to 10 s per call."""
+def grading_env(base: dict | None = None, cell_timeout: float | str | None = None) -> dict:
+    """The environment of a grading worker: a copy of ``base`` (default ``os.environ``), where the
+    grading timeout defaults to 10 s per call and ``cell_timeout``, when given, is the
+    ``COURSE_GRADING_CELL_TIMEOUT`` that the worker's :class:`CellTimeLimit` reads (over the
+    exercise's own limit, and over one that ``base`` has)."""
     env = dict(os.environ if base is None else base)
     env.setdefault("COURSE_GRADING_TIMEOUT", str(GRADING_TIMEOUT_S))
+    if cell_timeout is not None:
+        env[CELL_TIMEOUT_ENV] = str(cell_timeout)
     return env
 
 
 def grade_many(submissions: list, autograders: list | None = None, root: Path | None = None,
                jobs: int = 1, time_limit: float = SUBMISSION_LIMIT_S, seed: int | None = None,
-               on_report=None, progress: bool = False) -> list[GradeReport]:
+               on_report=None, progress: bool = False, cell_timeout: float | str | None = None) -> list[GradeReport]:
     """Grade several notebooks, ``jobs`` at a time, each in a worker process that is killed after
     ``time_limit`` s; then it is graded once more without the cell that was running, and a second
     stop scores every question zero, with the reason (:func:`_grade_in_process`); ``seed``: see
-    :func:`grade`.
+    :func:`grade`. ``cell_timeout``: seconds any cell of a submission may run, in the workers'
+    environment only (:func:`grading_env`); None: ``COURSE_GRADING_CELL_TIMEOUT`` if this process
+    has it, else the exercise's own limit. ValueError where the kernel's alarm could not hold it.
 
     ``on_report(report, done)`` is called as each submission finishes, with the reports so far in
     submission order (``course grade`` saves them there: a crash or Ctrl-C at the 39th of 40 keeps
@@ -436,9 +437,11 @@ def grade_many(submissions: list, autograders: list | None = None, root: Path | 
         raise ValueError("give one autograder per submission (or none)")
     if not time_limit > 0:
         raise ValueError(f"time_limit must be > 0 seconds, got {time_limit!r}")
+    if cell_timeout is not None:  # nan, inf or past a C int: every submission would score zero
+        check_cell_timeout(cell_timeout, "cell_timeout")
     work = [(str(Path(s).resolve()), str(Path(a or find_autograder(Path(s), root)).resolve()))
             for s, a in zip(submissions, autograders)]
-    env, workers = grading_env(), _Workers()
+    env, workers = grading_env(cell_timeout=cell_timeout), _Workers()
     reports: list[GradeReport | None] = [None] * len(work)
     with ThreadPoolExecutor(max(1, min(jobs, len(work)))) as pool:
         futures = {pool.submit(_grade_in_process, *w, time_limit, env, seed, workers): i for i, w in enumerate(work)}

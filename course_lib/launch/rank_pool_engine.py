@@ -33,8 +33,7 @@ import threading
 import time
 from datetime import timedelta
 
-import psutil
-
+from course_lib.launch.procs import descendants, kill_quietly
 from course_lib.utils import init_process_group
 
 # The blocking collectives and point-to-point calls of torch.distributed, tracked by name.
@@ -217,11 +216,7 @@ def _watch_parent(parent: int, every_s: float = 0.5, folder: str | None = None) 
         while os.getppid() == parent:
             time.sleep(every_s)
 
-        for child in psutil.Process().children(recursive=True):
-            try:
-                child.kill()
-            except psutil.NoSuchProcess:
-                pass
+        kill_quietly(descendants(os.getpid()))
         for _ in range(10) if folder else ():  # each engine notices within every_s, then exits
             shutil.rmtree(folder, ignore_errors=True)
             time.sleep(every_s)
