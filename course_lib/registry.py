@@ -16,15 +16,18 @@ on CUDA tensors need NCCL (``needs_nccl_on_cuda``: refused on ranks that share a
 
 And the configuration's torch-free pieces, which every layer may read without torch or the model:
 :class:`ConfigError`, the field machinery (:func:`check_types`, :func:`field_docs`: a docstring per
-field, what ``--help`` prints), and the parallel layout of a run, :class:`ParallelConfig`, with its
-rules. After torchtitan's ``job_config`` (each component owns a typed configuration): the run's
-:class:`course_lib.trainer.config.TrainConfig` is made of five, flat, so that ``--n_layer=4`` and
-config.json stay as they are: the model, the data, the optimizer and the run
-(:mod:`course_lib.trainer.config`) and the parallel layout here. The layout's rules are in two parts:
+field, what ``--help`` prints), the device a run may ask for (:func:`device_error`: the
+configuration's rule and the rank placement's), and the parallel layout of a run,
+:class:`ParallelConfig`, with its rules. After torchtitan's ``job_config`` (each component owns a
+typed configuration): the run's :class:`course_lib.trainer.config.TrainConfig` is made of five,
+flat, so that ``--n_layer=4`` and config.json stay as they are: the model, the data, the optimizer
+and the run (:mod:`course_lib.trainer.config`) and the parallel layout here. The layout's rules are in two parts:
 :meth:`ParallelConfig.check` (the layout alone: degrees, the strategy beside tp/pp/cp, the
 schedule) and :func:`layout_error` (what the layout asks of the model and the data: heads over tp,
-blocks over pp, every sequence in 2 cp chunks, sequence shards over tp). The process-group grid
-itself is :class:`course_lib.parallel.process_groups.ProcessGroupGrid`.
+blocks over pp, every sequence in 2 cp chunks, sequence shards over tp). Those four are
+:func:`divisibility_error`, on plain numbers: the layout planner and the communication model in
+``analysis`` refuse with it too. The process-group grid itself is
+:class:`course_lib.parallel.process_groups.ProcessGroupGrid`.
 
     from course_lib.registry import ParallelConfig
     ParallelConfig(nproc=4, tp=2, pp=2)          # checked now: one line per refusal (ConfigError)
@@ -37,6 +40,7 @@ import ast
 import dataclasses
 import inspect
 import itertools
+import re
 import textwrap
 import typing
 from dataclasses import dataclass
@@ -125,6 +129,19 @@ def at_least(cfg, low: float, names) -> None:
     for name in names:
         if not getattr(cfg, name) >= low:
             raise ConfigError(f"{name} must be >= {low:g}, got {getattr(cfg, name)}")
+
+
+# torch.device's own syntax for these: ASCII digits, no leading zero ('cuda:01', 'cuda:²' refused)
+_DEVICE = re.compile(r"auto|cpu|cuda(?::(?:0|[1-9][0-9]*))?")
+
+
+def device_error(device) -> str | None:
+    """Why ``device`` is not a device a run may ask for, or None: 'auto' (the GPUs if there are
+    any, else the CPU), 'cpu', 'cuda' or 'cuda:N'. The rule of the run's configuration
+    (``RunConfig.device``) and of the rank placement (:func:`course_lib.launch.placement.plan_ranks`)."""
+    if isinstance(device, str) and _DEVICE.fullmatch(device):
+        return None
+    return f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}"
 
 
 def check_types(cfg) -> None:
@@ -279,20 +296,39 @@ FP16_ON_GRID = ("float16 needs loss scaling, which the tp/pp/cp pipeline does no
                 "use --dtype=bfloat16 or --dtype=float32")
 
 
+def divisibility_error(*, tp: int = 1, pp: int = 1, cp: int = 1, sequence_parallel: bool = False,
+                       n_head: int | None = None, n_layer: int | None = None,
+                       block_size: int | None = None) -> str | None:
+    """The first divisibility rule of the dp x pp x cp x tp layout that these sizes break, or None:
+    the heads split over tp, the blocks over the pp stages, every sequence into 2 chunks per cp rank
+    (the load-balanced ring), and with ``sequence_parallel`` each cp rank's block_size / cp tokens
+    over tp. A size given as None is not checked (the communication model has no heads to split).
+
+    Plain numbers, so that the trainer's configuration (:func:`layout_error`), the layout planner
+    (:func:`course_lib.analysis.layout_plan.plan_layouts`) and the communication model
+    (:func:`course_lib.analysis.parallel_comm.sent_bytes_per_step`) refuse the same layouts in the
+    same words: a model that floored n_layer / pp or block_size / cp would count another model."""
+    if n_head is not None and n_head % tp:
+        return f"n_head ({n_head}) must be divisible by tp ({tp}): each rank holds n_head/tp heads"
+    if n_layer is not None and n_layer % pp:
+        return f"n_layer ({n_layer}) must be divisible by pp ({pp}): each stage holds n_layer/pp blocks"
+    if block_size is None:
+        return None
+    if cp > 1 and block_size % (2 * cp):
+        return (f"block_size ({block_size}) must be divisible by 2*cp ({2 * cp}): "
+                "each cp rank holds 2 chunks of every sequence")
+    if sequence_parallel and (block_size // cp) % tp:
+        return (f"sequence_parallel: the {block_size // cp} tokens per cp rank (block_size / cp) "
+                f"must be divisible by tp ({tp})")
+    return None
+
+
 def layout_error(cfg) -> str | None:
     """The first rule that the layout of ``cfg`` (a TrainConfig) sets the model, data and run and
-    that they break, or None."""
-    tp, pp, cp = cfg.tp, cfg.pp, cfg.cp
-    if cfg.n_head % tp:
-        return f"n_head ({cfg.n_head}) must be divisible by tp ({tp}): each rank holds n_head/tp heads"
-    if cfg.n_layer % pp:
-        return f"n_layer ({cfg.n_layer}) must be divisible by pp ({pp}): each stage holds n_layer/pp blocks"
-    if cp > 1 and cfg.block_size % (2 * cp):
-        return (f"block_size ({cfg.block_size}) must be divisible by 2*cp ({2 * cp}): "
-                "each cp rank holds 2 chunks of every sequence")
-    if cfg.sequence_parallel and (cfg.block_size // cp) % tp:
-        return (f"sequence_parallel: the {cfg.block_size // cp} tokens per cp rank (block_size / cp) "
-                f"must be divisible by tp ({tp})")
+    that they break, or None; the sizes' divisibility (:func:`divisibility_error`) first."""
+    if (error := divisibility_error(n_head=cfg.n_head, n_layer=cfg.n_layer, block_size=cfg.block_size, tp=cfg.tp,
+                                    pp=cfg.pp, cp=cfg.cp, sequence_parallel=cfg.sequence_parallel)) is not None:
+        return error
     if (error := moe_layout_error(cfg)) is not None:
         return error
     if not cfg.on_grid(cfg.n_expert):

@@ -28,6 +28,7 @@ from course_lib.analysis.activations import activation_bytes_per_layer
 from course_lib.analysis.memory import get_preset, micro_batches_in_flight, resolve_gpu, stage_states
 from course_lib.analysis.parallel_comm import sent_bytes_per_step
 from course_lib.hardware import PROFILES
+from course_lib.registry import divisibility_error
 
 NVLINK_BPS, NETWORK_BPS = 300e9, 25e9  # A100 NVLink 3 per direction; InfiniBand HDR 200 Gb/s
 
@@ -44,8 +45,9 @@ def _in_node(group_span: int, gpus_per_node: int) -> bool:
 def plan_layouts(model: str = "gpt2-xl", *, n_nodes: int = 2, gpus_per_node: int = 8, gpu: str = "a100-80gb",
                  global_batch: int = 512, micro_batch: int = 1, cp_options=(1,), zero_stage: int = 1,
                  sequence_parallel: bool = True, recompute: str = "none", mfu: float = 0.4) -> list[dict]:
-    """Every layout of the model on ``n_nodes`` x ``gpus_per_node`` GPUs; those that fit first,
-    fastest estimated step first."""
+    """Every layout of the model on ``n_nodes`` x ``gpus_per_node`` GPUs that the trainer accepts
+    (:func:`course_lib.registry.divisibility_error`) and that splits ``global_batch`` evenly; those
+    that fit first, fastest estimated step first."""
     shape = get_preset(model)
     name, memory = resolve_gpu(gpu)
     world = n_nodes * gpus_per_node
@@ -55,16 +57,15 @@ def plan_layouts(model: str = "gpt2-xl", *, n_nodes: int = 2, gpus_per_node: int
     L, a, s = shape.n_layer, shape.n_head, shape.block_size
     rows = []
     for tp in _divisors(world):
-        if a % tp:
-            continue  # heads split evenly over tp
         for pp in _divisors(world // tp):
-            if L % pp:
-                continue
             for cp in cp_options:
-                if (world // (tp * pp)) % cp or s % (2 * cp):
+                if (world // (tp * pp)) % cp:
                     continue
-                if sequence_parallel and tp > 1 and (s // cp) % tp:
-                    continue  # sp splits each cp rank's s/cp tokens over tp (registry.layout_error)
+                # the trainer's rule (heads over tp, blocks over pp, sequences over cp and sp), so that
+                # every layout listed is one it runs; sequence parallelism only where there is a tp
+                if divisibility_error(n_head=a, n_layer=L, block_size=s, tp=tp, pp=pp, cp=cp,
+                                      sequence_parallel=sequence_parallel and tp > 1):
+                    continue
                 dp = world // (tp * pp * cp)
                 if global_batch % (dp * micro_batch):
                     continue

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from course_lib.analysis.comm_cost import bytes_per_rank
 from course_lib.analysis.memory import stage_params
+from course_lib.registry import divisibility_error
 
 
 def sent_bytes_per_step(n_layer: int, n_embd: int, vocab_size: int, block_size: int, bias: bool,
@@ -41,9 +42,13 @@ def sent_bytes_per_step(n_layer: int, n_embd: int, vocab_size: int, block_size: 
     (so ranks agree which parameters got a gradient anywhere: parallel/data/ddp.py). ``zero_stage``
     1 or 2: the optimizer holds gradient shards, so the sp and tied-gradient exchanges move
     1/(dp cp) of them. Stage 2 sends what stage 1 does: under gradient accumulation its ``no_sync``
-    keeps the micro-batches' gradients and reduce-scatters once, on the last one (as FSDP's no_sync)."""
-    if n_layer % pp:  # as the trainer (registry.layout_error): a floor would count another model
-        raise ValueError(f"n_layer ({n_layer}) must be divisible by pp ({pp}): each stage holds n_layer/pp blocks")
+    keeps the micro-batches' gradients and reduce-scatters once, on the last one (as FSDP's no_sync).
+    A layout the trainer refuses (:func:`course_lib.registry.divisibility_error`: blocks over pp,
+    sequences over cp and sp) is a ValueError with the trainer's message."""
+    # the trainer's rule: n_layer / pp or block_size / cp floored would count another model
+    if error := divisibility_error(n_layer=n_layer, block_size=block_size, tp=tp, pp=pp, cp=cp,
+                                   sequence_parallel=sequence_parallel):
+        raise ValueError(error)
     if not 0 <= pp_rank < pp:
         raise ValueError(f"pp_rank must be in 0..{pp - 1}, got {pp_rank!r}")
     zero = zero_stage > 0

@@ -41,9 +41,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from course_lib.hardware import BACKEND_ENV, RANK_DEVICES_ENV, gpu_count
-from course_lib.registry import ConfigError
+from course_lib.registry import ConfigError, device_error
 
-DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "gloo", "nccl")
 
 
@@ -119,9 +118,9 @@ def plan_ranks(n_gpu: int, nproc="auto", device: str = "auto", backend: str = "a
     on GPU N). nproc: 'auto' is one rank per GPU, else 2 CPU ranks. backend: 'auto' is NCCL for one
     rank per GPU, gloo for CPU ranks and for ranks that share a GPU. Raises PlanError before anything starts.
     """
-    kind, _, index = device.partition(":") if isinstance(device, str) else (device, "", "")
-    if kind not in DEVICES or index and not (kind == "cuda" and index.isdigit()):
-        raise PlanError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if error := device_error(device):  # RunConfig's rule: the same strings refused in the same words
+        raise PlanError(error)
+    kind, _, index = device.partition(":")
     if backend not in BACKENDS:
         raise PlanError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
     if kind == "auto":

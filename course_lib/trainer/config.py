@@ -44,8 +44,8 @@ from course_lib.analysis.activations import RECOMPUTE  # none, selective, full
 from course_lib.analysis.dp_recipes import global_batch_size
 from course_lib.gpt.data import DATASETS, load_meta
 from course_lib.hardware import default_nproc
-from course_lib.registry import (ConfigError, MoEConfig, ParallelConfig, at_least, check_types, choice, field_docs,
-                                 layout_error)
+from course_lib.registry import (ConfigError, MoEConfig, ParallelConfig, at_least, check_types, choice, device_error,
+                                 field_docs, layout_error)
 from course_lib.utils import atomic_write_bytes
 
 CONFIG_FILE = "config.json"  # in each run directory: the frozen TrainConfig every rank reads
@@ -169,6 +169,18 @@ class OptimizerConfig:
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        # once the warmup is over, get_lr answers min_lr from lr_decay_iters on: a decay that ends
+        # inside the warmup drops the rate in one step at iteration warmup_iters. Refused only where that step is
+        # taken (iterations 0..max_iters-1) and changes the rate: the short runs whose max_iters and
+        # lr_decay_iters both stay under the default warmup_iters (tests, benchmarks) never get there
+        w = self.warmup_iters
+        if self.decay_lr and self.lr_decay_iters < w < self.max_iters and self.min_lr != self.learning_rate:
+            raise ConfigError(
+                f"lr_decay_iters ({self.lr_decay_iters}) < warmup_iters ({w}) with decay_lr: the cosine decay "
+                f"would end before the warmup does, so at iteration {w} the learning rate jumps from "
+                f"{self.learning_rate * w / (w + 1):g} to min_lr {self.min_lr:g} and stays there; set "
+                f"lr_decay_iters >= warmup_iters (usually lr_decay_iters = max_iters = {self.max_iters}), "
+                f"or a smaller warmup_iters, or decay_lr=false (or max_iters <= {w}: the run ends in its warmup)")
 
 
 @dataclass(frozen=True)
@@ -211,8 +223,8 @@ class RunConfig:
         choice("dtype", self.dtype, DTYPE_NAMES)
         choice("recompute", self.recompute, RECOMPUTE)
         choice("init_from", self.init_from, INIT_FROM)
-        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:") and self.device[5:].isdigit()):
-            raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if error := device_error(self.device):  # the rank placement's rule too (launch.placement)
+            raise ConfigError(error)
 
 
 COMPONENTS = {"model": ModelConfig, "data": DataConfig, "optimizer": OptimizerConfig,
