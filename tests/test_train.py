@@ -67,7 +67,9 @@ def test_train_names_what_it_takes():
 def test_the_bar_ends_on_the_final_evaluation(data_dir, tmp_path, capsys):
     """The bar's val= was the evaluation before the last (no step row follows the final one)."""
     summary = run(tiny(data_dir, tmp_path / "run", eval_interval=3, max_iters=6, lr_decay_iters=6))
-    last_bar_line = capsys.readouterr().out.split("\r")[-1].split("\n")[0]  # tqdm's last redraw
+    out = capsys.readouterr().out
+    assert "1 x cpu (1 thread each) | strategy single" in out  # the header, in English for one thread
+    last_bar_line = out.split("\r")[-1].split("\n")[0]  # tqdm's last redraw
     assert last_bar_line.startswith("run: 100%") and f"val={summary['val_loss']:.4f}" in last_bar_line, last_bar_line
 
 

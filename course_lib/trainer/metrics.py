@@ -176,7 +176,8 @@ def announce_run(cfg, info: dict) -> None:
     cfg.save()
     atomic_write_bytes(out / "run.json", (json.dumps(info, indent=1) + "\n").encode())
     cpu = info["device"] == "cpu"
-    where = f"{info['world_size']} x {info['device']}" + (f" ({info['threads_per_worker']} threads each)" if cpu else "")
+    threads = info["threads_per_worker"]
+    where = f"{info['world_size']} x {info['device']}" + (f" ({threads} thread{'s' * (threads != 1)} each)" if cpu else "")
     lay = info["layout"]
     ranks = "dp ranks" if cfg.model_parallel_size > 1 else "ranks"
     batch = (f"global batch {info['global_batch']} sequences = batch_size {cfg.batch_size} x grad_accum "
