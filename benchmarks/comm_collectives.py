@@ -3,7 +3,9 @@
 Time the five collectives on N local ranks (gloo here, nccl on GPUs, mpi through mpiexec) with
 course_lib.experiments.comm_bench, print the nccl-tests style table, fit the alpha-beta model of
 course_lib.analysis.comm_cost to each collective (latency alpha and link bandwidth), and save the rows (CSV and
-JSONL, the JSONL written while measuring) and a bus-bandwidth plot under --out-dir.
+JSONL, the JSONL written while measuring) and a bus-bandwidth plot under --out-dir. Sizes are
+nccl-tests': 1K = 2**10 bytes, 1M = 2**20; bandwidths in GB/s, GB = 1e9 bytes. Each fit is followed
+by how well it explains the measured times (a busy machine gives times no alpha and bandwidth fit).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from course_lib.analysis.comm_cost import fit_alpha_beta
+from course_lib.analysis.comm_cost import fit_alpha_beta, fit_report
 from course_lib.experiments.comm_bench import (
     BENCH_BACKENDS,
     OPS,
@@ -49,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     jsonl.unlink(missing_ok=True)
     try:
         rows = run_benchmark(args.backend, args.nproc, parse_sizes(args.sizes, args.factor),
-                             args.ops.split(","), args.iters, args.warmup, progress=True,
+                             [o.strip() for o in args.ops.split(",") if o.strip()], args.iters,
+                             args.warmup, progress=True,
                              timeout_s=3600, jsonl_path=jsonl)
     except ValueError as e:
         p.error(str(e))
@@ -57,14 +60,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nalpha-beta fit (course_lib.analysis.comm_cost), {args.nproc} ranks:")
     for op in dict.fromkeys(r["op"] for r in rows):
         rs = [r for r in rows if r["op"] == op]
+        sizes, seconds = [r["size_bytes"] for r in rs], [r["time_us"] * 1e-6 for r in rs]
+        label = f"{op} ({FIT_ALGORITHM[op]})"
         try:
-            alpha, bw = fit_alpha_beta(op, args.nproc, [r["size_bytes"] for r in rs],
-                                       [r["time_us"] * 1e-6 for r in rs], FIT_ALGORITHM[op])
+            alpha, bw = fit_alpha_beta(op, args.nproc, sizes, seconds, FIT_ALGORITHM[op])
         except ValueError as e:
-            print(f"  {op:>14}: no fit ({e})")
+            print(f"  {label:>25}: no fit ({e})")
             continue
-        print(f"  {op:>14} ({FIT_ALGORITHM[op]}): alpha = {alpha * 1e6:8.1f} us, "
-              f"bandwidth = {bw / 1e9:7.3f} GB/s")
+        print(f"  {label:>25}: alpha = {alpha * 1e6:8.1f} us, bandwidth = {bw / 1e9:7.3f} GB/s; "
+              + fit_report(op, args.nproc, sizes, seconds, alpha, bw, algorithm=FIT_ALGORITHM[op]))
     atomic_write_bytes(stem.with_suffix(".csv"), to_csv(rows).encode())
     plot_comm_bench(rows).savefig(stem.with_suffix(".png"), dpi=120)
     print(f"\nwrote {stem}.csv, {stem}.jsonl, {stem}.png")

@@ -28,6 +28,8 @@ import time
 import uuid
 from pathlib import Path
 
+from jupyter_client.manager import KernelManager
+
 from course_lib.launch.procs import find_by_env
 from course_lib.utils import free_port
 
@@ -78,14 +80,20 @@ def both_ready(text: str) -> bool:
     return "ready 0" in text and "ready 1" in text
 
 
+def started(marker: str) -> None:
+    """The run's processes are there (found by their marker): else the stop timings would read 0 s."""
+    if not find_by_env(MARK, marker):
+        raise RuntimeError(f"no process of the %%torchrun run carries {MARK}={marker}: the stop timings "
+                           "would measure nothing (does %%torchrun --env still reach the ranks?)")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--json", help="also write the figures to this file")
     a = p.parse_args(argv)
-    from jupyter_client.manager import KernelManager
-
-    work = Path(tempfile.mkdtemp(prefix="launch-bench-"))
+    tmp = tempfile.TemporaryDirectory(prefix="launch-bench-")  # removed in the finally below
+    work = Path(tmp.name)
     script = work / "bare.py"
     script.write_text(PRELUDE + CELL)
     env = dict(os.environ, OMP_NUM_THREADS="1",
@@ -117,6 +125,7 @@ def main(argv=None) -> int:
             marker = uuid.uuid4().hex
             msg_id = kc.execute(f"%%torchrun -n 2 --env {MARK}={marker}\n{SLEEP_CELL}")
             drain(kc, msg_id, both_ready)
+            started(marker)
             t0 = time.monotonic()
             km.interrupt_kernel()
             stop.append(gone_after(marker, t0))
@@ -124,12 +133,14 @@ def main(argv=None) -> int:
             cell_back.append(time.monotonic() - t0)
         marker = uuid.uuid4().hex
         drain(kc, kc.execute(f"%%torchrun -n 2 --env {MARK}={marker}\n{SLEEP_CELL}"), both_ready)
+        started(marker)
         t0 = time.monotonic()
         km.restart_kernel(now=True)
         restart.append(gone_after(marker, t0))
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+        tmp.cleanup()
     med_m, med_b = statistics.median(magic), statistics.median(bare)
     figures = {
         "repeat": a.repeat, "magic_s": magic, "bare_torchrun_s": bare,

@@ -10,7 +10,8 @@ so the rows compare directly. Per layout (medians over ``--iters`` steps after o
 * ms/iter (the slowest rank) and tokens/s;
 * per-rank memory, the most over ranks: model states (parameters + gradients + AdamW states,
   measured on the live tensors) and peak activation bytes (what autograd saved, in flight);
-* bytes each rank sends per step in each group (tp, sp, cp, pp, dp), the most over ranks;
+* bytes each rank sends per step in each group (tp, sp, cp, pp, dp), the most over ranks; "dp"
+  is the gradient all-reduce, over the dp x cp ranks (a cp layout with dp = 1 has dp bytes);
 * the pipeline bubble on the schedule's logical clock, next to (p - 1) / (m + p - 1).
 
 Tokens are random (timing does not depend on them). Workers get one thread each. Prints a
@@ -27,7 +28,13 @@ from contextlib import nullcontext
 
 import torch
 
+from course_lib.gpt.model import GPT, GPTConfig
 from course_lib.hardware import MiB
+from course_lib.launch.spawn import run_ranks
+from course_lib.parallel.parallelize import parallelize
+from course_lib.parallel.step import train_step
+from course_lib.trainer.config import TrainConfig
+from course_lib.trainer.loop import optimizer_factory
 
 LAYOUTS = {  # name -> (dp, tp, pp, cp, sequence_parallel)
     4: {"dp4": (4, 1, 1, 1, False), "tp4": (1, 4, 1, 1, False), "tp2+sp-dp2": (2, 2, 1, 1, True),
@@ -40,12 +47,6 @@ LAYOUTS = {  # name -> (dp, tp, pp, cp, sequence_parallel)
 
 
 def worker(rank: int, world_size: int, lay: tuple, args) -> dict:
-    from course_lib.gpt.model import GPT, GPTConfig
-    from course_lib.parallel.parallelize import parallelize
-    from course_lib.parallel.step import train_step
-    from course_lib.trainer.config import TrainConfig
-    from course_lib.trainer.loop import optimizer_factory
-
     dp, tp, pp, cp, sp = lay
     cfg = GPTConfig(block_size=64, vocab_size=65, n_layer=4, n_head=4, n_embd=128, dropout=0.0, bias=False)
     torch.manual_seed(0)
@@ -70,8 +71,6 @@ def worker(rank: int, world_size: int, lay: tuple, args) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from course_lib.launch.spawn import run_ranks
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", default="4,8", help="comma-separated world sizes (4, 8)")
     p.add_argument("--iters", type=int, default=4)
@@ -82,13 +81,32 @@ def main(argv: list[str]) -> int:
     p.add_argument("--only", default="", help="comma-separated layout names")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.iters < 1:
+        p.error("--iters must be at least 1 (timed steps after the warm-up step)")
+    # Refused here, before any rank starts (a rank would fail deep in its step, or a layout run on
+    # fewer sequences than the tokens/s column counts).
+    try:
+        counts = [int(r) for r in args.ranks.split(",")]
+    except ValueError:
+        p.error(f"--ranks takes comma-separated world sizes, got {args.ranks!r}")
+    if set(counts) - set(LAYOUTS):
+        p.error(f"--ranks: layouts are listed for {', '.join(map(str, LAYOUTS))} ranks, not {args.ranks}")
+    only = set(args.only.split(",")) - {""}
+    known = {name for n in counts for name in LAYOUTS[n]}
+    if only - known:
+        p.error(f"--only: no layout {', '.join(sorted(only - known))} at {args.ranks} ranks "
+                f"(known: {', '.join(sorted(known))})")
+    for n in counts:
+        for name, lay in LAYOUTS[n].items():
+            if (not only or name in only) and (args.batch < lay[0] or args.batch % lay[0]):
+                p.error(f"--batch {args.batch} does not split over the {lay[0]} dp ranks of {name}")
     header = ("| ranks | layout | ms/iter | tokens/s | model states MiB | peak act. MiB | tp MiB | sp MiB | cp MiB | "
               "pp MiB | dp MiB | bubble (theory) |")
     rows = [header, "|" + "---|" * 12]
     print("\n".join(rows), flush=True)
-    for n in (int(r) for r in args.ranks.split(",")):
+    for n in counts:
         for name, lay in LAYOUTS[n].items():
-            if args.only and name not in args.only.split(","):
+            if only and name not in only:
                 continue
             res = run_ranks(worker, n, lay, args)
             ms = max(r["ms"] for r in res)

@@ -8,8 +8,11 @@ Figures of the mixed-precision lesson (notebook 9) on the CPU recipe ``shakespea
   (``act_model_mb``), median compute ms per step and its ratio to ``none`` (model: 4/3 for full);
 * fp16 underflow on the same model: the share of gradient values flushed to zero and the
   gradient's relative error, without and with a loss scale (loss / 64, as 64-step accumulation);
-* fp32 vs bf16 gradient all-reduce on 2 gloo ranks (our DDP and PyTorch DDP): bytes per step,
-  the largest loss difference over the steps.
+* fp32 vs bf16 gradient all-reduce on 2 gloo ranks (our DDP and PyTorch DDP) of a small GPT
+  (:func:`course_lib.experiments.precision.grad_comm_worker`'s: 2 layers, 32 wide, block 16, 27k
+  parameters, 4 random sequences per rank): bytes per step as our Comms count them (the ZeRO
+  paper's 2 x the buffer; PyTorch's C++ reducer is not counted), the largest loss difference over
+  the steps.
 
 Timings on a shared machine are noisy: the script repeats each run and reports the median of
 the per-row medians. Record results in benchmarks/RESULTS.md.
@@ -20,13 +23,23 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
+import time
 from pathlib import Path
+
+import torch
+
+from course_lib.experiments.precision import below, grad_comm_worker, gradient_underflow, recompute_runs
+from course_lib.gpt import data
+from course_lib.gpt.model import GPT, GPTConfig
+from course_lib.launch.spawn import run_ranks
+from course_lib.parallel.step import Precision, forward_backward
+from course_lib.parallel.strategy import build_strategy
+from course_lib.trainer.config import make_config
+
+OVERHEAD_REPS = 30  # forward + backward per mode and dtype in recompute_overhead: its fastest is reported
 
 
 def recompute_table(iters: int, repeats: int) -> list[dict]:
-    from course_lib.experiments.precision import recompute_runs
-    from course_lib.trainer.config import make_config
-
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in ("float32", "bfloat16"):
@@ -50,14 +63,6 @@ def recompute_table(iters: int, repeats: int) -> list[dict]:
 def recompute_overhead(reps: int) -> list[dict]:
     """Forward + backward of the CPU recipe's model (batch 12 x 64 tokens), the three modes
     interleaved rep by rep, fastest of ``reps`` each: the least noisy figure on a shared machine."""
-    import time
-
-    import torch
-
-    from course_lib.gpt.model import GPT, GPTConfig
-    from course_lib.parallel.step import Precision, forward_backward
-    from course_lib.parallel.strategy import build_strategy
-
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=64, vocab_size=65, n_layer=4, n_head=4, n_embd=128, bias=False))
     single = build_strategy("single", model, lambda m: torch.optim.AdamW(m.parameters()))
@@ -79,12 +84,6 @@ def recompute_overhead(reps: int) -> list[dict]:
 
 
 def underflow_table() -> list[dict]:
-    import torch
-
-    from course_lib.experiments.precision import below, gradient_underflow
-    from course_lib.gpt import data
-    from course_lib.gpt.model import GPT, GPTConfig
-
     data.prepare("shakespeare_char", quiet=True)
     tokens = data.load_tokens(None, "shakespeare_char", "train")
     torch.manual_seed(0)
@@ -98,14 +97,13 @@ def underflow_table() -> list[dict]:
 
 
 def grad_comm_table(steps: int) -> list[dict]:
-    from course_lib.experiments.precision import grad_comm_worker
-    from course_lib.launch.spawn import run_ranks
-
     res = run_ranks(grad_comm_worker, 2, ("ddp", "torch_ddp"), ("float32", "bfloat16"), None, steps)[0]
     rows = []
     for name in ("ddp", "torch_ddp"):
         fp32, bf16 = res[(name, "float32")], res[(name, "bfloat16")]
-        rows.append({"strategy": name, "fp32 bytes/step": fp32["volume"], "bf16 bytes/step": bf16["volume"],
+        # None: PyTorch's DDP communicates in its C++ reducer, which our byte counter does not see
+        volume = {k: "not counted" if r["volume"] is None else r["volume"] for k, r in (("fp32", fp32), ("bf16", bf16))}
+        rows.append({"strategy": name, "fp32 bytes/step": volume["fp32"], "bf16 bytes/step": volume["bf16"],
                      "max |loss diff|": max(abs(a - b) for a, b in zip(fp32["losses"], bf16["losses"])),
                      "final loss fp32": fp32["losses"][-1], "final loss bf16": bf16["losses"][-1]})
     return rows
@@ -126,9 +124,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2, help="trainer runs per mode (0: skip them)")
     p.add_argument("--comm-steps", type=int, default=40)
     args = p.parse_args()
+    torch.set_num_threads(1)  # the one thread the docstring promises, as the trainer runs get (threads=1)
     show("fp16 underflow (loss / 64)", underflow_table())
     show("16-bit gradient all-reduce, 2 gloo ranks", grad_comm_table(args.comm_steps))
-    show("recomputation overhead, forward + backward (fastest of 30, modes interleaved)", recompute_overhead(30))
+    show(f"recomputation overhead, forward + backward (fastest of {OVERHEAD_REPS}, modes interleaved)",
+         recompute_overhead(OVERHEAD_REPS))
     if args.repeats:
         show("activation recomputation (trainer, 1 thread)", recompute_table(args.iters, args.repeats))
 

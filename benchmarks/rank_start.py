@@ -24,6 +24,7 @@ CASES = [("fork", 2), ("forkserver", 2), ("spawn", 2), ("fork", 4), ("forkserver
 
 
 def all_reduce_one(rank, world_size):
+    # torch in the ranks and in one_case only: the parent, which just starts fresh interpreters, stays light
     import torch
     import torch.distributed as dist
 
@@ -61,7 +62,11 @@ def main(argv=None) -> int:
     for r in range(a.rounds):
         for method, nproc in CASES if r % 2 == 0 else CASES[::-1]:
             out = subprocess.run([sys.executable, __file__, "--one", method, str(nproc), "--calls", str(a.calls)],
-                                 capture_output=True, text=True, check=True)
+                                 capture_output=True, text=True, check=False)
+            if out.returncode != 0:  # its output was captured: show why, not just the exit code
+                sys.stderr.write(out.stdout + out.stderr)
+                print(f"rank_start: the {method} x {nproc} interpreter failed (exit {out.returncode})", file=sys.stderr)
+                return 1
             runs[(method, nproc)].append(json.loads(out.stdout.splitlines()[-1]))
         print(f"  round {r + 1} of {a.rounds} done", flush=True)
     rows = []

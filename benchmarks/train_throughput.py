@@ -5,9 +5,10 @@ Throughput of the real trainer (course_lib.trainer.loop) on the CPU recipe ``sha
 1 process x 1 thread, 1 process x 2 threads and 2-rank DDP x 1 thread each, and the scaling
 efficiency of each against 1 x 1 (tokens/s over cases x 1 x 1's tokens/s, where cases = the cores
 used). Each case trains ``--warmup`` + ``--iters`` iterations; the figure is the median of the
-per-10-iteration averages after the warmup (robust to a busy machine). Upstream nanoGPT's
-train.py with the same hyper-parameters on this machine kind: about 99 ms/iter with 1 thread and
-62-72 ms/iter with 2 threads (figures from the project's issue 2).
+per-10-iteration averages (per-iteration for fewer than 20 ``--iters``) of the iterations after
+the warmup (robust to a busy machine). Upstream nanoGPT's train.py with the same hyper-parameters
+on this machine kind: about 99 ms/iter with 1 thread and 62-72 ms/iter with 2 threads (figures
+from the project's issue 2; shown for fp32 eager runs only).
 
 ``--gpu`` instead runs nanoGPT's ``shakespeare_char`` GPU recipe and a GPT-2-small-shaped model
 (12 layers, 12 heads, 768 dims, block 1024, GPT-2 BPE) on every visible GPU and reports MFU.
@@ -25,12 +26,17 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
+from course_lib.gpt.data import prepare
+from course_lib.launch.training import run_training
+from course_lib.trainer.config import make_config
+from course_lib.trainer.metrics import read_metrics
+
 NANOGPT_MS = {"1 process x 1 thread": 99.0, "1 process x 2 threads": 67.0}  # midpoint of 62-72
 
 
 def machine() -> str:
-    import torch
-
     cpu = platform.processor() or "cpu"
     try:
         with open("/proc/cpuinfo") as f:
@@ -43,17 +49,21 @@ def machine() -> str:
 
 
 def measure(name: str, preset: str, overrides: dict, warmup: int, iters: int, data_dir: str, out_root: Path) -> dict:
-    from course_lib.launch.training import run_training
-    from course_lib.trainer.config import make_config
-    from course_lib.trainer.metrics import read_metrics
-
     total = warmup + iters
+    # A row averages the iterations since the row before: every 10 iterations, or every one for a short
+    # run (10 would leave no row wholly after the warmup; from 20 on, one always is).
+    log_interval = 10 if iters >= 20 else 1
     cfg = make_config(preset, {"max_iters": total, "lr_decay_iters": total, "eval_interval": total + 1,
-                               "eval_iters": 1, "log_interval": 10, "data_dir": data_dir,
+                               "eval_iters": 1, "log_interval": log_interval, "data_dir": data_dir,
                                "out_dir": str(out_root / name.replace(" ", "_")), "run_name": name, **overrides})
     run_training(cfg, display="terminal", overwrite=True, progress=False, check=True)  # what course train runs
-    rows = [r for r in read_metrics(Path(cfg.out_dir) / "metrics.csv") if r["iter"] >= warmup and r["step_ms"] > 0]
-    med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
+    steps = [r for r in read_metrics(Path(cfg.out_dir) / "metrics.csv") if r["step_ms"] > 0]  # not eval rows
+    # the row at iteration i covers (previous row's i, i], the first from iteration 0: kept when none of
+    # those is a warmup iteration
+    rows = [r for before, r in zip([{"iter": -1}] + steps, steps) if before["iter"] + 1 >= warmup]
+    if not rows:
+        raise SystemExit(f"{name}: no logged step after the {warmup} warmup iterations; raise --iters")
+    med = lambda key: statistics.median(r[key] for r in rows)
     return {"case": name, "nproc": cfg.nproc, "threads": cfg.threads, "ms_per_iter": med("step_ms"),
             "compute_ms": med("compute_ms"), "comm_ms": med("comm_ms"), "tokens_per_s": med("tokens_per_s"),
             "mfu": med("mfu"), "tokens_per_iter": cfg.batch_size * cfg.gradient_accumulation_steps * cfg.nproc
@@ -78,15 +88,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu", action="store_true", help="the GPU recipes instead (needs CUDA)")
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
-
-    from course_lib.gpt.data import prepare
-
+    if args.iters < 1 or args.warmup < 0:
+        p.error("--iters must be at least 1 and --warmup at least 0")
+    unknown = set(args.cases.split(",")) - set(CPU_CASES)
+    if unknown and not args.gpu:
+        p.error(f"--cases: unknown {', '.join(sorted(unknown))} (of {', '.join(CPU_CASES)})")
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
         tmp = Path(tmp)
         results = []
         if args.gpu:
-            import torch
-
             if not torch.cuda.is_available():
                 print("--gpu needs CUDA", file=sys.stderr)
                 return 2
@@ -117,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         cores = r["nproc"] * max(1, r["threads"] or 1)
         eff = f"{r['tokens_per_s'] / (cores * base['tokens_per_s']):.0%}" if base and not args.gpu else ""
-        ref = NANOGPT_MS.get(r["case"])
+        # upstream's figures are fp32 and eager: beside a bf16 or compiled run they would mislead
+        ref = NANOGPT_MS.get(r["case"]) if args.dtype in ("auto", "float32") and not args.compile else None
         print(f"{r['case']:<48} {r['ms_per_iter']:>8.1f} {r['comm_ms']:>8.1f} {r['tokens_per_s']:>9,.0f} "
               f"{r['mfu']:>7.1%} {eff:>10} {f'{ref:.0f}' if ref else '':>8}")
     if not args.gpu:
