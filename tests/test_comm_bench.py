@@ -19,7 +19,9 @@ from course_lib.hardware import gpu_count
 
 def test_sizes():
     assert parse_size("1K") == 1024 and parse_size("256M") == 256 * 2**20 and parse_size(64) == 64
-    assert parse_size("1.5KB") == 1536
+    assert parse_size("1.5KiB") == 1536 and parse_size("2 mib") == 2 * 2**20
+    with pytest.raises(ValueError, match="the course's MB is 1e6 bytes; write 1M or 1MiB"):
+        parse_size("1MB")  # binary or decimal? neither guessed
     full = parse_sizes("1K:256M")  # the default range, factor 2: 2^10 ... 2^28
     assert full[0] == 2**10 and full[-1] == 2**28 and len(full) == 19
     assert parse_sizes("1K:256M", factor=4) == [2**k for k in range(10, 29, 2)]

@@ -74,3 +74,13 @@ def test_benchmark_script_is_the_module_command_line(tmp_path):
                           "--out-dir", str(tmp_path)], check=False, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "unknown strategies ['nope']" in out.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_the_mb_columns_hold_megabytes():
+    """model_states_mb and rss_mb are MB (1e6 bytes, hardware.MB) as their names and the table's
+    header say; they held MiB."""
+    run = {"strategy": "ddp", "ranks": 2, "s": 0.1, "comm": 0.01, "states": 3e6, "rss": 5e8, "tokens": 100}
+    row = sc.summarize([run], "strong", 1)
+    assert (row["model_states_mb"], row["rss_mb"]) == (3.0, 500.0)
+    assert "model states / rank (MB) | peak RSS / rank (MB)" in sc.comparison_markdown(
+        [{**row, "speedup": 1.0, "efficiency": 1.0}])

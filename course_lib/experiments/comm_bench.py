@@ -36,15 +36,20 @@ from course_lib.launch.mpi import find_mpiexec, launcher_options
 from course_lib.utils import atomic_write_bytes, check_count, free_port
 
 BENCH_BACKENDS = ("gloo", "nccl", "mpi")
-_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "M": 2**20, "MB": 2**20, "G": 2**30, "GB": 2**30}
+_UNITS = {"": 1, "B": 1, "K": 2**10, "KIB": 2**10, "M": 2**20, "MIB": 2**20, "G": 2**30, "GIB": 2**30}
 
 
 def parse_size(text: str | int) -> int:
-    """'1K' -> 1024, '256M' -> 268435456, '64' -> 64 (binary units, as nccl-tests)."""
+    """'1K' -> 1024, '256M' -> 268435456, '64' -> 64: binary units, as nccl-tests' sizes (also
+    written 1KiB, 256MiB). '1MB' is refused: elsewhere the course's MB is 1e6 bytes (hardware.MB)."""
     if isinstance(text, int):
         return text
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?B?)\s*", str(text).upper())
-    if not m or float(m.group(1)) * _UNITS[m.group(2)] < 1:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Z]*)\s*", str(text).upper())
+    if m and m.group(2) in ("KB", "MB", "GB"):
+        raise ValueError(f"bad size {text!r}: K, M and G are binary here, as in nccl-tests (1M = 2**20 bytes), "
+                         f"while the course's MB is 1e6 bytes; write {m.group(1)}{m.group(2)[0]} or "
+                         f"{m.group(1)}{m.group(2)[0]}iB")
+    if not m or m.group(2) not in _UNITS or float(m.group(1)) * _UNITS[m.group(2)] < 1:
         raise ValueError(f"bad size {text!r}: use bytes or K/M/G units, e.g. 1K, 64K, 256M")
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 

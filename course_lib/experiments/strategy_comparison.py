@@ -41,6 +41,7 @@ import torch
 
 from course_lib.gpt.data import TrainBatches, load_meta, load_tokens, model_vocab_size, prepare
 from course_lib.gpt.model import GPT, GPTConfig
+from course_lib.hardware import MB
 from course_lib.launch.spawn import run_ranks
 from course_lib.parallel.footprint import measure_model_states, peak
 from course_lib.parallel.step import train_step
@@ -112,14 +113,14 @@ def summarize(runs: list[dict], scaling: str, threads: int) -> dict:
             "ms_per_iter": 1e3 * s, "ms_min": 1e3 * min(r["s"] for r in runs),
             "ms_max": 1e3 * max(r["s"] for r in runs), "tokens_per_s": runs[0]["tokens"] / s,
             "comm_ms": 1e3 * statistics.median(r["comm"] for r in runs),
-            "model_states_mb": statistics.median(r["states"] for r in runs) / 2**20,
-            "rss_mb": statistics.median(r["rss"] for r in runs) / 2**20, "runs": len(runs),
+            "model_states_mb": statistics.median(r["states"] for r in runs) / MB,
+            "rss_mb": statistics.median(r["rss"] for r in runs) / MB, "runs": len(runs),
             "threads_per_rank": threads, "scaling": scaling}
 
 
 def comparison_markdown(rows: list[dict]) -> str:
     head = ("| strategy | nodes | ranks | time/iter (ms) | min-max (ms) | tokens/s | speedup | "
-            "efficiency | exposed comm (ms) | model states / rank (MiB) | peak RSS / rank (MiB) |")
+            "efficiency | exposed comm (ms) | model states / rank (MB) | peak RSS / rank (MB) |")
     lines = [head, "|" + "---|" * 11]
     for r in rows:
         lines.append(f"| {r['strategy']} | {r['nodes']} | {r['ranks']} | {r['ms_per_iter']:.1f} | "
