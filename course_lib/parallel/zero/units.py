@@ -81,8 +81,11 @@ class Unit:
     def show(self, whole: bool) -> None:
         """Register the whole tensors (gathered) or the shards (free) as the modules' parameters:
         FSDP2 swaps them the same way, so a module's ``parameters()`` outside forward and backward
-        are the shards, with their gradients."""
+        are the shards, with their gradients. The shards are what a user freezes between steps
+        (``requires_grad_``): the whole tensors, computed with while shown, follow them."""
         for module, attr, p, shard in self.slots:
+            if whole:
+                p.requires_grad_(shard.requires_grad)
             module._parameters[attr] = p if whole else shard
 
     @torch.no_grad()

@@ -157,8 +157,11 @@ class FullyShardedDataParallel(nn.Module):
 
     def _show_copies(self, whole: bool) -> None:
         """Replicated parameters computed in another dtype: the 16-bit copy while in use, else the
-        fp32 master (as :meth:`course_lib.parallel.zero.units.Unit.show` does for the sharded ones)."""
+        fp32 master (as :meth:`course_lib.parallel.zero.units.Unit.show` does for the sharded ones;
+        the copy follows its master's ``requires_grad``, toggled by a user between steps)."""
         for module, attr, p, master in self.copy_slots:
+            if whole:
+                p.requires_grad_(master.requires_grad)
             module._parameters[attr] = p if whole else master
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
