@@ -37,6 +37,8 @@ def kernel(tmp_path_factory):
     run(kc, "%load_ext course_lib")
     start = run(kc, f"%ranks start 2 --timeout {LIMIT}", timeout=180)
     assert start.error is None, start.error
+    # the variable usable() finds after each bug: made here, so that any test runs alone (pytest -k)
+    assert run(kc, "%%ranks\nkeep = [1.0, 2.0]").error is None
     yield km, kc
     kc.stop_channels()
     if km.is_alive():
