@@ -80,7 +80,16 @@ from course_lib.parallel.zero.units import Unit, cast_floating, default_units, o
 
 
 class FullyShardedDataParallel(nn.Module):
-    """ZeRO-3 over ``module``; mirrors torch.distributed.fsdp.FullyShardedDataParallel."""
+    """ZeRO-3 over ``module``; mirrors torch.distributed.fsdp.FullyShardedDataParallel.
+
+    Known limit (found 2026-11-28, not fixed): a unit's reduce-scatter starts when all of its
+    parameters have their gradients (:meth:`_on_grad_ready`). A parameter of a unit other than the
+    root that gets a gradient on some ranks only (a branch taken by one rank's data) makes the
+    ranks start that reduce-scatter at different points, one of them between the next unit's
+    all-gathers: the collectives mismatch and the ranks hang until the collective timeout. The
+    course's GPT never does this (its experts are one stacked parameter each, which every rank's
+    backward reaches); zero1 and zero2 are not affected. The fix is FSDP2's rule, to start a
+    unit's reduce-scatter at a point of backward every rank shares."""
 
     def __init__(self, module: nn.Module, process_group=None, *, units: list[nn.Module] | None = None,
                  compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype = torch.float32,
