@@ -3,17 +3,12 @@ variant through the course's step on a CPU, and upstream's bench.py output is re
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 
 import pytest
+from test_benchmarks_smoke import load
 
-from test_architecture import ROOT
-
-spec = importlib.util.spec_from_file_location("gpu_speed", ROOT / "benchmarks" / "gpu_speed.py")
-gpu_speed = importlib.util.module_from_spec(spec)
-sys.modules["gpu_speed"] = gpu_speed  # dataclasses look their module up there
-spec.loader.exec_module(gpu_speed)
+gpu_speed = load("gpu_speed")
 
 
 def test_smoke_runs_every_variant(capsys):
