@@ -105,7 +105,7 @@ def test_sample_help_explains_every_option(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for option, says in (("--ckpt", "lowest validation loss"), ("--num_samples", "how many texts"),
                          ("--max_new_tokens", "tokens generated"), ("--temperature", "sharpens"),
-                         ("--seed", "the same texts"), ("--device", "auto, cpu or cuda")):
+                         ("--seed", "the same texts"), ("--device", "auto, cpu, cuda or cuda:N")):
         assert option in text and says in text, option
 
 

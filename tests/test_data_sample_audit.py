@@ -63,6 +63,26 @@ def test_a_seed_that_is_no_whole_number_is_refused_before_the_checkpoint_is_read
 
 
 @pytest.mark.timeout(60)
+def test_sample_takes_the_devices_a_run_takes_and_refuses_others_before_the_checkpoint_is_read(tmp_path, monkeypatch):
+    # registry.device_error, the rule of the run's configuration and the rank placement: torch.device
+    # alone took 'mps', 'meta' and 'cuda:01', which failed later, in torch, or not at all
+    for device in ("mps", "meta", "cuda:01", "cuda:-1", "gpu", "CPU", 0):
+        with pytest.raises(ValueError, match="device must be 'auto', 'cpu', 'cuda' or 'cuda:N'"):
+            sample(tmp_path / "no-run", device=device)  # no checkpoint: a CheckpointError if read
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"cuda:2.*2 CUDA GPUs \(cuda:0 to cuda:1\)"):
+        sample(tmp_path / "no-run", device="cuda:2")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"has 1 CUDA GPU \(cuda:0\)"):
+        sample(tmp_path / "no-run", device="cuda:1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        sample(tmp_path / "no-run", device="cuda:0")
+
+
+@pytest.mark.timeout(60)
 def test_finetune_refuses_data_in_another_vocabulary(tmp_path):
     cfg = make_config("shakespeare_char_cpu", {"out_dir": str(tmp_path / "pre"), "eval_interval": 20})
     model = GPT(GPTConfig(block_size=8, vocab_size=3, n_layer=1, n_head=1, n_embd=8))

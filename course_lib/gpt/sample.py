@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from course_lib import registry
 from course_lib.gpt import checkpoint as ckpt_io
 from course_lib.gpt.data import tokenizer
 from course_lib.gpt.model import GPT, GPTConfig
@@ -44,14 +45,17 @@ def _check(start, num_samples, max_new_tokens, temperature, top_k, seed, device:
         raise ValueError(f"temperature must be a number > 0 (1.0: the model's own distribution), got {temperature!r}")
     if top_k is not None:  # None: every token
         check_count("top_k", top_k)
+    if (why := registry.device_error(device)) is not None:  # the rule of a run's device, too
+        raise ValueError(why)
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        kind = torch.device(device).type
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}") from None
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} but this machine has no CUDA GPU; use device='cpu' (or 'auto')")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} but this machine has no CUDA GPU; use device='cpu' (or 'auto')")
+        count, index = torch.cuda.device_count(), int(device.partition(":")[2] or 0)
+        if index >= count:
+            have = "1 CUDA GPU (cuda:0)" if count == 1 else f"{count} CUDA GPUs (cuda:0 to cuda:{count - 1})"
+            raise ValueError(f"device={device!r} but this machine has {have}; use one of them, or device='auto'")
     return device
 
 
@@ -100,7 +104,7 @@ def cli(argv: list[str]) -> int:
                    help="> 0; below 1 sharpens the distribution, above 1 flattens it (default 0.8)")
     p.add_argument("--top_k", type=int, default=200, help="keep the k likeliest tokens; 0 = all")
     p.add_argument("--seed", type=int, default=1337, help="the same seed, the same texts (default 1337)")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto: a GPU if there is one)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto: a GPU if there is one)")
     args = p.parse_args(argv)
     try:  # a usage error (exit 2) before the checkpoint is read; what the run holds is checked after
         _check(args.start, args.num_samples, args.max_new_tokens, args.temperature, args.top_k or None, args.seed,
