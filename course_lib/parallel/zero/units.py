@@ -73,7 +73,11 @@ class Unit:
         self.state = "gathered"  # "free" -> "gathering" -> "gathered" -> "free"
         self.row: torch.Tensor | None = None  # this rank's fp32 master shards, one flat buffer
         self.gather = None  # (work, packed output, input row) while gathering
-        self.ready: set[nn.Parameter] = set()  # parameters whose gradient is accumulated
+        # post-backward bookkeeping (course_lib.parallel.zero.zero3): per forward (its number), how
+        # many of this unit's post-backward points are still to come in that forward's backward,
+        # and the forwards that ran it without such a point (it is reduced at their backward's end)
+        self.due: dict[int, int] = {}
+        self.unhooked: set[int] = set()
         # (module, attribute, whole tensor, fp32 shard) for every place a parameter is registered
         # (a tied weight: two); set by the wrapper once the shards exist
         self.slots: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []

@@ -19,7 +19,8 @@ Between steps a rank holds 1/N of every parameter, gradient and optimizer state:
     forward of a unit:   wait for its all-gather -> start the next ``prefetch`` units' -> compute
                          -> free its parameters
     backward of a unit:  wait for its all-gather -> start the previous units' -> compute ->
-                         reduce-scatter its gradients (async) and free parameters and gradients
+                         at its post-backward point: reduce-scatter its gradients (async) and
+                         free parameters and gradients
 
 so communication overlaps computation, and at most 1 + ``prefetch`` units are whole at a time
 (plus the root, gathered once for forward and backward as in FSDP). The order of units is recorded
@@ -27,6 +28,38 @@ in the first forward and reversed for backward (FSDP1 fixes its order after the 
 in the same way; FSDP2 records it anew in every forward). Beyond ``max_in_flight``
 reduce-scatters the oldest is completed and its gradient buffer freed. Per step each rank moves
 3 Psi - Psi_root (paper Sec. 7.2.2).
+
+When a unit's reduce-scatter starts is a point of backward that every rank reaches in the same
+order whatever its data, the rule of FSDP2's post-backward (Zhao et al. 2023, "PyTorch FSDP",
+and ``fully_shard``'s ``RegisterPostBackwardFunction`` and root final callback; restated here in
+our own terms):
+
+* a unit's **post-backward point**: autograd has the gradient with respect to the unit's
+  floating-point inputs that require grad, i.e. the unit's own backward is over. ``_pre_forward``
+  passes those inputs through :class:`PostBackward`, an identity whose backward is that point
+  (a unit run k times in one forward: the last of its k points, counted per forward). The
+  autograd engine has put every gradient of the unit's parameters into ``.grad`` by then (see
+  :class:`PostBackward`), so the unit's reduce-scatter carries all of them;
+* the **end of backward** (a callback queued in autograd, run when the whole backward is done):
+  the units backward reached without such a point, i.e. the root and units fed no input that
+  requires grad (the first block, fed token ids or the data), reduce-scatter there, in the units'
+  order;
+* ``finish_gradient_synchronization()``: a gradient that reached its unit after the unit's
+  reduce-scatter (from an op forward made before the unit ran: the parameter used outside its
+  unit, or a unit run without gradients and recomputed by reentrant checkpointing) is reduced
+  here. Whether any rank holds one is agreed through one flag per unit, carried in the first
+  reduce-scatter of each backward's end (alone in one small all-reduce when no unit ends a
+  backward: no root), so the ranks run the same collectives.
+
+Whether a parameter got a gradient does not decide when anything starts: a parameter with no
+gradient on a rank is packed as zeros flagged absent (:mod:`course_lib.parallel.zero.sharding`),
+so a branch that some ranks' data take and others' do not trains as in one process, and a
+parameter no rank used gets no ``.grad`` (AdamW leaves it alone, as in one process). What must
+still be alike on every rank: which units run (gathers are collectives), and whether a unit's
+floating inputs require grad. A unit must not change its inputs in place (autograd refuses:
+they are views made by :class:`PostBackward`, as under FSDP2; clone them first). Activation
+recomputation (``torch.utils.checkpoint``, the GPT's ``set_recompute``) reruns a unit's forward
+inside backward: its hooks then only make sure the unit is whole (no point registered, no free).
 
 Mixed precision: master shards are fp32; with ``compute_dtype`` (bf16/fp16) the shards are cast
 and all-gathered in that dtype (half the bytes) and forward/backward run in it; gradients are
@@ -49,8 +82,9 @@ shards add up. Units must run alike on every rank (gathers are collectives).
 
 Several forwards before their backwards (a pipeline schedule, AFAB or 1F1B: micro-batches in
 flight) work too: every unit is gathered again before each backward that needs it (the root by a
-hook on the forward's output, as the other units by hooks on theirs), and each backward
-reduce-scatters into the shards' gradients, which add up.
+hook on the forward's output, as the other units by hooks on theirs), each post-backward point
+belongs to its own forward's backward, and each backward reduce-scatters into the shards'
+gradients, which add up.
 
 Wrapping a module a second time (a re-run cell) raises: its parameters are shards by then.
 """
@@ -79,17 +113,64 @@ from course_lib.parallel.zero.sharding import (
 from course_lib.parallel.zero.units import Unit, cast_floating, default_units, owners, tensors_in
 
 
+def in_backward() -> bool:
+    """Whether autograd is running a backward now (a unit's forward called from inside it is
+    activation recomputation, e.g. ``torch.utils.checkpoint``); the id ``torch.utils.checkpoint``
+    reads for the same purpose, -1 outside backward."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def replace_tensors(obj, swap: dict[int, torch.Tensor]):
+    """``obj`` (a tensor, or tuples / lists / dicts of them) with each tensor whose id is in
+    ``swap`` replaced by its value there."""
+    if torch.is_tensor(obj):
+        return swap.get(id(obj), obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(replace_tensors(o, swap) for o in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(replace_tensors(o, swap) for o in obj)
+    if isinstance(obj, dict):
+        return {k: replace_tensors(v, swap) for k, v in obj.items()}
+    return obj
+
+
+class PostBackward(torch.autograd.Function):
+    """The identity on a unit's inputs. Its backward runs when autograd has the gradient with
+    respect to all of them, i.e. when the unit's own backward is done: it calls ``hook`` there, a
+    point of backward every rank reaches in the same order, whatever its data.
+
+    Why the unit's parameters hold their gradients by then: the engine runs the ready node of the
+    highest sequence number first (numbers grow in the order forward creates the nodes) and a
+    parameter's AccumulateGrad before any other (sequence number UINT64_MAX). This node was made
+    before the unit's computation, so every node of the unit's backward, and every AccumulateGrad
+    they make ready, runs before it. A gradient reaches .grad later only from an op that forward
+    made before the unit ran (the parameter used again outside its unit, or a forward run without
+    gradients and recomputed in backward: reentrant checkpointing)."""
+
+    @staticmethod
+    def forward(ctx, hook, *inputs):
+        ctx.hook = hook
+        ctx.set_materialize_grads(False)
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.hook()
+        return (None, *grads)
+
+
 class FullyShardedDataParallel(nn.Module):
     """ZeRO-3 over ``module``; mirrors torch.distributed.fsdp.FullyShardedDataParallel.
 
-    Known limit (found 2026-11-28, not fixed): a unit's reduce-scatter starts when all of its
-    parameters have their gradients (:meth:`_on_grad_ready`). A parameter of a unit other than the
-    root that gets a gradient on some ranks only (a branch taken by one rank's data) makes the
-    ranks start that reduce-scatter at different points, one of them between the next unit's
-    all-gathers: the collectives mismatch and the ranks hang until the collective timeout. The
-    course's GPT never does this (its experts are one stacked parameter each, which every rank's
-    backward reaches); zero1 and zero2 are not affected. The fix is FSDP2's rule, to start a
-    unit's reduce-scatter at a point of backward every rank shares."""
+    A unit's reduce-scatter starts at a point of backward that every rank shares, whatever its
+    data (FSDP2's post-backward rule, Zhao et al. 2023): its post-backward point (autograd has the
+    gradient for the unit's inputs, :class:`PostBackward`), else the end of backward (the root,
+    units fed no input that requires grad), and gradients that reach a unit after its
+    reduce-scatter at :meth:`finish_gradient_synchronization`, agreed by flags. Never when its
+    parameters' gradients happen to be there: a parameter that gets a gradient on some ranks only
+    (a branch that one rank's data take) would make the ranks start it at different points, and
+    the collectives would pair up wrongly (tests/test_zero3_uneven_grads.py; before this rule the
+    ranks hung until the collective timeout)."""
 
     def __init__(self, module: nn.Module, process_group=None, *, units: list[nn.Module] | None = None,
                  compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype = torch.float32,
@@ -157,12 +238,17 @@ class FullyShardedDataParallel(nn.Module):
         self.order: list[Unit] | None = None  # non-root units in forward order, after one forward
         self._recording: list[Unit] = []
         self.pending: list[tuple] = []  # (unit, work, grad row, packed input kept alive)
+        self.forward_id = 0  # numbers the forwards with gradients: whose backward a point belongs to
+        self.forwards = 0  # forwards with gradients since the last finish_gradient_synchronization
+        self.backward_task: int | None = None  # the backward whose end is queued (autograd's id)
+        self.reached: set[Unit] = set()  # units this backward reached and did not reduce yet
+        self.carried = False  # late-gradient flags went out since the last finish
+        self.agreed: torch.Tensor | None = None  # their sum over the ranks (and over backwards)
         for unit in self.units:
             if unit is not self.root:
-                unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit))
+                unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit),
+                                                      with_kwargs=True)
                 unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
-        for p in sharded:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def _show_copies(self, whole: bool) -> None:
         """Replicated parameters computed in another dtype: the 16-bit copy while in use, else the
@@ -188,6 +274,9 @@ class FullyShardedDataParallel(nn.Module):
         if self.compute_dtype is not None:  # floating inputs in compute dtype (FSDP2's cast_forward_inputs)
             args = tuple(cast_floating(a, self.compute_dtype) for a in args)
             kwargs = {k: cast_floating(v, self.compute_dtype) for k, v in kwargs.items()}
+        if torch.is_grad_enabled() and not in_backward():
+            self.forward_id += 1
+            self.forwards += 1
         if self.root is not None:
             self.root.wait_gather(self.comms)
         for unit in (self.order or [])[: self.prefetch]:
@@ -196,7 +285,7 @@ class FullyShardedDataParallel(nn.Module):
         if self.root is not None and torch.is_grad_enabled():  # whole again for this output's backward
             for t in tensors_in(out):  # (another micro-batch's backward may have freed it: a pipeline)
                 if t.requires_grad:
-                    t.register_hook(lambda grad: self.root.wait_gather(self.comms))
+                    t.register_hook(lambda grad: self._root_pre_backward())
         if self.order is None and torch.is_grad_enabled():
             self.order = self._recording
         elif torch.is_grad_enabled():  # backward starts with the last units: gather them now
@@ -208,7 +297,14 @@ class FullyShardedDataParallel(nn.Module):
             self._show_copies(whole=False)
         return out
 
-    def _pre_forward(self, unit: Unit, module, args) -> None:
+    def _root_pre_backward(self) -> None:
+        self._backward_reached(self.root)
+        self.root.wait_gather(self.comms)
+
+    def _pre_forward(self, unit: Unit, module, args, kwargs):
+        if in_backward():  # activation recomputation: the unit reruns inside its backward, whole
+            unit.wait_gather(self.comms)
+            return None
         if self.order is None and torch.is_grad_enabled():
             self._recording.append(unit)
         unit.wait_gather(self.comms)
@@ -216,8 +312,28 @@ class FullyShardedDataParallel(nn.Module):
             k = self.order.index(unit)
             for nxt in self.order[k + 1: k + 1 + self.prefetch]:
                 nxt.start_gather(self.comms)
+        if torch.is_grad_enabled():
+            return self._register_post_backward(unit, args, kwargs)
+        return None
+
+    def _register_post_backward(self, unit: Unit, args, kwargs):
+        """Pass the unit's floating inputs that require grad through :class:`PostBackward`, whose
+        backward is this call's post-backward point; a call without such inputs (token ids, the
+        data) leaves its unit to the end of backward."""
+        inputs = list({id(t): t for t in tensors_in((args, kwargs))
+                       if t.is_floating_point() and t.requires_grad}.values())
+        if not inputs:
+            unit.unhooked.add(self.forward_id)
+            return None
+        fid = self.forward_id
+        unit.due[fid] = unit.due.get(fid, 0) + 1
+        outputs = PostBackward.apply(functools.partial(self._post_backward, unit, fid), *inputs)
+        swap = {id(t): o for t, o in zip(inputs, outputs)}
+        return replace_tensors(args, swap), replace_tensors(kwargs, swap)
 
     def _post_forward(self, unit: Unit, module, args, output) -> None:
+        if in_backward():  # recomputation: stays whole for the backward that follows
+            return
         unit.reshard(self.comms)
         if torch.is_grad_enabled():
             for t in tensors_in(output):  # its gradient arrives just before the unit's backward
@@ -225,30 +341,67 @@ class FullyShardedDataParallel(nn.Module):
                     t.register_hook(lambda grad, unit=unit: self._pre_backward(unit))
 
     def _pre_backward(self, unit: Unit) -> None:
+        self._backward_reached(unit)
         unit.wait_gather(self.comms)
         if self.order is not None and unit in self.order:
             k = self.order.index(unit)
             for prev in reversed(self.order[max(0, k - self.prefetch): k]):
                 prev.start_gather(self.comms)
 
-    # --- backward: reduce-scatter each unit as soon as it is done ----------------------------
+    # --- backward: reduce-scatter each unit at its post-backward point ------------------------
 
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
-        unit = self.unit_of[p]
-        unit.ready.add(p)
-        if len(unit.ready) == len(unit.params):
+    def _post_backward(self, unit: Unit, fid: int) -> None:
+        """Autograd has the gradient with respect to one call's inputs. When it is the last call
+        of that forward to get there, the unit's backward is over on every rank: reduce-scatter."""
+        self._backward_reached(unit)
+        if fid not in unit.due:  # finish_gradient_synchronization came between forward and backward:
+            return  # its gradients are late ones, reduced at the next finish
+        unit.due[fid] -= 1
+        if unit.due[fid]:  # the unit ran again earlier in that forward: its backward is still to come
+            return
+        del unit.due[fid]
+        if fid not in unit.unhooked:  # else a call of it has no such point: at the end of backward
+            self.reached.discard(unit)
             self._launch(unit)
 
+    def _backward_reached(self, unit: Unit) -> None:
+        """Note that this backward reached ``unit``; queue :meth:`_end_of_backward` once per backward
+        (FSDP2's final callback: autograd runs it when the whole backward is done)."""
+        self.reached.add(unit)
+        task = torch._C._current_graph_task_id()
+        if task != self.backward_task:
+            self.backward_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
     @torch.no_grad()
-    def _launch(self, unit: Unit) -> None:
+    def _end_of_backward(self) -> None:
+        """The last point of a backward, the same on every rank: reduce-scatter the units it reached
+        and left whole (the root, units fed no input that requires grad: no post-backward point of
+        their own). The first of them carries one flag per unit: this rank holds a gradient that
+        reached its unit after its reduce-scatter (a late one), reduced at finish."""
+        self.backward_task = None
+        ending = [u for u in self.units if u in self.reached]  # in the units' order on every rank
+        self.reached.clear()
+        late = torch.tensor([u not in ending and any(p.grad is not None for p in u.params)
+                             for u in self.units], dtype=self.reduce_dtype)
+        for i, unit in enumerate(ending):
+            self._launch(unit, late if i == 0 else None)
+        self.carried = self.carried or bool(ending)
+
+    @torch.no_grad()
+    def _launch(self, unit: Unit, flags: torch.Tensor | None = None) -> None:
+        """Reduce-scatter whatever gradients the unit's parameters hold (with presence flags:
+        none here is a zero that says so), drop them, free the unit. ``flags``: one more column
+        per unit, carried to every rank (finish_gradient_synchronization's late gradients)."""
         packed = unit.layout.pack([p.grad for p in unit.params], self.reduce_dtype,
                                   scale=1.0 / self.dp_world_size, presence=True)
+        if flags is not None:
+            packed = torch.cat([packed, flags.to(packed.dtype).expand(packed.shape[0], -1)], dim=1)
         for p in unit.params:
             p.grad = None
-        row = packed.new_empty(unit.layout.grad_row_numel)
+        row = packed.new_empty(packed.shape[1])
         self.pending.append((unit, self.comms.reduce_scatter(row, packed.view(-1), async_op=True),
                              row, packed))
-        unit.ready.clear()
         unit.reshard(self.comms)
         if self.max_in_flight is not None and len(self.pending) > self.max_in_flight:
             self._complete(self.pending.pop(0))  # frees the oldest full-gradient buffer
@@ -257,19 +410,35 @@ class FullyShardedDataParallel(nn.Module):
     def _complete(self, entry: tuple) -> None:
         unit, work, row, _ = entry
         self.comms.wait(work)
-        for i, present in enumerate(unit.layout.present(row)):
+        width = unit.layout.grad_row_numel
+        if row.numel() > width:  # it carried the late-gradient flags of a backward
+            flags = row[width:]
+            self.agreed = flags.clone() if self.agreed is None else self.agreed + flags
+        for i, present in enumerate(unit.layout.present(row[:width])):
             if present:  # no gradient on any rank: no .grad, as in one process
                 reduce_into(self.masters[unit.params[i]], unit.layout.in_row(i, row))
 
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
-        """Reduce-scatter units backward left incomplete, wait for every collective, all-reduce
-        the gradients of replicated parameters."""
-        for unit in self.units:
-            if unit.ready:  # some parameters got no gradient here
+        """Wait for every reduce-scatter; reduce-scatter the units that got a gradient after their
+        own on some rank (the flags every backward's end carried say which, the same on every
+        rank); all-reduce the gradients of replicated parameters."""
+        while self.pending:
+            self._complete(self.pending.pop(0))
+        if not self.carried and self.forwards:  # no unit ended a backward (no root): the flags alone
+            self.agreed = torch.tensor([any(p.grad is not None for p in u.params) for u in self.units],
+                                       dtype=self.reduce_dtype)
+            self.comms.all_reduce(self.agreed)
+        for unit, flag in zip(self.units, [] if self.agreed is None else self.agreed.tolist()):
+            if flag > 0:
                 self._launch(unit)
-            elif unit.state != "free":
+        for unit in self.units:
+            unit.due.clear()
+            unit.unhooked.clear()
+            if unit.state != "free":
                 unit.reshard(self.comms)
+        self.reached.clear()
+        self.forwards, self.carried, self.agreed = 0, False, None
         while self.pending:
             self._complete(self.pending.pop(0))
         if self.replicated:
