@@ -24,6 +24,7 @@ files a reader opens from ``course train`` to the training step, counted.
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -104,6 +105,7 @@ _IMPORT_LAYERS = textwrap.dedent("""
 """)
 
 
+@functools.cache
 def layer_steps() -> list[tuple[str, list[str], list[str]]]:
     """(layer, the modules refused while it is imported, its modules) for each layer but the entry,
     bottom up."""

@@ -48,15 +48,25 @@ def owners(model: nn.Module, units: list[nn.Module]) -> dict[nn.Parameter, nn.Mo
     return {p: next(iter(by.values())) for p, by in users.items()}
 
 
-def tensors_in(obj) -> list[torch.Tensor]:
-    """The tensors of a module's output (a tensor, or tuples / lists / dicts of them)."""
+def map_tensors(fn, obj):
+    """``obj`` (a module's inputs or output: a tensor, or tuples / named tuples / lists / dicts of
+    them) with each tensor ``t`` replaced by ``fn(t)``; anything else is kept."""
     if torch.is_tensor(obj):
-        return [obj]
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple
+        return type(obj)(*(map_tensors(fn, o) for o in obj))
     if isinstance(obj, (tuple, list)):
-        return [t for o in obj for t in tensors_in(o)]
+        return type(obj)(map_tensors(fn, o) for o in obj)
     if isinstance(obj, dict):
-        return [t for o in obj.values() for t in tensors_in(o)]
-    return []
+        return {k: map_tensors(fn, v) for k, v in obj.items()}
+    return obj
+
+
+def tensors_in(obj) -> list[torch.Tensor]:
+    """The tensors of a module's output (in :func:`map_tensors`' sense), in order."""
+    found: list[torch.Tensor] = []
+    map_tensors(found.append, obj)
+    return found
 
 
 def cast_floating(x, dtype: torch.dtype):

@@ -110,28 +110,18 @@ from course_lib.parallel.zero.sharding import (
     regroup_params,
     split_trainable,
 )
-from course_lib.parallel.zero.units import Unit, cast_floating, default_units, owners, tensors_in
+from course_lib.parallel.zero.units import Unit, cast_floating, default_units, map_tensors, owners, tensors_in
+
+
+def graph_task() -> int:
+    """The id of the backward autograd is running now, -1 outside backward (what
+    ``torch.utils.checkpoint`` reads to tell recomputation from forward)."""
+    return torch._C._current_graph_task_id()
 
 
 def in_backward() -> bool:
-    """Whether autograd is running a backward now (a unit's forward called from inside it is
-    activation recomputation, e.g. ``torch.utils.checkpoint``); the id ``torch.utils.checkpoint``
-    reads for the same purpose, -1 outside backward."""
-    return torch._C._current_graph_task_id() != -1
-
-
-def replace_tensors(obj, swap: dict[int, torch.Tensor]):
-    """``obj`` (a tensor, or tuples / lists / dicts of them) with each tensor whose id is in
-    ``swap`` replaced by its value there."""
-    if torch.is_tensor(obj):
-        return swap.get(id(obj), obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
-        return type(obj)(*(replace_tensors(o, swap) for o in obj))
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(replace_tensors(o, swap) for o in obj)
-    if isinstance(obj, dict):
-        return {k: replace_tensors(v, swap) for k, v in obj.items()}
-    return obj
+    """Whether a unit's forward is called from inside backward: activation recomputation."""
+    return graph_task() != -1
 
 
 class PostBackward(torch.autograd.Function):
@@ -242,8 +232,9 @@ class FullyShardedDataParallel(nn.Module):
         self.forwards = 0  # forwards with gradients since the last finish_gradient_synchronization
         self.backward_task: int | None = None  # the backward whose end is queued (autograd's id)
         self.reached: set[Unit] = set()  # units this backward reached and did not reduce yet
-        self.carried = False  # late-gradient flags went out since the last finish
-        self.agreed: torch.Tensor | None = None  # their sum over the ranks (and over backwards)
+        # the late-gradient flags summed over the ranks (and backwards); None until a backward's end
+        # carried them (set as that reduce-scatter completes, so at finish None means none did)
+        self.agreed: torch.Tensor | None = None
         for unit in self.units:
             if unit is not self.root:
                 unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit),
@@ -329,7 +320,8 @@ class FullyShardedDataParallel(nn.Module):
         unit.due[fid] = unit.due.get(fid, 0) + 1
         outputs = PostBackward.apply(functools.partial(self._post_backward, unit, fid), *inputs)
         swap = {id(t): o for t, o in zip(inputs, outputs)}
-        return replace_tensors(args, swap), replace_tensors(kwargs, swap)
+        swapped = functools.partial(map_tensors, lambda t: swap.get(id(t), t))
+        return swapped(args), swapped(kwargs)
 
     def _post_forward(self, unit: Unit, module, args, output) -> None:
         if in_backward():  # recomputation: stays whole for the backward that follows
@@ -368,7 +360,7 @@ class FullyShardedDataParallel(nn.Module):
         """Note that this backward reached ``unit``; queue :meth:`_end_of_backward` once per backward
         (FSDP2's final callback: autograd runs it when the whole backward is done)."""
         self.reached.add(unit)
-        task = torch._C._current_graph_task_id()
+        task = graph_task()
         if task != self.backward_task:
             self.backward_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -386,7 +378,6 @@ class FullyShardedDataParallel(nn.Module):
                              for u in self.units], dtype=self.reduce_dtype)
         for i, unit in enumerate(ending):
             self._launch(unit, late if i == 0 else None)
-        self.carried = self.carried or bool(ending)
 
     @torch.no_grad()
     def _launch(self, unit: Unit, flags: torch.Tensor | None = None) -> None:
@@ -425,7 +416,7 @@ class FullyShardedDataParallel(nn.Module):
         rank); all-reduce the gradients of replicated parameters."""
         while self.pending:
             self._complete(self.pending.pop(0))
-        if not self.carried and self.forwards:  # no unit ended a backward (no root): the flags alone
+        if self.agreed is None and self.forwards:  # no backward's end carried the flags (no root): alone
             self.agreed = torch.tensor([any(p.grad is not None for p in u.params) for u in self.units],
                                        dtype=self.reduce_dtype)
             self.comms.all_reduce(self.agreed)
@@ -438,7 +429,7 @@ class FullyShardedDataParallel(nn.Module):
             if unit.state != "free":
                 unit.reshard(self.comms)
         self.reached.clear()
-        self.forwards, self.carried, self.agreed = 0, False, None
+        self.forwards, self.agreed = 0, None
         while self.pending:
             self._complete(self.pending.pop(0))
         if self.replicated:
